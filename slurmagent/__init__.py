@@ -1,0 +1,3 @@
+"""slurmagent: keep long GPU jobs alive on Slurm clusters of Google Cloud VMs."""
+
+__version__ = "0.1.0"

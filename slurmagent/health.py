@@ -1,0 +1,49 @@
+"""Gather a node's health: snapshot (replay file or NVML with a deadline) + kernel-log XIDs -> Report.
+
+The healthy path imports no google library and makes no slurmctld call: the expected GPU
+count comes from the local slurm.conf/gres.conf.
+"""
+
+from __future__ import annotations
+
+from . import kernlog
+from .checks import Limits, Report, run_checks, timeout_report
+from .config import Config
+from .errors import NvmlTimeout
+from .slurm import expected_gpus_for, slurm_conf_path
+from .snapshot import NodeSnapshot, load
+
+
+def expected_gpus(cfg: Config, node: str) -> int | None:
+    if cfg.health.expected_gpus:
+        return cfg.health.expected_gpus
+    return expected_gpus_for(node, slurm_conf_path(cfg.slurm.conf))
+
+
+def read_snapshot(cfg: Config, node: str | None) -> NodeSnapshot:
+    """The replay file when `[health] snapshot` is set, else NVML in an abandonable child."""
+    if cfg.health.snapshot:
+        return load(cfg.node_path(cfg.health.snapshot, node))
+    from . import nvml
+
+    return nvml.read_snapshot_with_deadline(cfg.health.timeout_s, hostname=node)
+
+
+def kernel_source(cfg: Config, node: str | None) -> kernlog.Source:
+    return kernlog.source_for(cfg.node_path(cfg.health.kernel_log, node))
+
+
+def evaluate(cfg: Config, node: str, commit_cursor: bool) -> Report:
+    """Run every check. With `commit_cursor` the XIDs read are marked judged (hooks, watch);
+    without it (`check`) the kernel-log cursor is left where it was."""
+    expected = expected_gpus(cfg, node)
+    try:
+        snap = read_snapshot(cfg, node)
+    except NvmlTimeout:
+        return timeout_report(cfg.health.timeout_s, expected)
+    xids: list[tuple[int | None, int, str]] = []
+    if cfg.health.kernel_log_enabled:
+        source = kernel_source(cfg, node)
+        new = kernlog.read_new(source, cfg.state_path(node), commit=commit_cursor, lock_timeout=cfg.health.timeout_s)
+        xids = [(gpu, k.xid, k.detail) for gpu, k in kernlog.map_to_gpus(new, snap.gpus)]
+    return run_checks(snap, expected, Limits.from_health(cfg.health), xids)

@@ -1,0 +1,15 @@
+"""`slurmagent prolog|epilog` without click: config, health, decision, exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import config as config_mod
+from .health import evaluate
+from .hooks import HookContext, run_hook
+
+
+def hook_main(hook: str) -> int:
+    ctx = HookContext.from_env(hook, os.environ)
+    return run_hook(ctx, lambda: config_mod.load(for_root_hook=os.geteuid() == 0), evaluate, stderr=sys.stderr)

@@ -1,0 +1,303 @@
+"""A real Slurm cluster on 127.0.0.1 for `slurmagent demo`, the tests and the benchmarks.
+
+Used by the test suite, the benchmarks and `make demo`. It writes a private slurm.conf,
+starts the daemons in the foreground under its own supervision and stops exactly the
+processes it started (plus the slurmstepd of jobs still running on its nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SLURM_BINARIES = ("slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo", "munge", "unmunge")
+
+
+def slurm_available() -> str | None:
+    """None when a local cluster can run here, else why not."""
+    missing = [b for b in SLURM_BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)"
+    if os.geteuid() != 0:
+        return "the local Slurm cluster needs root"
+    return None
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _sbin(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+@dataclass
+class LocalSlurmCluster:
+    base: Path
+    nodes: list[str] = field(default_factory=lambda: ["n1", "n2", "n3"])
+    prolog: str | None = None
+    epilog: str | None = None
+    extra_conf: list[str] = field(default_factory=list)
+    node_extra: str = ""
+    cred_expire: int = 20
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    munged: subprocess.Popen | None = None
+
+    @property
+    def conf(self) -> Path:
+        return self.base / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def write_conf(self) -> None:
+        host = socket.gethostname()
+        ports = free_ports(1 + len(self.nodes))
+        self.ctld_port, node_ports = ports[0], ports[1:]
+        b = self.base
+        for sub in ("ctld", "d"):
+            (b / sub).mkdir(parents=True, exist_ok=True)
+        lines = [
+            "ClusterName=satest",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={self.ctld_port}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=cred_expire={self.cred_expire}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={b}/ctld",
+            f"SlurmdSpoolDir={b}/d/%n",
+            f"SlurmctldPidFile={b}/ctld.pid",
+            f"SlurmdPidFile={b}/d-%n.pid",
+            f"SlurmctldLogFile={b}/ctld.log",
+            f"SlurmdLogFile={b}/d-%n.log",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=nohold_on_prolog_fail,bf_interval=1,sched_interval=1",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "ReturnToService=2",
+            "MpiDefault=none",
+            "MinJobAge=600",
+            "KillWait=5",
+            "PrologEpilogTimeout=60",
+            "SlurmdTimeout=30",
+            "MessageTimeout=10",
+        ]
+        if self.prolog:
+            lines += [f"Prolog={self.prolog}", "PrologFlags=Alloc"]
+        if self.epilog:
+            lines.append(f"Epilog={self.epilog}")
+        lines += self.extra_conf
+        for name, port in zip(self.nodes, node_ports):
+            lines.append(
+                f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 "
+                f"State=UNKNOWN Port={port} {self.node_extra}".rstrip()
+            )
+        lines.append(f"PartitionName=gpu Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def ensure_munge(self) -> None:
+        if _munge_works():
+            return
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        key = Path("/etc/munge/munge.key")
+        if not key.exists():
+            key.write_bytes(os.urandom(1024))
+            shutil.chown(key, "munge", "munge")
+            key.chmod(0o400)
+        self.munged = subprocess.Popen(
+            ["setpriv", "--reuid=munge", "--regid=munge", "--clear-groups", _sbin("munged"), "--foreground"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait(_munge_works, 10, "munged did not start")
+
+    def start(self) -> LocalSlurmCluster:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> LocalSlurmCluster:
+        self.ensure_munge()
+        self.write_conf()
+        self.procs["ctld"] = subprocess.Popen(
+            [_sbin("slurmctld"), "-D", "-c", "-f", str(self.conf)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.base / "ctld.err", "wb"),
+        )
+        _wait(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0, 30, "slurmctld did not answer")
+        for name in self.nodes:
+            self.start_node(name)
+        self.wait_nodes_idle(self.nodes)
+        return self
+
+    def start_node(self, name: str) -> None:
+        self.procs[name] = subprocess.Popen(
+            [_sbin("slurmd"), "-D", "-N", name, "-f", str(self.conf)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.base / f"d-{name}.err", "wb"),
+        )
+
+    def stop_node(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc:
+            _terminate(proc)
+
+    def stop_ctld(self) -> None:
+        proc = self.procs.pop("ctld", None)
+        if proc:
+            _terminate(proc)
+
+    def restart_ctld(self) -> None:
+        self.procs["ctld"] = subprocess.Popen(
+            [_sbin("slurmctld"), "-D", "-f", str(self.conf)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.base / "ctld.err", "ab"),
+        )
+        _wait(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0, 30, "slurmctld did not answer")
+
+    def stop(self) -> None:
+        for name in [n for n in self.procs if n != "ctld"]:
+            self.stop_node(name)
+        self._kill_stepds()
+        self.stop_ctld()
+        if self.munged:
+            _terminate(self.munged)
+            self.munged = None
+
+    def _kill_stepds(self) -> None:
+        """slurmstepd of jobs still running belong to this cluster: end them too."""
+        spool = str(self.base / "d")
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                cmdline = (pid_dir / "cmdline").read_bytes().split(b"\0")
+                environ = (pid_dir / "environ").read_bytes()
+            except OSError:
+                continue
+            if cmdline and cmdline[0].endswith(b"slurmstepd") and spool.encode() in environ + b"".join(cmdline):
+                try:
+                    os.kill(int(pid_dir.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # --- client helpers ---------------------------------------------------------------
+
+    def run(self, argv: list[str], check: bool = True, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, check=check, **kw)
+
+    def node(self, name: str) -> dict[str, str]:
+        return _kv(self.run(["scontrol", "-o", "show", "node", name]).stdout)
+
+    def job(self, job_id: str) -> dict[str, str]:
+        return _kv(self.run(["scontrol", "-o", "show", "job", job_id]).stdout)
+
+    def sbatch(self, *args: str) -> str:
+        out = self.run(["sbatch", "--parsable", *args]).stdout.strip()
+        return out.split(";")[0]
+
+    def wait_nodes_idle(self, names: list[str], timeout: float = 60) -> None:
+        def idle() -> bool:
+            return all(self.node(n).get("State", "").split("+")[0] in ("IDLE",) for n in names)
+
+        _wait(idle, timeout, f"nodes {names} not idle; last: {[self.node(n).get('State') for n in names]}")
+
+    def wait_job(self, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict[str, str]:
+        last: dict[str, str] = {}
+
+        def reached() -> bool:
+            nonlocal last
+            last = self.job(job_id)
+            return last.get("JobState") in states
+
+        _wait(reached, timeout, lambda: f"job {job_id} not in {states}: {last.get('JobState')} {last.get('Reason')}")
+        return last
+
+    def resume(self, *names: str) -> None:
+        for name in names:
+            self.run(["scontrol", "update", f"nodename={name}", "state=resume"], check=False)
+
+    def reset_nodes(self) -> None:
+        """Bring every node back to IDLE between tests (undrain, cancel leftovers)."""
+        self.run(["scancel", "--full", "-u", "root"], check=False)
+        for name in self.nodes:
+            state = self.node(name).get("State", "")
+            if "DRAIN" in state or "DOWN" in state or "FAIL" in state:
+                self.resume(name)
+        self.wait_nodes_idle(self.nodes)
+
+
+def _kv(line: str) -> dict[str, str]:
+    """Parse `scontrol -o` Key=Value output (values may hold spaces only in Reason/Comment)."""
+    out: dict[str, str] = {}
+    key = None
+    for token in line.strip().split(" "):
+        if "=" in token and token.split("=", 1)[0].replace("/", "").replace(":", "").isalnum():
+            key, value = token.split("=", 1)
+            out[key] = value
+        elif key is not None:
+            out[key] += " " + token
+    return out
+
+
+def _munge_works() -> bool:
+    try:
+        cred = subprocess.run(["munge", "-n"], capture_output=True, timeout=5)
+        if cred.returncode != 0:
+            return False
+        return subprocess.run(["unmunge"], input=cred.stdout, capture_output=True, timeout=5).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _wait(pred, timeout: float, message, interval: float = 0.2) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(interval)
+    raise TimeoutError(message() if callable(message) else message)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
