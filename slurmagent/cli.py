@@ -134,6 +134,64 @@ def doctor(state: State) -> None:
     sys.exit(0 if all(r.ok for r in results) else 1)
 
 
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.option("--ckpt-dir", metavar="DIR", help="local checkpoint dir (default ${TMPDIR:-/tmp}/slurmagent/<job id>; %n = node)")
+@click.option("--remote", metavar="gs://B/P", help="checkpoint remote (default [checkpoint] remote + /<job id>)")
+@click.option("--ckpt-signal", default="USR1", show_default=True, help="signal that asks the job to checkpoint")
+@click.option("--grace", type=float, metavar="SECONDS", help="how long the job may take to checkpoint [checkpoint.grace_s]")
+@click.option("--max-requeues", type=int, metavar="N", help="requeue at most N times [checkpoint.max_requeues]")
+@click.option("--sync-interval", type=float, metavar="SECONDS", help="background sync period [checkpoint.sync_interval_s]")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, cmd) -> None:
+    """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
+    from .runner import run_command
+
+    sys.exit(run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
+                         grace=grace, max_requeues=max_requeues, sync_interval=sync_interval))
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def sbatch(state: State, args) -> None:
+    """Submit CMD wrapped by `run`: slurmagent sbatch [sbatch opts] -- CMD ARGS..."""
+    from .runner import submit
+
+    sys.exit(submit(state.config(), list(args)))
+
+
+# --- issue 7: health between jobs (watch, healthcheck) ---------------------------------------
+
+
+@cli.command()
+@click.option("--node", metavar="NAME", help="node name (default $SLURMD_NODENAME or the host name)")
+@click.option("--interval", type=click.FloatRange(0.05, 10.0), default=0.25, show_default=True,
+              help="kernel-log poll period in seconds")
+@click.option("--no-nvml", is_flag=True, help="follow the kernel log only, not NVML XID events")
+@click.pass_obj
+def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> None:
+    """Long-running: drain this node at once on a drain-class XID (NVML events, kernel log)."""
+    from .watch import run_watch
+
+    cfg = state.config(for_root_hook=os.geteuid() == 0)
+    sys.exit(run_watch(cfg, _node_name(node), interval=interval, use_nvml=not no_nvml))
+
+
+@cli.command()
+@click.option("--node", metavar="NAME", help="node name (default $SLURMD_NODENAME or the host name)")
+@click.option("--skip-recent", type=click.FloatRange(0.0), default=None, metavar="SECONDS",
+              help="exit 0 at once when a prolog/epilog decision was logged this recently (default 120)")
+@click.pass_obj
+def healthcheck(state: State, node: str | None, skip_recent: float | None) -> None:
+    """For Slurm's HealthCheckProgram: check this node, drain on failure (0 healthy, 1 unhealthy)."""
+    from .healthcheck import run_healthcheck
+
+    code = run_healthcheck(_node_name(node), lambda: state.config(for_root_hook=os.geteuid() == 0),
+                           skip_recent=skip_recent)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

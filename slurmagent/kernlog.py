@@ -26,13 +26,13 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from .fsutil import atomic_write_text
 from .errors import SlurmagentError
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -461,28 +461,6 @@ def load_cursor(state_dir: str | os.PathLike[str]) -> Cursor | None:
     return Cursor(boot_id, source, position)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
 @contextlib.contextmanager
 def _locked(state_dir: str | os.PathLike[str], timeout: float) -> Iterator[None]:
     """Serialize read-and-commit between processes (watch, healthcheck, hooks)."""
@@ -510,7 +488,7 @@ def _locked(state_dir: str | os.PathLike[str], timeout: float) -> Iterator[None]
 def commit_cursor(state_dir: str | os.PathLike[str], cursor: Cursor) -> None:
     """Save ``cursor`` atomically (temp file, fsync, rename)."""
     try:
-        _atomic_write(cursor_path(state_dir), cursor.to_json() + "\n")
+        atomic_write_text(cursor_path(state_dir), cursor.to_json() + "\n")
     except OSError as e:
         raise KernlogError(f"cannot save {cursor_path(state_dir)}: {e.strerror}") from e
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import SnapshotError
+from .fsutil import atomic_write_text
 
 SCHEMA = 1
 
@@ -112,7 +112,7 @@ class NodeSnapshot:
         if not isinstance(data, dict):
             raise SnapshotError(f"{source}: top level must be a JSON object")
         schema = data.get("schema")
-        if schema != SCHEMA:
+        if schema != SCHEMA or isinstance(schema, bool):
             raise SnapshotError(f"{source}: unsupported schema {schema!r} (this slurmagent reads schema {SCHEMA})")
         gpus_raw = data.get("gpus", [])
         if not isinstance(gpus_raw, list):
@@ -145,25 +145,7 @@ def load(path: str | os.PathLike[str]) -> NodeSnapshot:
 
 def save(snapshot: NodeSnapshot, path: str | os.PathLike[str]) -> None:
     """Write atomically (temp file + rename) so a reader never sees half a snapshot."""
-    atomic_write_text(Path(path), snapshot.to_json())
-
-
-def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_text(path, snapshot.to_json())
 
 
 # --- conversion helpers -------------------------------------------------------------------
@@ -230,7 +212,8 @@ def _gpu_from_dict(d: Any, position: int) -> GpuState:
     for i, link in enumerate(links):
         if not isinstance(link, dict):
             raise TypeError(f"{where}.nvlink[{i}] must be an object")
-        kwargs["nvlink"].append(_build(NvLink, {"link": i, **link}, f"{where}.nvlink[{i}]"))
+        raw = {**link, "link": i if link.get("link") is None else link["link"]}  # null = absent: the position
+        kwargs["nvlink"].append(_build(NvLink, raw, f"{where}.nvlink[{i}]"))
     reasons = d.get("clocks_event_reasons")
     if reasons is not None:
         if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
@@ -243,8 +226,9 @@ def _gpu_from_dict(d: Any, position: int) -> GpuState:
     for i, e in enumerate(events):
         if not isinstance(e, dict) or not isinstance(e.get("xid"), int) or isinstance(e.get("xid"), bool):
             raise TypeError(f"{where}.xid_events[{i}] needs an integer 'xid'")
+        at = f"{where}.xid_events[{i}]"
         kwargs["xid_events"].append(
-            XidEvent(xid=e["xid"], time=_opt(e, "time", str, where), detail=_opt(e, "detail", str, where))
+            XidEvent(xid=e["xid"], time=_opt(e, "time", str, at), detail=_opt(e, "detail", str, at))
         )
     return GpuState(**kwargs)
 

@@ -1,0 +1,116 @@
+"""Wiring for `slurmagent run` and `slurmagent sbatch`: config + Slurm + storage -> Supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from .config import Config
+from .errors import SlurmagentError
+from .slurm import Slurm
+from .wrapper import (
+    JobIdentity,
+    RunOptions,
+    Supervisor,
+    WrapperError,
+    default_ckpt_dir,
+    expand_node,
+    parse_signal,
+)
+
+EXPIRY_STATE_FILES = ("/run/slurmagent/expiry.json",)
+
+
+def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
+                  ckpt_signal="USR1", grace=None, max_requeues=None, sync_interval=None) -> RunOptions:
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise WrapperError("nothing to run: slurmagent run [opts] -- CMD ARGS...")
+    ck = cfg.checkpoint
+    if remote is None and ck.remote:
+        remote = ck.remote.rstrip("/") + "/" + ident.name
+    for name, value in (("--grace", grace), ("--max-requeues", max_requeues), ("--sync-interval", sync_interval)):
+        if value is not None and value < 0:
+            raise WrapperError(f"{name} must not be negative")
+    node = env.get("SLURMD_NODENAME")
+    return RunOptions(
+        cmd=cmd,
+        ckpt_dir=Path(expand_node(ckpt_dir, env)) if ckpt_dir else default_ckpt_dir(env, ident),
+        remote=remote or "",
+        ckpt_signal=parse_signal(ckpt_signal),
+        grace_s=ck.grace_s if grace is None else grace,
+        max_requeues=ck.max_requeues if max_requeues is None else max_requeues,
+        sync_interval_s=ck.sync_interval_s if sync_interval is None else max(sync_interval, 0.5),
+        flush_lead_s=cfg.expiry.flush_lead_s,
+        expiry_files=(cfg.state_path(node) / "expiry.json", *map(Path, EXPIRY_STATE_FILES)),
+    )
+
+
+def run_command(cfg: Config, cmd: list[str], **opts) -> int:
+    env = dict(os.environ)
+    ident = JobIdentity.from_env(env)
+    options = build_options(cfg, cmd, env, ident, **opts)
+    store = None
+    if options.remote:
+        from .gcp.storage import GcsCheckpointStore
+
+        store = GcsCheckpointStore(options.remote)
+    slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
+    sup = Supervisor(options, ident, store, (lambda job: slurm.requeue([job])) if slurm else None, env)
+    if slurm is not None:
+        _warn_if_not_requeueable(sup, slurm, ident.job_id)
+    if store is None:
+        sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
+    outcome = sup.run()
+    return outcome.exit_code
+
+
+def _warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
+    try:
+        job = slurm.job(job_id)
+    except SlurmagentError as exc:
+        sup.say(f"cannot read job {job_id} from Slurm ({exc}); requeue may fail")
+        return
+    if job is not None and not job.requeue:
+        sup.say(f"WARNING: job {job_id} is not requeueable (Requeue=0): submit with --requeue "
+                "(slurmagent sbatch does) or it will end instead of restarting")
+
+
+WRAPPER_SCRIPT = """#!/bin/sh
+# Written by `slurmagent sbatch`: the batch step IS the wrapper, so the end-of-time
+# signal (--signal=B:USR1@LEAD) and `scancel --batch` reach it. Arguments come from argv.
+exec {python} -m slurmagent.entry run "$@"
+"""
+
+
+def submit(cfg: Config, args: list[str]) -> int:
+    """`slurmagent sbatch [sbatch opts] -- [run opts --] CMD ARGS`: wrap and submit.
+
+    The job's argv reaches the wrapper as the batch script's arguments, never through a
+    shell string, so quotes, `;` and `$()` in them stay plain data."""
+    if "--" not in args:
+        raise WrapperError("usage: slurmagent sbatch [sbatch options] -- CMD ARGS...")
+    split = args.index("--")
+    sbatch_opts, rest = args[:split], args[split + 1:]
+    cmd = rest[rest.index("--") + 1:] if "--" in rest else rest
+    run_args = rest if "--" in rest else ["--", *rest]
+    if not cmd:
+        raise WrapperError("nothing to run: slurmagent sbatch [sbatch options] -- CMD ARGS...")
+    extra = ["--requeue"]
+    if not any(o == "--signal" or o.startswith("--signal=") for o in sbatch_opts):
+        extra.append(f"--signal=B:{signal.Signals(signal.SIGUSR1).name[3:]}@{cfg.checkpoint.signal_lead_s}")
+    fd, script = tempfile.mkstemp(prefix="slurmagent-sbatch-", suffix=".sh")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(WRAPPER_SCRIPT.format(python=sys.executable))
+        os.chmod(script, 0o755)
+        proc = Slurm.from_config(cfg).sbatch([*sbatch_opts, *extra, script, *run_args])
+    finally:
+        os.unlink(script)
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    return proc.returncode
