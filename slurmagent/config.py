@@ -7,6 +7,7 @@ the dataclasses below; the README's config reference is generated from them
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import tomllib
@@ -202,6 +203,8 @@ def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
     }[typ]
     if not ok:
         raise ConfigError(f"config {source}: '{dotted}' must be {_TYPE_NAMES[typ]}, not {type(value).__name__}")
+    if typ == "float" and not math.isfinite(value):
+        raise ConfigError(f"config {source}: '{dotted}' must be a finite number, not {value}")
     if typ in ("int", "float") and value < 0:
         raise ConfigError(f"config {source}: '{dotted}' must not be negative")
     choices = f.metadata.get("choices")

@@ -87,7 +87,12 @@ def run_hook(
             return 0
         reason = reason_for(report)
         slurm = slurm_factory(cfg)
-        action = drain_unless_other(slurm, ctx.node, reason)
+        try:
+            action = drain_unless_other(slurm, ctx.node, reason)
+        except SlurmagentError as exc:
+            # The GPU verdict stands: a failing prolog still makes Slurm drain the node and requeue
+            # the job; failing open here would run the job on a known-bad GPU.
+            action = f"drain-failed: {exc}"
         actions = [action]
         if ctx.hook == "prolog":
             if ctx.job_id and not _nohold_configured(cfg):

@@ -26,6 +26,8 @@ def _split_top(expr: str) -> list[str]:
             depth += 1
         elif ch == "]":
             depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced brackets in hostlist {expr!r}")
         if ch == "," and depth == 0:
             if cur:
                 parts.append(cur)
@@ -42,12 +44,16 @@ def _split_top(expr: str) -> list[str]:
 def _expand_one(part: str) -> list[str]:
     m = _BRACKET.match(part)
     if not m:
+        if "[" in part or "]" in part:
+            raise ValueError(f"bad brackets in hostlist {part!r}")
         return [part]
     names = []
     for rng in m["ranges"].split(","):
         lo, _, hi = rng.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise ValueError(f"bad range {rng!r} in hostlist {part!r}")
+        if hi and int(hi) < int(lo):
+            raise ValueError(f"reversed range {rng!r} in hostlist {part!r}")
         width = len(lo) if lo.startswith("0") else 0
         for i in range(int(lo), int(hi or lo) + 1):
             names.extend(m["prefix"] + str(i).zfill(width) + tail for tail in _expand_one(m["rest"]) or [""])

@@ -285,10 +285,17 @@ def expected_gpus_for(node: str, conf: Path) -> int | None:
             total = (total or 0) + len(hostlist.expand(items["file"]))
     if total is not None:
         return total
+    default_gres = None  # `NodeName=DEFAULT Gres=...` applies to the node lines after it
     for line in lines:
         items = _conf_items(line)
-        if "nodename" in items and "gres" in items and node in _expand_safe(items["nodename"]):
-            return gpu_count_from_gres(items["gres"])
+        if "nodename" not in items:
+            continue
+        if items["nodename"].upper() == "DEFAULT":
+            default_gres = items.get("gres", default_gres)
+            continue
+        gres = items.get("gres", default_gres)
+        if gres is not None and node in _expand_safe(items["nodename"]):
+            return gpu_count_from_gres(gres)
     return None
 
 
