@@ -220,11 +220,20 @@ class LocalSlurmCluster:
     def run(self, argv: list[str], check: bool = True, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, check=check, **kw)
 
+    def _show(self, what: str, name: str) -> dict[str, str]:
+        """`scontrol -o show`, retried: a busy slurmctld (job start, reconfigure) may refuse one call."""
+        for attempt in range(5):
+            proc = self.run(["scontrol", "-o", "show", what, name], check=False)
+            if proc.returncode == 0:
+                return _kv(proc.stdout)
+            time.sleep(0.3 * (attempt + 1))
+        raise RuntimeError(f"scontrol show {what} {name}: {proc.stderr.strip() or proc.returncode}")
+
     def node(self, name: str) -> dict[str, str]:
-        return _kv(self.run(["scontrol", "-o", "show", "node", name]).stdout)
+        return self._show("node", name)
 
     def job(self, job_id: str) -> dict[str, str]:
-        return _kv(self.run(["scontrol", "-o", "show", "job", job_id]).stdout)
+        return self._show("job", job_id)
 
     def sbatch(self, *args: str) -> str:
         out = self.run(["sbatch", "--parsable", *args]).stdout.strip()
