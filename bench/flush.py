@@ -13,6 +13,9 @@ writes a checkpoint of N random shards, then measures in the same run:
 (b) after rewriting 1 shard of N, the bytes the next sync sends, against the
     shard size (target <= 1.05x; exit status 1 if missed).
 
+(c), the time from SIGTERM to ``scontrol requeue`` with the sync up to date, needs a
+Slurm cluster and has its own script: ``python bench/requeue_latency.py``.
+
 The default (2048 MiB) takes about 70 s on a 2-core box and needs about
 6.5 GiB of free space under $TMPDIR (shards + the emulator's two copies);
 ``--size-mib 512`` is a quick run.  Emulator throughput is CPU-bound on
