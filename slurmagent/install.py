@@ -1,0 +1,126 @@
+"""`slurmagent install [--root DIR] [--dry-run]`: hooks, systemd units and a config template.
+
+Idempotent: a file already as it should be is left alone; an edited config is never
+overwritten; the paths inside the shims and units point at this installation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import reference_markdown
+from .errors import SlurmagentError
+from .fsutil import atomic_write_text
+
+PLACEHOLDER_BIN = "/opt/slurmagent/venv/bin/slurmagent"
+
+
+class InstallError(SlurmagentError):
+    """The files to install cannot be found or written."""
+
+
+@dataclass(frozen=True)
+class Step:
+    path: Path
+    action: str  # "install" | "update" | "unchanged" | "kept"
+    note: str = ""
+
+
+def data_dir(name: str) -> Path:
+    """`hooks/` or `systemd/` from a checkout, else from the wheel's share/slurmagent."""
+    for base in (Path(__file__).resolve().parent.parent, Path(sys.prefix) / "share" / "slurmagent"):
+        if (base / name).is_dir():
+            return base / name
+    raise InstallError(f"cannot find the {name}/ files of this slurmagent installation")
+
+
+def slurmagent_bin() -> str:
+    candidate = Path(sys.prefix) / "bin" / "slurmagent"
+    return str(candidate) if candidate.exists() else PLACEHOLDER_BIN
+
+
+def shim_text(hook: str, binary: str) -> str:
+    return (
+        "#!/bin/sh\n"
+        f"# Slurm {hook.capitalize()} for slurmagent, written by `slurmagent install`.\n"
+        "# slurmd runs it as root with no PATH and a fixed environment (nothing from the job).\n"
+        f'[ -x {binary} ] && exec {binary} {hook}\n'
+        f'/usr/bin/logger -p daemon.err -t slurmagent "{hook}: {binary} missing; node not checked" 2>/dev/null\n'
+        "exit 0\n"
+    )
+
+
+def config_template() -> str:
+    lines = [
+        "# slurmagent configuration. Every key is optional; the values shown are the defaults.",
+        "# Reference: README.md (Configuration). Must be owned by root and not writable by others.",
+        "",
+    ]
+    section = None
+    for row in reference_markdown().splitlines()[2:]:
+        key, default, doc = [c.strip() for c in row.strip("|").split("|", 2)]
+        key, default = key.strip("`"), default.strip("`")
+        if "." in key:
+            sec, name = key.split(".", 1)
+            if sec != section:
+                lines += ["", f"#[{sec}]"]
+                section = sec
+        else:
+            name = key
+        lines.append(f"#{name} = {default}    # {doc}")
+    return "\n".join(lines) + "\n"
+
+
+def plan(root: Path, binary: str) -> list[tuple[Path, str, int, bool]]:
+    """(target, content, mode, never_overwrite) for every file to put in place."""
+    files: list[tuple[Path, str, int, bool]] = []
+    for hook in ("prolog", "epilog"):
+        files.append((root / "etc/slurmagent/hooks" / hook, shim_text(hook, binary), 0o755, False))
+    units = data_dir("systemd")
+    for unit in sorted(units.iterdir()):
+        if unit.suffix in (".service", ".timer"):
+            text = unit.read_text().replace(PLACEHOLDER_BIN, binary)
+            files.append((root / "etc/systemd/system" / unit.name, text, 0o644, False))
+    files.append((root / "etc/slurmagent/config.toml", config_template(), 0o644, True))
+    files.append((root / "etc/slurmagent/slurm.conf.example", (data_dir("hooks") / "slurm.conf.example").read_text(), 0o644, False))
+    return files
+
+
+def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = None) -> list[Step]:
+    binary = binary or slurmagent_bin()
+    steps: list[Step] = []
+    for target, content, mode, keep_existing in plan(root, binary):
+        try:
+            current = target.read_text() if target.exists() else None
+        except OSError as exc:
+            raise InstallError(f"cannot read {target}: {exc.strerror}") from None
+        if current == content:
+            steps.append(Step(target, "unchanged"))
+            if not dry_run and (target.stat().st_mode & 0o777) != mode:
+                os.chmod(target, mode)
+            continue
+        if current is not None and keep_existing:
+            steps.append(Step(target, "kept", "exists (edited config is never overwritten)"))
+            continue
+        steps.append(Step(target, "update" if current is not None else "install"))
+        if not dry_run:
+            try:
+                atomic_write_text(target, content, mode)
+            except OSError as exc:
+                raise InstallError(f"cannot write {target}: {exc.strerror}") from None
+    state = root / "var/lib/slurmagent"
+    if not state.is_dir():
+        steps.append(Step(state, "install", "state dir, mode 0750"))
+        if not dry_run:
+            state.mkdir(parents=True, exist_ok=True)
+            state.chmod(0o750)
+    return steps
+
+
+def missing_slurm_conf_lines(conf: Path) -> list[str]:
+    from .doctor import slurm_conf_results
+
+    return [f"{r.name}: {r.fix}" for r in slurm_conf_results(conf) if not r.ok and r.fix]
