@@ -119,7 +119,7 @@ def main() -> None:
 
         kern = tmp / "kern" / "n1.log"
         log = tmp / "state" / "n1" / "hooks.log"
-        latency, decided, baseline_call, baseline_seen = [], [], [], []
+        latency, decided, acting, baseline_call, baseline_seen = [], [], [], [], []
         for i in range(args.runs):
             time.sleep(0.3 + 0.07 * i)  # land at different points of the poll period
             before = len(read_records(log))
@@ -128,8 +128,14 @@ def main() -> None:
             with open(kern, "a") as fh:
                 fh.write(XID_LINE)
             latency.append(until_drained(cluster, "n1") - t0)
-            record = [r for r in read_records(log)[before:] if r["event"] == "watch"][-1]
+            end = time.monotonic() + 5  # the line is written just after the drain call returns
+            while not (records := [r for r in read_records(log)[before:] if r["event"] == "watch"]):
+                if time.monotonic() > end:
+                    raise SystemExit("no decision line logged")
+                time.sleep(0.01)
+            record = records[-1]
             decided.append(_parse_time(record["time"]) - wall0)
+            acting.append(record["duration_ms"] / 1000)
             until_resumed(cluster, "n1")
 
             t0 = time.perf_counter()
@@ -158,8 +164,10 @@ def main() -> None:
         print(f"{'':<52}{'median ms':>9} {'min ms':>9} {'max ms':>9}")
         print(f"{'XID line written -> n1 shows DRAIN (scontrol poll)':<52}{stats(latency)}")
         print(f"{'XID line written -> decision logged (watcher)':<52}{stats(decided)}")
+        print(f"{'  of which judge + drain (line read -> logged)':<52}{stats(acting)}")
         print(f"{'baseline: scontrol update state=drain (call)':<52}{stats(baseline_call)}")
         print(f"{'baseline: same call -> n2 shows DRAIN':<52}{stats(baseline_seen)}")
+        print("per run, ms (line -> DRAIN): " + " ".join(f"{v * 1000:.0f}" for v in latency))
         print(f"target: drain < 2000 ms: {'ok' if max(latency) < 2 else 'MISSED'}")
         print(f"idle CPU over {w1 - w0:.1f} s: {idle_pct:.3f}% of one core (target < 1%: "
               f"{'ok' if idle_pct < 1 else 'MISSED'}); {threads} threads")

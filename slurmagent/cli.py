@@ -37,7 +37,12 @@ def cli(ctx: click.Context, config_path: str | None, debug: bool) -> None:
 
 
 def _node_name(node: str | None) -> str:
-    return node or os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+    from .slurm import valid_node_name
+
+    name = node or os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+    if not valid_node_name(name):  # it names state paths and scontrol arguments
+        raise SlurmagentError(f"not a Slurm node name: {name!r} (--node or $SLURMD_NODENAME)")
+    return name
 
 
 @cli.command()
@@ -121,14 +126,13 @@ def release_held(state: State, job_id: str, deadline: float) -> None:
 @cli.command()
 @click.pass_obj
 def doctor(state: State) -> None:
-    """Check slurm.conf, the config file, NVML and the state dir; say what to fix."""
+    """Check slurm.conf, config, NVML, state dir, metadata, Compute, bucket, clock; say what to fix."""
     from .doctor import run_doctor
 
     results = run_doctor(state.config_path)
     width = max(len(r.name) for r in results)
     for r in results:
-        mark = "ok  " if r.ok else "FAIL"
-        click.echo(f"{mark} {r.name:<{width}}  {r.detail}")
+        click.echo(f"{r.mark:<4} {r.name:<{width}}  {r.detail}")
         if not r.ok and r.fix:
             click.echo(f"     {'':<{width}}  fix: {r.fix}")
     sys.exit(0 if all(r.ok for r in results) else 1)
@@ -190,6 +194,148 @@ def healthcheck(state: State, node: str | None, skip_recent: float | None) -> No
     code = run_healthcheck(_node_name(node), lambda: state.config(for_root_hook=os.geteuid() == 0),
                            skip_recent=skip_recent)
     sys.exit(code)
+
+
+@cli.command()
+@click.option("--keep", is_flag=True, help="keep the demo's work directory")
+def demo(keep: bool) -> None:
+    """The end-to-end scenario on a local Slurm cluster with emulated GCP."""
+    from .demo import run_demo
+
+    sys.exit(run_demo(keep=keep))
+
+
+# --- issue 4: repair loop (repair, resume-if-healthy, status, journal) -----------------------
+
+
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="print what would be repaired; call nothing")
+@click.option("--force", is_flag=True, help="override the drain circuit breaker, busy nodes and the repair limit")
+@click.argument("nodes", nargs=-1)
+@click.pass_obj
+def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> None:
+    """Repair nodes drained by slurmagent through their MIG (all of them when none named)."""
+    from .hostlist import expand
+    from .repair import run_repair
+
+    try:
+        names = [n for expr in nodes for n in expand(expr)]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    cfg = state.config()
+    if os.geteuid() != 0 and not dry_run:
+        _require_root_for_repair(cfg)
+    result = run_repair(cfg, names, dry_run=dry_run, force=force, out=sys.stdout, err=sys.stderr)
+    sys.exit(result.exit_code)
+
+
+def _require_root_for_repair(cfg: config_mod.Config) -> None:
+    """`repair` drains nodes, requeues jobs and recreates VMs: root only, unless a root-owned
+    config says `[repair] allow_non_root = true` (a user's own config cannot grant it)."""
+    from pathlib import Path
+
+    if cfg.repair.allow_non_root:
+        try:
+            config_mod.check_safe_permissions(Path(cfg.source))
+            return
+        except SlurmagentError:
+            pass
+    raise SlurmagentError(f"repair must run as root (uid {os.geteuid()}): it drains nodes, requeues jobs and "
+                          "recreates VMs; use --dry-run, or set [repair] allow_non_root = true in a root-owned config")
+
+
+@cli.command("resume-if-healthy")
+@click.option("--node", metavar="NAME", help="node name (default $SLURMD_NODENAME or the host name)")
+@click.option("--wait", "wait_s", type=click.FloatRange(0.0), default=None, metavar="SECONDS",
+              help="how long to wait for slurmd to register the node [repair.resume_wait_s, 300]")
+@click.pass_obj
+def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> None:
+    """At boot: resume this node if it is healthy and drained by slurmagent (exit 1: unhealthy)."""
+    from .repair import run_resume_if_healthy
+
+    sys.exit(run_resume_if_healthy(state.config(for_root_hook=os.geteuid() == 0), _node_name(node),
+                                   out=sys.stdout, wait_s=wait_s))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_obj
+def status(state: State, as_json: bool) -> None:
+    """Nodes drained by slurmagent, repair state, breaker, journal backlog, expiry countdowns."""
+    from .repair import collect_status, format_status
+
+    st = collect_status(state.config())
+    click.echo(json.dumps(st, indent=1, default=str) if as_json else format_status(st))
+
+
+@cli.command("journal")
+@click.option("--replay", is_flag=True, help="apply the pending actions now")
+@click.option("--node", metavar="NAME", help="whose journal (default $SLURMD_NODENAME or the host name)")
+@click.pass_obj
+def journal_cmd(state: State, replay: bool, node: str | None) -> None:
+    """Show (or replay) this node's journal of pending actions."""
+    from .journal import Journal
+    from .repair import Runtime
+    from .slurm import Slurm
+
+    cfg = state.config()
+    name = _node_name(node)
+    if replay:
+        for entry, outcome in Runtime(cfg, Slurm.from_config(cfg), name).replay():
+            click.echo(f"{entry.kind} {json.dumps(entry.payload, sort_keys=True)}: {outcome}")
+    j = Journal.for_config(cfg, name)
+    pending = j.pending()
+    for e in pending:
+        click.echo(f"pending {e.kind} {json.dumps(e.payload, sort_keys=True)} attempts={e.attempts} {e.last_error}".rstrip())
+    if not pending:
+        click.echo(f"no pending actions in {j.dir}")
+    sys.exit(1 if pending and replay else 0)
+
+
+@cli.command()
+@click.option("--root", "root_dir", default="/", show_default=True, metavar="DIR", help="install into this staging tree")
+@click.option("--dry-run", is_flag=True, help="say what would change, change nothing")
+def install(root_dir: str, dry_run: bool) -> None:
+    """Install hook shims, systemd units and a config template (idempotent)."""
+    from pathlib import Path
+
+    from .install import install as do_install, missing_slurm_conf_lines
+    from .slurm import slurm_conf_path
+
+    root = Path(root_dir)
+    for step in do_install(root, dry_run=dry_run):
+        verb = f"would {step.action}" if dry_run and step.action in ("install", "update") else step.action
+        click.echo(f"{verb:<14} {step.path}" + (f"  ({step.note})" if step.note else ""))
+    conf = root / "etc/slurm/slurm.conf" if root_dir != "/" else slurm_conf_path()
+    missing = missing_slurm_conf_lines(conf)
+    if missing:
+        click.echo(f"slurm.conf ({conf}) still needs:")
+        for line in missing:
+            click.echo(f"  {line}")
+    click.echo("then, on each GPU node: systemctl daemon-reload; systemctl enable --now slurmagent-watch "
+               "slurmagent-expiry.timer; systemctl enable slurmagent-expiry.service slurmagent-resume.service")
+    click.echo("on the controller: systemctl enable --now slurmagent-repair.timer; after editing slurm.conf: "
+               "scontrol reconfigure")
+
+
+# --- issue 5: flex-start expiry watch ---------------------------------------------------------
+
+
+@cli.command("expiry-watch")
+@click.option("--once", is_flag=True, help="one check and exit (what slurmagent-expiry.timer runs every 30 s)")
+@click.option("--node", metavar="NAME", help="node name (default $SLURMD_NODENAME or the host name)")
+@click.option("--interval", type=click.FloatRange(1.0, 3600.0), default=30.0, show_default=True,
+              help="loop mode: seconds between checks (metadata notices wake it at once)")
+@click.pass_obj
+def expiry_watch(state: State, once: bool, node: str | None, interval: float) -> None:
+    """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs."""
+    from .expiry import run_expiry_watch
+
+    cfg = state.config(for_root_hook=os.geteuid() == 0)
+    sys.exit(run_expiry_watch(cfg, _node_name(node), once=once, interval_s=interval))
+
+
+# --- end issue 5 ------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,9 @@ class HealthConfig:
     temperature_warn_c: float = _key(85.0, "warn (not drain) at or above this GPU temperature")
     nvlink_errors_warn: int = _key(1000, "warn when a link's replay+recovery+CRC counters reach this")
     ecc_corrected_warn: int = _key(10000, "warn when volatile corrected ECC errors reach this")
+    healthcheck_skip_s: float = _key(
+        120.0, "`healthcheck` exits 0 at once when a prolog/epilog decision was logged this recently (0 = always check)"
+    )
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,17 @@ class GcpConfig:
 class RepairConfig:
     strategy: str = _key("recreate", "recreate | report-faulty | none", ("recreate", "report-faulty", "none"))
     max_drained_fraction: float = _key(0.25, "circuit breaker: most nodes slurmagent may hold drained")
+    retry_after_s: float = _key(3600.0, "ask the MIG again when a node is still `repairing` after this long")
+    max_repairs_per_day: int = _key(3, "per node; beyond this it stays drained for an admin (or `repair --force`)")
+    api_timeout_s: float = _key(30.0, "timeout of one Compute API request")
+    operation_timeout_s: float = _key(120.0, "deadline of one repair request, retries and operation wait included")
+    resume_wait_s: float = _key(300.0, "`resume-if-healthy` waits this long for slurmd to register")
+    suppressed_ttl_s: float = _key(86400.0, "a circuit-breaker suppression mark older than this stops counting")
+    journal_max_pending: int = _key(1000, "journal: most pending actions kept (beyond: logged loudly, oldest dropped)")
+    journal_max_done: int = _key(500, "journal: done entries kept for `status`")
+    journal_max_age_s: float = _key(86400.0, "journal: pending actions older than this are dropped")
+    allow_non_root: bool = _key(
+        False, "let non-root users run `repair` (honoured only from a root-owned config; `--dry-run` is always allowed)")
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,31 @@ class ExpiryConfig:
     termination_time: str = _key("", "RFC 3339 override; default: the Compute API")
     drain_lead_s: float = _key(1800.0, "drain this long before termination")
     flush_lead_s: float = _key(120.0, "flush running jobs this long before termination")
+    prolog_guard: str = _key(
+        "requeue",
+        "a job whose time limit ends after `termination - flush_lead_s`: `requeue` drains the node with the expiry "
+        "reason and fails the prolog (the job runs elsewhere) unless the job is wrapped (it flushes at the lead), "
+        "`requeue-all` does so for wrapped jobs too, `warn` only logs, `off`",
+        ("requeue", "requeue-all", "warn", "off"),
+    )
+    unwrapped_jobs: str = _key(
+        "requeue",
+        "at the flush, jobs whose batch script does not exec `slurmagent run`: `requeue`, `signal` (USR1, which "
+        "kills a script that does not trap it), `leave`",
+        ("requeue", "signal", "leave"),
+    )
+    drain_at_max_time: bool = _key(
+        False, "also drain when the lifetime left is below the node's largest partition MaxTime (only when all are finite)")
+    refresh_s: float = _key(3600.0, "ask the Compute API again after this long (the answer is cached per boot)")
+    api_timeout_s: float = _key(20.0, "deadline of the Compute API read (retries included)")
+    metadata_timeout_s: float = _key(2.0, "deadline of one metadata server read (a long poll waits this much longer)")
+    publish_run_file: bool = _key(
+        True, "also write /run/slurmagent/expiry.json (world-readable) for wrappers running as the job's user")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name)")
 
 
 @dataclass(frozen=True)
@@ -97,6 +136,7 @@ class Config:
     repair: RepairConfig = field(default_factory=RepairConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     expiry: ExpiryConfig = field(default_factory=ExpiryConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = field(default="(defaults)", metadata={"internal": True})
 
     def node_path(self, template: str, node: str | None) -> str:
@@ -116,6 +156,7 @@ _SECTION_CLASSES = {
     "repair": RepairConfig,
     "checkpoint": CheckpointConfig,
     "expiry": ExpiryConfig,
+    "metrics": MetricsConfig,
 }
 
 

@@ -6,6 +6,8 @@ count comes from the local slurm.conf/gres.conf.
 
 from __future__ import annotations
 
+import sys
+
 from . import kernlog
 from .checks import Limits, Report, run_checks, timeout_report
 from .config import Config
@@ -42,8 +44,32 @@ def evaluate(cfg: Config, node: str, commit_cursor: bool) -> Report:
     except NvmlTimeout:
         return timeout_report(cfg.health.timeout_s, expected)
     xids: list[tuple[int | None, int, str]] = []
+    limits = Limits.from_health(cfg.health)
     if cfg.health.kernel_log_enabled:
         source = kernel_source(cfg, node)
-        new = kernlog.read_new(source, cfg.state_path(node), commit=commit_cursor, lock_timeout=cfg.health.timeout_s)
+        state = cfg.state_path(node)
+        try:
+            new = kernlog.read_new(source, state, commit=commit_cursor, lock_timeout=cfg.health.timeout_s)
+        except kernlog.KernlogError as exc:
+            # The state dir is full or read-only, or the lock is held: a hook must still give a
+            # verdict. Judge the log since the saved cursor without moving it (the XIDs are judged
+            # again next time, never lost); if the log cannot be read at all, a GPU state that is
+            # unhealthy on its own is still the verdict.
+            new = _peek(source, state) if commit_cursor else None
+            if new is None:
+                report = run_checks(snap, expected, limits, [])
+                if report.healthy:
+                    raise
+                print(f"slurmagent: {exc}; verdict from the GPU state alone", file=sys.stderr)
+                return report
+            print(f"slurmagent: {exc}; kernel-log cursor not saved (these XIDs will be judged again)",
+                  file=sys.stderr)
         xids = [(gpu, k.xid, k.detail) for gpu, k in kernlog.map_to_gpus(new, snap.gpus)]
-    return run_checks(snap, expected, Limits.from_health(cfg.health), xids)
+    return run_checks(snap, expected, limits, xids)
+
+
+def _peek(source: kernlog.Source, state) -> list[kernlog.KernelXid] | None:
+    try:
+        return kernlog.read_new(source, state, commit=False)
+    except kernlog.KernlogError:
+        return None

@@ -8,6 +8,7 @@ and handled by `[hooks] on_internal_error` (fail open by default).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from .checks import Report
 from .config import Config
 from .decisionlog import DecisionLog
 from .errors import SlurmagentError
-from .slurm import Slurm, make_reason, slurm_conf_path, read_conf_lines, conf_value
+from .slurm import JOB_ID, Slurm, conf_value, make_reason, read_conf_lines, slurm_conf_path, valid_node_name
 
 HealthFn = Callable[[Config, str, bool], Report]
 
@@ -29,17 +30,22 @@ class HookContext:
     node: str
     job_id: str | None
     job_exit_code: int | None = None
+    ignored: tuple[str, ...] = ()  # environment values refused as malformed (said on stderr)
 
     @classmethod
     def from_env(cls, hook: str, env: Mapping[str, str]) -> HookContext:
         node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+        ignored = []
+        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if job_id is not None and not JOB_ID.fullmatch(job_id):
+            # never handed to scontrol: `42,7` would requeue job 7 too
+            ignored.append(f"SLURM_JOB_ID {job_id!r}: not a job id")
+            job_id = None
         code = env.get("SLURM_JOB_EXIT_CODE")
-        return cls(
-            hook=hook,
-            node=node,
-            job_id=env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"),
-            job_exit_code=int(code) if code and code.lstrip("-").isdigit() else None,
-        )
+        exit_code = int(code) if code and re.fullmatch(r"-?[0-9]{1,10}", code) else None
+        if code and exit_code is None:
+            ignored.append(f"SLURM_JOB_EXIT_CODE {code!r}: not a number")
+        return cls(hook=hook, node=node, job_id=job_id, job_exit_code=exit_code, ignored=tuple(ignored))
 
 
 def reason_for(report: Report) -> str:
@@ -77,34 +83,59 @@ def run_hook(
     log = DecisionLog(None, use_syslog=True)
     try:
         cfg = cfg_loader()
-        log = DecisionLog(_log_path(cfg, ctx.node), use_syslog=cfg.hooks.syslog)
+        log = DecisionLog(None, use_syslog=cfg.hooks.syslog)
+        if not valid_node_name(ctx.node):  # before it names a path or reaches scontrol
+            raise SlurmagentError(f"SLURMD_NODENAME {ctx.node!r} is not a Slurm node name; refusing to act on it")
+        for note in ctx.ignored:
+            print(f"slurmagent {ctx.hook}: ignoring {note}", file=stderr)
+        log = DecisionLog(decision_log_path(cfg, ctx.node), use_syslog=cfg.hooks.syslog)
         log.started = started
         report = health(cfg, ctx.node, True)
         if report.healthy:
+            # --- issue 5: expiry prolog guard (slurmagent/expiry.py) ---------------------------
+            # A job whose time limit ends after the VM's termination is requeued off this node.
+            # No termination time: one read of <state_dir>/expiry.json, no scontrol, no google.
+            if ctx.hook == "prolog":
+                from .expiry import prolog_guard
+
+                guard = prolog_guard(cfg, ctx, slurm_factory, log, stderr)
+                if guard is not None:
+                    return guard
+            # --- end issue 5 -------------------------------------------------------------------
             warnings = [f.summary for f in report.findings]
             log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", action="none",
                       warnings=warnings or None)
+            from .journal import needs_attention  # replay a non-empty journal (issue 4)
+
+            if needs_attention(cfg.state_path(ctx.node)):
+                from .repair import after_healthy_hook
+
+                after_healthy_hook(cfg, ctx.node, slurm_factory)
             return 0
         reason = reason_for(report)
         slurm = slurm_factory(cfg)
+        from . import repair  # journaled drain through the circuit breaker (issue 4)
+
         try:
-            action = drain_unless_other(slurm, ctx.node, reason)
+            drain = repair.hook_drain(cfg, slurm, ctx, reason, report)
         except SlurmagentError as exc:
             # The GPU verdict stands: a failing prolog still makes Slurm drain the node and requeue
             # the job; failing open here would run the job on a known-bad GPU.
-            action = f"drain-failed: {exc}"
-        actions = [action]
-        if ctx.hook == "prolog":
+            drain = repair.DrainOutcome(f"drain-failed: {exc}")
+        actions = [drain.action]
+        if ctx.hook == "prolog" and not drain.blocks_job:
+            code = 0  # breaker open, GPUs still usable: not drained, the job may run (logged loudly)
+        elif ctx.hook == "prolog":
             if ctx.job_id and not _nohold_configured(cfg):
                 _spawn_release_watch(ctx.job_id, cfg)
+                repair.journal_release(cfg, ctx.node, ctx.job_id)
                 actions.append("release-watch")
             code = 1  # Slurm requeues the job (PENDING with nohold_on_prolog_fail) and keeps our reason
         else:
             code = 0
             if ctx.hook == "epilog" and ctx.job_id and cfg.hooks.epilog_requeue_failed and ctx.job_exit_code:
                 try:
-                    slurm.requeue([ctx.job_id])
-                    actions.append("requeued")
+                    actions.append(repair.journaled_requeue(cfg, slurm, ctx.node, [ctx.job_id]))
                 except SlurmagentError as exc:
                     actions.append(f"requeue-failed: {exc}")
         worst = report.worst
@@ -123,7 +154,10 @@ def _internal_error(ctx, cfg, log, exc, slurm_factory, stderr) -> int:
     policy = cfg.hooks.on_internal_error if cfg else "open"
     action = "none (fail open)"
     code = 0
-    if policy == "closed" and ctx.hook == "prolog":
+    if policy == "closed" and ctx.hook == "prolog" and not valid_node_name(ctx.node):
+        code = 1
+        action = "no drain: invalid node name (fail closed)"
+    elif policy == "closed" and ctx.hook == "prolog":
         code = 1
         action = "drain (fail closed)"
         try:
@@ -135,7 +169,7 @@ def _internal_error(ctx, cfg, log, exc, slurm_factory, stderr) -> int:
     return code
 
 
-def _log_path(cfg: Config, node: str):
+def decision_log_path(cfg: Config, node: str):
     if cfg.hooks.log_file:
         from pathlib import Path
 

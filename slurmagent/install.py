@@ -77,7 +77,7 @@ def config_template() -> str:
 def plan(root: Path, binary: str) -> list[tuple[Path, str, int, bool]]:
     """(target, content, mode, never_overwrite) for every file to put in place."""
     files: list[tuple[Path, str, int, bool]] = []
-    for hook in ("prolog", "epilog"):
+    for hook in ("prolog", "epilog", "healthcheck"):
         files.append((root / "etc/slurmagent/hooks" / hook, shim_text(hook, binary), 0o755, False))
     units = data_dir("systemd")
     for unit in sorted(units.iterdir()):

@@ -445,7 +445,19 @@ def cursor_path(state_dir: str | os.PathLike[str]) -> Path:
 
 
 def load_cursor(state_dir: str | os.PathLike[str]) -> Cursor | None:
-    """The saved cursor; None when there is none or it is unreadable (start over)."""
+    """The saved cursor; None when there is none or it is unreadable (start over).
+
+    As root, a cursor file a non-root user could have written is ignored (said on stderr):
+    moving it past an XID would hide the fault, and starting over can only judge more."""
+    from .fsutil import unsafe_for_root
+
+    why = unsafe_for_root(cursor_path(state_dir))
+    if why:
+        import sys
+
+        print(f"slurmagent: ignoring kernel-log cursor {cursor_path(state_dir)}: {why}; reading this boot's log "
+              "from its start", file=sys.stderr)
+        return None
     try:
         data = json.loads(cursor_path(state_dir).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -462,7 +474,7 @@ def load_cursor(state_dir: str | os.PathLike[str]) -> Cursor | None:
 
 
 @contextlib.contextmanager
-def _locked(state_dir: str | os.PathLike[str], timeout: float) -> Iterator[None]:
+def locked(state_dir: str | os.PathLike[str], timeout: float) -> Iterator[None]:
     """Serialize read-and-commit between processes (watch, healthcheck, hooks)."""
     path = Path(state_dir) / LOCK_FILE
     try:
@@ -517,7 +529,7 @@ def read_new(
     """XIDs since the cursor; ``commit=True`` advances the cursor past them, False peeks."""
     if not commit:
         return read_since(source, state_dir, boot_id=boot_id).xids
-    with _locked(state_dir, lock_timeout):
+    with locked(state_dir, lock_timeout):
         batch = read_since(source, state_dir, boot_id=boot_id)
         commit_cursor(state_dir, batch.cursor)
     return batch.xids

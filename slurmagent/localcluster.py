@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +83,7 @@ class LocalSlurmCluster:
             f"SlurmctldPort={self.ctld_port}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=cred_expire={self.cred_expire}",
+            f"AuthInfo=cred_expire={self.cred_expire},socket={self.munge_socket}",
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={b}/ctld",
@@ -124,21 +125,25 @@ class LocalSlurmCluster:
         self.conf.write_text("\n".join(lines) + "\n")
 
     def ensure_munge(self) -> None:
-        if _munge_works():
-            return
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        key = Path("/etc/munge/munge.key")
-        if not key.exists():
-            key.write_bytes(os.urandom(1024))
-            shutil.chown(key, "munge", "munge")
-            key.chmod(0o400)
+        """A private munged (own key, socket, pid file) for this cluster only, so clusters of
+        concurrent test sessions never share, or stop, each other's authentication."""
+        self.munge_dir = Path(tempfile.mkdtemp(prefix="sa-munge-", dir="/run" if os.access("/run", os.W_OK) else None))
+        self.munge_dir.chmod(0o755)  # clients (root, the job's user) reach the socket
+        key = self.munge_dir / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        for path in (self.munge_dir, key):
+            shutil.chown(path, "munge", "munge")
+        key.chmod(0o400)
+        self.munge_socket = self.munge_dir / "munge.sock"
+        d = self.munge_dir
         self.munged = subprocess.Popen(
-            ["setpriv", "--reuid=munge", "--regid=munge", "--clear-groups", _sbin("munged"), "--foreground"],
+            ["setpriv", "--reuid=munge", "--regid=munge", "--clear-groups", _sbin("munged"), "--foreground",
+             f"--socket={self.munge_socket}", f"--key-file={key}", f"--pid-file={d}/munged.pid",
+             f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        _wait(_munge_works, 10, "munged did not start")
+        _wait(lambda: _munge_works(self.munge_socket), 10, "munged did not start")
 
     def start(self) -> LocalSlurmCluster:
         try:
@@ -197,6 +202,7 @@ class LocalSlurmCluster:
         if self.munged:
             _terminate(self.munged)
             self.munged = None
+            shutil.rmtree(self.munge_dir, ignore_errors=True)
 
     def _kill_stepds(self) -> None:
         """slurmstepd of jobs still running belong to this cluster: end them too."""
@@ -283,12 +289,13 @@ def _kv(line: str) -> dict[str, str]:
     return out
 
 
-def _munge_works() -> bool:
+def _munge_works(socket_path: Path) -> bool:
     try:
-        cred = subprocess.run(["munge", "-n"], capture_output=True, timeout=5)
+        cred = subprocess.run(["munge", "-n", f"--socket={socket_path}"], capture_output=True, timeout=5)
         if cred.returncode != 0:
             return False
-        return subprocess.run(["unmunge"], input=cred.stdout, capture_output=True, timeout=5).returncode == 0
+        return subprocess.run(["unmunge", f"--socket={socket_path}"], input=cred.stdout, capture_output=True,
+                              timeout=5).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 

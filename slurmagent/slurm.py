@@ -34,6 +34,17 @@ def run_argv(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         raise SlurmError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
 
 
+# What slurmagent accepts as a node name (Slurm's own names are letters, digits, `-`, `_`, `.`):
+# no hostlist syntax (`,` `[`), no path syntax (`/`, a leading `.`), no spaces or `=`, so a
+# name can neither widen an scontrol update to other nodes nor leave the state dir.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+JOB_ID = re.compile(r"[0-9]{1,20}(_[0-9]{1,10})?")  # a job id, or ARRAYJOBID_TASKID
+
+
+def valid_node_name(name: str | None) -> bool:
+    return bool(name) and NODE_NAME.fullmatch(name) is not None
+
+
 def clean_reason(text: str) -> str:
     """A drain reason that reads well in `sinfo -R` and cannot smuggle anything into scontrol."""
     text = re.sub(r"[^A-Za-z0-9 _.,:;/()@+#%-]", " ", text)

@@ -115,11 +115,22 @@ def expand_node(path: str, env: Mapping[str, str]) -> str:
     return path.replace("%n", env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0])
 
 
-def termination_time(files: tuple[Path, ...]) -> datetime | None:
-    """The VM's termination time from the expiry watch's state file, if any."""
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def termination_time(files: tuple[Path, ...], boot_id: str | None = None) -> datetime | None:
+    """The VM's termination time from the expiry watch's state file, if any. A file from an
+    earlier boot (a flex VM stopped and started on the same disk) is ignored."""
+    boot_id = _boot_id() if boot_id is None else boot_id
     for path in files:
         try:
             data = json.loads(path.read_text())
+            if data.get("boot_id") and boot_id and data["boot_id"] != boot_id:
+                continue
             raw = data.get("termination_time")
             if raw:
                 return datetime.fromisoformat(raw.replace("Z", "+00:00"))

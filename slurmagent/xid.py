@@ -200,10 +200,12 @@ def classify(code: int, detail: str = "") -> XidInfo:
                 return _row(code, meaning, action, base.bucket)
         return base
     if code in NVLINK5_XIDS:
+        # Fatal wins when both words appear: the text may carry a process name (`name=x, Nonfatal`)
+        # that a job chose, and it must not talk a fatal error down.
+        if _FATAL.search(_NONFATAL.sub(" ", detail)):
+            return _row(code, base.meaning + " (fatal)", XidAction.RESET_GPU, base.bucket)
         if _NONFATAL.search(detail):
             return _row(code, base.meaning + " (nonfatal)", XidAction.IGNORE, base.bucket)
-        if _FATAL.search(detail):
-            return _row(code, base.meaning + " (fatal)", XidAction.RESET_GPU, base.bucket)
     return base
 
 

@@ -42,7 +42,8 @@ class FakeScontrol:
             raise SlurmError(f"scontrol {verb} timed out after {timeout:g} s")
         out = ""
         if verb == "show":
-            out = f"NodeName={args[3]} Arch=x86_64 State={self.state} Gres=gpu:8 Reason={self.reason}\n"
+            name = args[3] if len(args) > 3 else "n1"  # the breaker lists the whole (one-node) cluster
+            out = f"NodeName={name} Arch=x86_64 State={self.state} Gres=gpu:8 Reason={self.reason}\n"
         elif verb == "update":
             fields = dict(a.split("=", 1) for a in args[1:])
             if fields.get("State") == "DRAIN":

@@ -105,6 +105,9 @@ def test_termination_time_from_expiry_state(tmp_path):
     state = tmp_path / "expiry.json"
     state.write_text('{"termination_time": "2026-12-01T10:00:00Z"}')
     assert termination_time((tmp_path / "missing.json", state)).isoformat() == "2026-12-01T10:00:00+00:00"
+    state.write_text('{"termination_time": "2026-12-01T10:00:00Z", "boot_id": "old-boot"}')
+    assert termination_time((state,), boot_id="this-boot") is None  # stale: from an earlier boot
+    assert termination_time((state,), boot_id="old-boot") is not None
 
 
 def _wrapper(tmp_path, *args, env_extra=None, trainer_args=("100000",)):

@@ -1,0 +1,314 @@
+"""MIG repair through the Compute API (the only module importing google.cloud.compute_v1).
+
+* `instance_mig`: `instances.get` -> the `created-by` metadata item -> the MIG (zonal or
+  regional).
+* `recreate`: `instanceGroupManagers.recreateInstances` (or the regional one): ONE call per
+  MIG with all its instances (chunks of 1000, the API's limit).
+* `report_faulty`: `instances.reportHostAsFaulty` (disruption IMMEDIATE, one fault reason).
+* `wait`: the extended operation is polled here through Zone/RegionOperationsClient built
+  with the same endpoint and credentials: the clients' own poller calls Google's default
+  endpoint whatever `client_options` say, so the local fake could never answer it.
+
+Every request has a timeout (capped by the caller's deadline) and `retry=None` so the
+library's 600 s default retry cannot outlive it; 429, 5xx and connection failures are
+retried here with jittered exponential backoff (honouring Retry-After); 403/404 and other
+4xx are not. A mutation carries a `requestId`, so a retry or a replay from the journal
+cannot make the API act twice.
+
+Credentials: an `http://127.0.0.1` / `localhost` endpoint (tests, the fake) gets anonymous
+credentials; anything else gets Application Default Credentials.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from ..errors import SlurmagentError
+from .metadata import MigRef, parse_created_by
+
+MAX_PER_CALL = 1000  # recreateInstances takes at most 1000 instances
+RETRIABLE = frozenset({408, 429, 500, 502, 503, 504})
+NAMESPACE = uuid.UUID("5b0e6a4e-7f4c-4f0e-9a55-6c1a3d1f2b10")
+
+
+class ComputeError(SlurmagentError):
+    """A Compute API call failed (after retries where that makes sense)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def retriable(self) -> bool:
+        return self.status is None or self.status in RETRIABLE
+
+
+@dataclass(frozen=True)
+class OpRef:
+    """An extended operation: zonal, regional or global."""
+
+    scope: str  # "zones" | "regions" | "global"
+    location: str
+    name: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"scope": self.scope, "location": self.location, "name": self.name}
+
+    def __str__(self) -> str:
+        return f"{self.scope}/{self.location}/operations/{self.name}" if self.location else f"global/operations/{self.name}"
+
+
+def chunk_request_id(request_id: str, index: int) -> str:
+    """A stable UUID per chunk of a request, so a replay resends the same ids."""
+    return request_id if index == 0 else str(uuid.uuid5(NAMESPACE, f"{request_id}/{index}"))
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    u = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+    return u.scheme == "http" and (u.hostname or "") in ("127.0.0.1", "localhost", "::1")
+
+
+class Compute:
+    def __init__(self, project: str, endpoint: str = "", *, call_timeout_s: float = 30.0, deadline_s: float = 120.0,
+                 retries: int = 5, backoff_s: float = 1.0, sleep: Callable[[float], None] = time.sleep):
+        self.project = project
+        self.endpoint = endpoint
+        self.call_timeout_s = call_timeout_s
+        self.deadline_s = deadline_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.sleep = sleep
+        self.calls: Counter[str] = Counter()  # API requests sent, by method (attempts included)
+        self._clients: dict[str, Any] = {}
+
+    @classmethod
+    def from_config(cls, cfg, project: str) -> Compute:
+        r = cfg.repair
+        return cls(
+            project,
+            cfg.gcp.compute_endpoint,
+            call_timeout_s=float(getattr(r, "api_timeout_s", 30.0)),
+            deadline_s=float(getattr(r, "operation_timeout_s", 120.0)),
+            retries=int(getattr(r, "api_retries", 5)),
+            backoff_s=float(getattr(r, "api_backoff_s", 1.0)),
+        )
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    # --- clients (google imported here only) -------------------------------------------
+
+    def _client(self, kind: str):
+        if kind in self._clients:
+            return self._clients[kind]
+        try:
+            from google.cloud import compute_v1
+        except ImportError as exc:  # pragma: no cover - a declared dependency
+            raise ComputeError(f"google-cloud-compute is not installed: {exc}") from None
+        classes = {
+            "instances": compute_v1.InstancesClient,
+            "igm": compute_v1.InstanceGroupManagersClient,
+            "rigm": compute_v1.RegionInstanceGroupManagersClient,
+            "zone_ops": compute_v1.ZoneOperationsClient,
+            "region_ops": compute_v1.RegionOperationsClient,
+            "global_ops": compute_v1.GlobalOperationsClient,
+        }
+        kwargs: dict[str, Any] = {"transport": "rest"}
+        if self.endpoint:
+            kwargs["client_options"] = {"api_endpoint": self.endpoint}
+            if is_local_endpoint(self.endpoint):
+                from google.auth.credentials import AnonymousCredentials
+
+                kwargs["credentials"] = AnonymousCredentials()
+        try:
+            client = classes[kind](**kwargs)
+        except Exception as exc:  # DefaultCredentialsError and friends
+            raise ComputeError(f"cannot create a Compute client: {type(exc).__name__}: {exc}") from None
+        self._clients[kind] = client
+        return client
+
+    # --- one request, with retries -----------------------------------------------------
+
+    def _call(self, method: str, fn: Callable[..., Any], end: float, **kwargs: Any) -> Any:
+        from google.api_core import exceptions as gexc
+
+        transport_errors: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+        try:
+            import requests
+
+            transport_errors += (requests.exceptions.RequestException,)
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            from google.auth import exceptions as auth_exc
+
+            transport_errors += (auth_exc.TransportError,)
+            auth_errors: tuple[type[BaseException], ...] = (auth_exc.RefreshError, auth_exc.DefaultCredentialsError)
+        except ImportError:  # pragma: no cover
+            auth_errors = ()
+        try:  # a 200 whose body is not the expected JSON (a proxy's error page, a truncated reply)
+            from google.protobuf.json_format import Error as ParseError
+
+            malformed: tuple[type[BaseException], ...] = (ParseError, ValueError)
+        except ImportError:  # pragma: no cover
+            malformed = (ValueError,)
+        attempt = 0
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise ComputeError(f"{method}: deadline passed before the call", None)
+            self.calls[method] += 1
+            retry_after = None
+            try:
+                return fn(**kwargs, retry=None, timeout=min(self.call_timeout_s, remaining))
+            except gexc.GoogleAPICallError as exc:
+                status = exc.code if isinstance(exc.code, int) else None
+                message = re.sub(r"^(GET|POST|PUT|PATCH|DELETE) \S+: ", "", str(exc.message or ""))
+                err = ComputeError(f"{method}: HTTP {status} {message}".strip(), status)
+                response = getattr(exc, "response", None)
+                if response is not None:
+                    retry_after = _retry_after(getattr(response, "headers", {}) or {})
+            except auth_errors as exc:
+                raise ComputeError(f"{method}: no usable Google credentials: {exc}", 401) from None
+            except transport_errors as exc:
+                err = ComputeError(f"{method}: {type(exc).__name__}: {exc}", None)
+            except malformed as exc:
+                text = (str(exc).strip().splitlines() or [""])[0][:200]
+                err = ComputeError(f"{method}: malformed response ({type(exc).__name__}: {text})", None)
+            if not err.retriable or attempt >= self.retries:
+                if attempt:
+                    err.args = (f"{err.args[0]} (after {attempt + 1} attempts)",)
+                raise err
+            delay = retry_after if retry_after is not None else self.backoff_s * (2 ** attempt) * random.uniform(0.5, 1.0)
+            delay = min(delay, 30.0)
+            if time.monotonic() + delay >= end:
+                raise ComputeError(f"{err.args[0]} (deadline reached after {attempt + 1} attempts)", err.status)
+            self.sleep(delay)
+            attempt += 1
+
+    def _end(self, deadline_s: float | None) -> float:
+        return time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def instance_mig(self, zone: str, instance: str, deadline_s: float | None = None) -> MigRef | None:
+        """The MIG that created this instance (`created-by`), None when it is not in one."""
+        client = self._client("instances")
+        inst = self._call("instances.get", client.get, self._end(deadline_s), project=self.project, zone=zone,
+                          instance=instance)
+        items = list(getattr(getattr(inst, "metadata", None), "items", []) or [])
+        created_by = next((i.value for i in items if i.key == "created-by"), None)
+        return parse_created_by(created_by)
+
+    # --- mutations -----------------------------------------------------------------------
+
+    def recreate(self, mig: MigRef, instances: list[tuple[str, str]], request_id: str,
+                 deadline_s: float | None = None) -> list[OpRef]:
+        """recreateInstances for (zone, name) pairs of one MIG: one call per 1000 instances."""
+        from google.cloud import compute_v1
+
+        end = self._end(deadline_s)
+        ops = []
+        urls = [f"zones/{zone}/instances/{name}" for zone, name in instances]
+        for i in range(0, len(urls), MAX_PER_CALL):
+            body = compute_v1.InstanceGroupManagersRecreateInstancesRequest(instances=urls[i:i + MAX_PER_CALL])
+            rid = chunk_request_id(request_id, i // MAX_PER_CALL)
+            if mig.regional:
+                client = self._client("rigm")
+                req = compute_v1.RecreateInstancesRegionInstanceGroupManagerRequest(
+                    project=self.project, region=mig.location, instance_group_manager=mig.name,
+                    region_instance_group_managers_recreate_request_resource=compute_v1.RegionInstanceGroupManagersRecreateRequest(
+                        instances=urls[i:i + MAX_PER_CALL]),
+                    request_id=rid)
+                op = self._call("regionInstanceGroupManagers.recreateInstances", client.recreate_instances_unary, end,
+                                request=req)
+            else:
+                client = self._client("igm")
+                req = compute_v1.RecreateInstancesInstanceGroupManagerRequest(
+                    project=self.project, zone=mig.location, instance_group_manager=mig.name,
+                    instance_group_managers_recreate_instances_request_resource=body, request_id=rid)
+                op = self._call("instanceGroupManagers.recreateInstances", client.recreate_instances_unary, end,
+                                request=req)
+            ops.append(op_ref(op, mig.scope, mig.location))
+        return ops
+
+    def report_faulty(self, zone: str, instance: str, behavior: str, description: str, request_id: str,
+                      deadline_s: float | None = None) -> OpRef:
+        """reportHostAsFaulty: the host is taken out and the VM moved (disruption IMMEDIATE)."""
+        from google.cloud import compute_v1
+
+        client = self._client("instances")
+        body = compute_v1.InstancesReportHostAsFaultyRequest(
+            disruption_schedule="IMMEDIATE",
+            fault_reasons=[compute_v1.InstancesReportHostAsFaultyRequestFaultReason(
+                behavior=behavior, description=description[:1000])],
+        )
+        req = compute_v1.ReportHostAsFaultyInstanceRequest(
+            project=self.project, zone=zone, instance=instance,
+            instances_report_host_as_faulty_request_resource=body, request_id=request_id)
+        op = self._call("instances.reportHostAsFaulty", client.report_host_as_faulty_unary, self._end(deadline_s),
+                        request=req)
+        return op_ref(op, "zones", zone)
+
+    # --- operations ----------------------------------------------------------------------
+
+    def wait(self, op: OpRef, deadline_s: float | None = None, poll_s: float = 0.5) -> None:
+        """Poll the operation until DONE (raise on its error) or the deadline."""
+        from google.cloud import compute_v1
+
+        end = self._end(deadline_s)
+        interval = poll_s
+        while True:
+            if op.scope == "zones":
+                got = self._call("zoneOperations.get", self._client("zone_ops").get, end,
+                                 project=self.project, zone=op.location, operation=op.name)
+            elif op.scope == "regions":
+                got = self._call("regionOperations.get", self._client("region_ops").get, end,
+                                 project=self.project, region=op.location, operation=op.name)
+            else:
+                got = self._call("globalOperations.get", self._client("global_ops").get, end,
+                                 project=self.project, operation=op.name)
+            if got.status == compute_v1.Operation.Status.DONE:
+                errors = list(getattr(getattr(got, "error", None), "errors", []) or [])
+                if errors or got.http_error_status_code >= 400:
+                    detail = "; ".join(f"{e.code}: {e.message}" for e in errors) or got.http_error_message
+                    raise ComputeError(f"operation {op.name} failed: {detail}", got.http_error_status_code or None)
+                return
+            if time.monotonic() + interval >= end:
+                raise ComputeError(f"operation {op.name} not done within the deadline (status {got.status.name})", None)
+            self.sleep(interval)
+            interval = min(interval * 1.5, 5.0)
+
+
+def op_ref(op: Any, scope: str, location: str) -> OpRef:
+    """The Operation's own zone/region link wins over the caller's guess."""
+    zone = getattr(op, "zone", "") or ""
+    region = getattr(op, "region", "") or ""
+    if zone:
+        return OpRef("zones", zone.rstrip("/").rsplit("/", 1)[-1], op.name)
+    if region:
+        return OpRef("regions", region.rstrip("/").rsplit("/", 1)[-1], op.name)
+    return OpRef(scope, location, op.name)
+
+
+def _retry_after(headers: Any) -> float | None:
+    try:
+        value = headers.get("Retry-After") or headers.get("retry-after")
+    except AttributeError:
+        return None
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None

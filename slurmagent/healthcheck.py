@@ -1,0 +1,141 @@
+"""`slurmagent healthcheck`: Slurm's HealthCheckProgram, the check between jobs.
+
+slurmd runs it every HealthCheckInterval seconds (as root, with SLURMD_NODENAME set). It
+runs the same checks as the Prolog and drains the node on failure; it never resumes a node
+(resuming is `resume-if-healthy` and repair's business). When a Prolog/Epilog decision for
+this node was logged within the last `skip_recent_s` seconds the node was just checked:
+it exits 0 at once, without touching NVML.
+
+Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said loudly),
+1 unhealthy.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, TextIO
+
+from .checks import Report
+from .config import Config
+from .decisionlog import DecisionLog
+from .errors import SlurmagentError
+from .hooks import decision_log_path, drain_unless_other, reason_for
+from .slurm import Slurm, make_reason
+
+TAIL_BYTES = 64 * 1024
+RECENT_EVENTS = ("prolog", "epilog")
+CONCLUSIVE = ("healthy", "unhealthy")  # an internal error checked nothing: do not skip on it
+
+HealthFn = Callable[[Config, str, bool], Report]
+
+
+def skip_recent_s(cfg: Config) -> float:
+    return cfg.health.healthcheck_skip_s
+
+
+def _parse_time(text: object) -> float | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        try:
+            return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+
+
+def recent_decision(log_path: Path, node: str, within_s: float, now: float | None = None) -> dict | None:
+    """The newest conclusive prolog/epilog decision for `node` logged within `within_s`, if any.
+
+    Reads only the file's tail, and nothing at all when the file is older than the window."""
+    import json
+
+    if within_s <= 0:
+        return None
+    now = time.time() if now is None else now
+    try:
+        st = log_path.stat()
+        if now - st.st_mtime > within_s:
+            return None
+        with open(log_path, "rb") as fh:
+            fh.seek(max(0, st.st_size - TAIL_BYTES))
+            tail = fh.read()
+    except OSError:
+        return None
+    for raw in reversed(tail.splitlines()):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        when = _parse_time(record.get("time"))
+        if when is None:
+            continue
+        if now - when > within_s:
+            return None  # lines are in time order: nothing newer further up
+        if (record.get("event") in RECENT_EVENTS and record.get("node") == node
+                and record.get("verdict") in CONCLUSIVE):
+            return record
+    return None
+
+
+def run_healthcheck(
+    node: str,
+    cfg_loader: Callable[[], Config],
+    health: HealthFn | None = None,
+    slurm_factory: Callable[[Config], Slurm] = Slurm.from_config,
+    *,
+    skip_recent: float | None = None,
+    stderr: TextIO = sys.stderr,
+) -> int:
+    started = time.monotonic()
+    cfg: Config | None = None
+    log = DecisionLog(None, use_syslog=True)
+    try:
+        cfg = cfg_loader()
+        log_path = decision_log_path(cfg, node)
+        log = DecisionLog(log_path, use_syslog=cfg.hooks.syslog)
+        log.started = started
+        window = skip_recent_s(cfg) if skip_recent is None else skip_recent
+        recent = recent_decision(log_path, node, window)
+        if recent is not None:
+            return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
+        if health is None:
+            from .health import evaluate as health
+        report = health(cfg, node, True)
+        if report.healthy:
+            warnings = [f.summary for f in report.findings]
+            log.write("healthcheck", node=node, verdict="healthy", action="none", warnings=warnings or None)
+            return 0
+        reason = reason_for(report)
+        from .repair import drain_node  # journaled, through the circuit breaker
+
+        action = drain_node(cfg, slurm_factory(cfg), node, reason, report.findings, source="healthcheck").action
+        worst = report.worst
+        log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
+                  observed=worst.observed, reason=reason, action=action,
+                  findings=[f.summary for f in report.findings])
+        print(f"slurmagent healthcheck: node {node} unhealthy: {reason} ({action})", file=stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - say "slurmagent failed", never "GPU unhealthy"
+        return _internal_error(node, cfg, log, exc, slurm_factory, stderr)
+
+
+def _internal_error(node, cfg, log, exc, slurm_factory, stderr) -> int:
+    what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+    policy = cfg.hooks.on_internal_error if cfg else "open"
+    action, code = "none (fail open)", 0
+    if policy == "closed":
+        action, code = "drain (fail closed)", 1
+        try:
+            drain_unless_other(slurm_factory(cfg), node, make_reason("internal error", what))
+        except Exception as drain_exc:  # noqa: BLE001
+            action += f", drain failed: {drain_exc}"
+    log.write("healthcheck", node=node, verdict="internal-error", error=what, action=action)
+    print(f"slurmagent healthcheck: internal error (not a GPU fault): {what}; {action}", file=stderr)
+    return code

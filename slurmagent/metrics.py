@@ -1,0 +1,116 @@
+"""Prometheus textfile-collector output, shared by every slurmagent process on a node.
+
+Values live in `<state_dir>/metrics.json` (updated under a lock, so short-lived hooks can
+add to counters); after each update the `.prom` file is rewritten atomically for
+node_exporter's textfile collector. A failure to write metrics never fails the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from .fsutil import atomic_write_text
+
+HELP = {
+    "slurmagent_gpu_healthy": ("gauge", "1 when the GPU passed the last check, 0 when it has a drain finding"),
+    "slurmagent_node_healthy": ("gauge", "1 when the node passed the last check"),
+    "slurmagent_last_check_timestamp_seconds": ("gauge", "Unix time of the last health check"),
+    "slurmagent_drains_total": ("counter", "nodes drained by slurmagent, by rule"),
+    "slurmagent_requeues_total": ("counter", "jobs requeued by slurmagent"),
+    "slurmagent_repairs_total": ("counter", "repair requests sent (MIG recreate / report faulty)"),
+    "slurmagent_flush_seconds": ("gauge", "duration of the last checkpoint flush (signal to requeue)"),
+    "slurmagent_bytes_synced_total": ("counter", "checkpoint bytes uploaded"),
+    "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
+}
+
+
+def _key(name: str, labels: dict[str, str]) -> str:
+    if not labels:
+        return name
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    def __init__(self, state_dir: Path, textfile: Path | None = None):
+        self.state_dir = Path(state_dir)
+        self.store = self.state_dir / "metrics.json"
+        self.textfile = Path(textfile) if textfile else self.state_dir / "slurmagent.prom"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, float]]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.state_dir / "metrics.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                values = json.loads(self.store.read_text())
+                if not isinstance(values, dict):
+                    values = {}
+            except (OSError, ValueError):
+                values = {}
+            yield values
+            atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
+            atomic_write_text(self.textfile, render(values), 0o644, durable=False)
+        finally:
+            os.close(fd)
+
+    def update(self, set_: dict[tuple[str, tuple], float] | None = None,
+               add: dict[tuple[str, tuple], float] | None = None, replace_prefix: str | None = None) -> None:
+        """Set gauges / add to counters; keys are (name, ((label, value), ...))."""
+        try:
+            with self._locked() as values:
+                if replace_prefix:
+                    for k in [k for k in values if k.startswith(replace_prefix)]:
+                        del values[k]
+                for (name, labels), v in (set_ or {}).items():
+                    values[_key(name, dict(labels))] = float(v)
+                for (name, labels), v in (add or {}).items():
+                    k = _key(name, dict(labels))
+                    values[k] = float(values.get(k, 0.0)) + float(v)
+        except OSError as exc:
+            print(f"slurmagent: cannot write metrics in {self.state_dir}: {exc.strerror}", file=sys.stderr)
+
+    def record_check(self, report, drained_rule: str | None = None, requeued: bool = False) -> None:
+        """Gauges from a health report; a drain and a requeue count once each."""
+        bad = {f.gpu for f in report.findings if f.severity.name == "DRAIN" and f.gpu is not None}
+        gauges = {("slurmagent_gpu_healthy", (("gpu", str(i)),)): 0.0 if i in bad else 1.0
+                  for i in range(report.gpus_seen)}
+        gauges[("slurmagent_node_healthy", ())] = 1.0 if report.healthy else 0.0
+        gauges[("slurmagent_last_check_timestamp_seconds", ())] = time.time()
+        add = {}
+        if drained_rule:
+            add[("slurmagent_drains_total", (("rule", drained_rule),))] = 1
+        if requeued:
+            add[("slurmagent_requeues_total", ())] = 1
+        self.update(set_=gauges, add=add, replace_prefix="slurmagent_gpu_healthy{")
+
+
+def render(values: dict[str, float]) -> str:
+    lines = []
+    for name, (kind, text) in HELP.items():
+        series = sorted(k for k in values if k == name or k.startswith(name + "{"))
+        if not series:
+            continue
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        lines += [f"{k} {values[k]:g}" for k in series]
+    return "\n".join(lines) + "\n"
+
+
+def read_values(state_dir: Path) -> dict[str, float]:
+    try:
+        values = json.loads((Path(state_dir) / "metrics.json").read_text())
+        return values if isinstance(values, dict) else {}
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,646 @@
+"""`slurmagent watch`: drain the node the moment a drain-class XID shows up, between jobs too.
+
+Two inputs feed one judge:
+
+* NVML XID critical-error events (``nvmlEventSetCreate`` / ``nvmlDeviceRegisterEvents`` /
+  ``nvmlEventSetWait_v2`` with a short timeout) in a daemon thread, so a driver call that
+  hangs never stops the rest. The pynvml calls live in :class:`NvmlXidEvents`, which takes
+  an injectable ``nvml`` module like :func:`slurmagent.nvml.read_snapshot`; pynvml itself is
+  imported only by :mod:`slurmagent.nvml`.
+* The kernel log through the same :mod:`slurmagent.kernlog` source and cursor the Prolog
+  uses. ``/dev/kmsg`` wakes the loop itself (``poll`` on an fd at its end); a plain file
+  (``[health] kernel_log``) is ``stat``-ed every ``interval`` seconds; journalctl/dmesg are
+  read every 5 s. Nothing is read when nothing changed.
+  Read, judge, act and commit happen under the kernlog lock, and the cursor is committed
+  only after the decision was acted on: an XID is judged once, across restarts too.
+
+A drain-class XID (``xid.classify(code, detail).drains``) drains the node with the reason
+the checks give (``slurmagent: xid 79 on gpu 3 (fallen off the bus)``), never over an
+admin's drain; application-class XIDs are counted and logged. One decision line per event
+(event ``watch``). The same XID on the same GPU seen by both inputs within 30 s is one event.
+
+systemd: ``Type=notify`` (READY=1, WATCHDOG=1, STOPPING=1 over ``$NOTIFY_SOCKET``, a plain
+unix datagram socket). SIGTERM/SIGINT stop it cleanly with exit status 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
+
+from . import kernlog
+from .checks import Finding, Report, Severity, xid_finding
+from .config import Config
+from .decisionlog import DecisionLog
+from .errors import SlurmagentError, SlurmError
+from .hooks import decision_log_path, reason_for
+from .slurm import Slurm
+
+DEFAULT_INTERVAL_S = 0.25  # kernel-log poll period
+NVML_WAIT_MS = 500  # one nvmlEventSetWait_v2; bounds how long a stop waits on the NVML thread
+NVML_RETRY_S = 60.0  # NVML unavailable: try again this often (said once, not every time)
+SLOW_SOURCE_S = 5.0  # journalctl/dmesg cost a process each: poll them this often
+DUPLICATE_WINDOW_S = 30.0  # the NVML event and the NVRM line of one XID arrive within this
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # after a failed drain or a busy kernlog lock
+EVENT_WAIT_S = 1.0  # loop period when every input wakes it (kmsg fd, NVML pipe): watchdog, retries
+
+_NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
+_TIMEOUT = 10  # NVML_ERROR_TIMEOUT
+_GPU_IS_LOST = 15  # NVML_ERROR_GPU_IS_LOST
+_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+
+
+# --- systemd notify ---------------------------------------------------------------------
+
+
+def sd_notify(message: str, env: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Send one notification to systemd over ``$NOTIFY_SOCKET``; False when there is none."""
+    addr = env.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]  # abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(addr)
+            sock.sendall(message.encode())
+        return True
+    except OSError:
+        return False
+
+
+def watchdog_interval(env: dict[str, str] | os._Environ = os.environ) -> float | None:
+    """Half of systemd's WatchdogSec (``$WATCHDOG_USEC``) when it is meant for this process."""
+    usec = env.get("WATCHDOG_USEC", "")
+    pid = env.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) <= 0:
+        return None
+    if pid and pid != str(os.getpid()):
+        return None
+    return int(usec) / 2e6
+
+
+# --- events -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    """What the judge needs to know of a GPU: its index and PCI address."""
+
+    index: int
+    pci_bus_id: str | None = None
+
+
+@dataclass
+class XidEvent:
+    xid: int
+    gpu: int | None
+    source: str  # "nvml" | "kernel_log"
+    detail: str = ""
+    raw: str | None = None
+    pci: str | None = None
+    seen: float = field(default_factory=time.monotonic)  # when the watcher saw it
+
+
+class NvmlUnavailable(SlurmagentError):
+    """NVML XID events cannot be followed here (no driver, no library, no supported GPU)."""
+
+
+class NvmlXidEvents:
+    """The pynvml event calls for XID critical errors, with an injectable ``nvml`` module."""
+
+    def __init__(self, nvml: Any = None, wait_ms: int = NVML_WAIT_MS):
+        self._nvml = nvml
+        self.wait_ms = wait_ms
+        self.nv: Any = None
+        self.event_set: Any = None
+        self.gpus: list[GpuRef] = []
+        self.unsupported: list[int] = []  # GPU indices that cannot deliver XID events
+        self._initialized = False
+
+    def _err(self, exc: BaseException) -> str:
+        from . import nvml as nvml_mod
+
+        return nvml_mod.error_name(exc, self.nv)
+
+    def open(self) -> list[GpuRef]:
+        """nvmlInit, one event set, every GPU registered for XID critical errors."""
+        from . import nvml as nvml_mod
+
+        try:
+            self.nv = nvml_mod._load(self._nvml)
+        except SlurmagentError as exc:
+            raise NvmlUnavailable(str(exc)) from None
+        nv = self.nv
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as exc:
+            raise NvmlUnavailable(f"nvmlInit failed ({self._err(exc)})") from None
+        self._initialized = True
+        try:
+            kind = int(getattr(nv, "nvmlEventTypeXidCriticalError", _XID_CRITICAL))
+            count = int(nv.nvmlDeviceGetCount())
+            self.event_set = nv.nvmlEventSetCreate()
+            self.gpus, self.unsupported = [], []
+            for index in range(count):
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                pci = None
+                with contextlib.suppress(nv.NVMLError, AttributeError):
+                    pci = nvml_mod._text(getattr(nv.nvmlDeviceGetPciInfo(handle), "busId", None))
+                try:
+                    nv.nvmlDeviceRegisterEvents(handle, kind, self.event_set)
+                except nv.NVMLError as exc:
+                    if getattr(exc, "value", None) != int(getattr(nv, "NVML_ERROR_NOT_SUPPORTED", _NOT_SUPPORTED)):
+                        raise
+                    self.unsupported.append(index)
+                self.gpus.append(GpuRef(index, pci))
+        except nv.NVMLError as exc:
+            self.close()
+            raise NvmlUnavailable(f"cannot register for XID events ({self._err(exc)})") from None
+        except BaseException:
+            self.close()
+            raise
+        if count == 0:
+            self.close()
+            raise NvmlUnavailable("NVML sees no GPU")
+        if len(self.unsupported) == count:
+            self.close()
+            raise NvmlUnavailable("XID events are not supported on these GPUs (NVML_ERROR_NOT_SUPPORTED)")
+        return self.gpus
+
+    def wait(self) -> XidEvent | None:
+        """One bounded wait; the XID event, or None on timeout or another event type.
+
+        Raises the NVMLError of a failed wait (GPU_IS_LOST included) to the caller."""
+        nv = self.nv
+        waiter = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
+        try:
+            data = waiter(self.event_set, self.wait_ms)
+        except nv.NVMLError as exc:
+            if getattr(exc, "value", None) == int(getattr(nv, "NVML_ERROR_TIMEOUT", _TIMEOUT)):
+                return None
+            raise
+        kind = int(getattr(nv, "nvmlEventTypeXidCriticalError", _XID_CRITICAL))
+        if not int(getattr(data, "eventType", 0)) & kind:
+            return None
+        return XidEvent(xid=int(data.eventData), gpu=self._index_of(data.device), source="nvml")
+
+    def _index_of(self, handle: Any) -> int | None:
+        nv = self.nv
+        with contextlib.suppress(Exception):
+            return int(nv.nvmlDeviceGetIndex(handle))
+        with contextlib.suppress(Exception):
+            from . import nvml as nvml_mod
+
+            pci = kernlog.normalize_pci(nvml_mod._text(nv.nvmlDeviceGetPciInfo(handle).busId) or "")
+            for g in self.gpus:
+                if g.pci_bus_id and kernlog.normalize_pci(g.pci_bus_id) == pci:
+                    return g.index
+        return None
+
+    def close(self) -> None:
+        nv = self.nv
+        if nv is None:
+            return
+        if self.event_set is not None:
+            with contextlib.suppress(Exception):
+                nv.nvmlEventSetFree(self.event_set)
+            self.event_set = None
+        if self._initialized:
+            with contextlib.suppress(Exception):
+                nv.nvmlShutdown()
+            self._initialized = False
+
+
+# --- change detection for the kernel-log source --------------------------------------------
+
+
+class _Always:
+    """Sources that cost a process to read (journalctl, dmesg): read every SLOW_SOURCE_S."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.next = 0.0
+
+    fd = None
+
+    def changed(self) -> bool:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + self.period
+            return True
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class _FileStat:
+    """A plain file: changed when its inode, size or mtime changed (one stat per poll)."""
+
+    fd = None
+
+    def __init__(self, path: str):
+        self.path = path
+        self.last: tuple | None = None
+
+    def changed(self) -> bool:
+        try:
+            st = os.stat(self.path)
+            key: tuple = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = ()
+        if key != self.last:
+            self.last = key
+            return True
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class _KmsgPoll:
+    """/dev/kmsg: an fd at the end of the buffer becomes readable when a record is added."""
+
+    def __init__(self, path: str):
+        self.fd: int | None = None
+        with contextlib.suppress(OSError):
+            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            os.lseek(self.fd, 0, os.SEEK_END)
+
+    def changed(self) -> bool:
+        if self.fd is None:
+            return True
+        readable, _, _ = select.select([self.fd], [], [], 0)
+        if not readable:
+            return False
+        while True:  # drain what arrived; the source reads it from the cursor
+            try:
+                if not os.read(self.fd, 65536):
+                    break
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: overwritten records; keep draining
+                continue
+        return True
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def change_detector(source: kernlog.Source):
+    if isinstance(source, kernlog.FileSource):
+        return _FileStat(str(source.path))
+    if isinstance(source, kernlog.KmsgSource):
+        return _KmsgPoll(source.path)
+    return _Always(SLOW_SOURCE_S)
+
+
+# --- the watcher ------------------------------------------------------------------------
+
+
+class _Retry:
+    """Failure state of one input: said once per streak, retried with exponential backoff."""
+
+    def __init__(self, say: Callable[[str], None], what: str):
+        self.say, self.what = say, what
+        self.failing = False
+        self.backoff = RETRY_MIN_S
+        self.at = 0.0
+
+    def due(self) -> bool:
+        return self.failing and time.monotonic() >= self.at
+
+    def ok(self) -> None:
+        if self.failing:
+            self.say(f"{self.what}: recovered; acting on XID events again")
+        self.failing = False
+        self.backoff = RETRY_MIN_S
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.failing:
+            self.say(f"{self.what}: cannot act: {_describe(exc)}; retrying")
+        self.failing = True
+        self.at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, RETRY_MAX_S)
+
+
+class Watcher:
+    """Follows NVML XID events and the kernel log; drains on a drain-class XID."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        node: str,
+        slurm: Slurm | None = None,
+        *,
+        nvml: Any = None,
+        use_nvml: bool = True,
+        interval: float = DEFAULT_INTERVAL_S,
+        log: DecisionLog | None = None,
+        stderr: TextIO = sys.stderr,
+        env: dict[str, str] | os._Environ = os.environ,
+        nvml_retry_s: float = NVML_RETRY_S,
+        nvml_wait_ms: int = NVML_WAIT_MS,
+    ):
+        self.cfg = cfg
+        self.node = node
+        self.slurm = slurm or Slurm.from_config(cfg)
+        self.interval = interval
+        self.log = log or DecisionLog(decision_log_path(cfg, node), use_syslog=cfg.hooks.syslog)
+        self.stderr = stderr
+        self.env = env
+        self.state_dir = cfg.state_path(node)
+        self.source: kernlog.Source | None = None
+        if cfg.health.kernel_log_enabled:
+            self.source = kernlog.source_for(cfg.node_path(cfg.health.kernel_log, node))
+        self.use_nvml = use_nvml
+        self.nvml_events = NvmlXidEvents(nvml, wait_ms=nvml_wait_ms)
+        self.nvml_retry_s = nvml_retry_s
+        self.nvml_gpus: list[GpuRef] = []
+        self.nvml_state = "off" if not use_nvml else "starting"
+        self.events: queue.Queue[XidEvent] = queue.Queue()
+        self.pending: list[XidEvent] = []  # NVML events whose drain failed: retried
+        self.recent: dict[tuple[int | None, int], tuple[float, str]] = {}
+        self.app_xids = 0
+        self.drains = 0
+        self.judged = 0
+        self._stopping = False
+        self._stopped = threading.Event()  # set by the main loop on its way out: wakes the NVML thread
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # NVML event or stop: wake the loop
+        self._poller = select.poll()
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._polled_fd: int | None = None
+        self._said: set[str] = set()
+        self._kernel_retry = _Retry(self.say, "kernel log")
+        self._nvml_retry = _Retry(self.say, "NVML XID event(s)")
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def stop(self, *_: Any) -> None:
+        """Ask the loop to end (safe from a signal handler: a flag and a byte down a pipe)."""
+        self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full pipe: a wake-up is pending anyway
+            os.write(self._wake_w, b"!")
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def say(self, text: str, once_key: str | None = None) -> None:
+        if once_key is not None:
+            if once_key in self._said:
+                return
+            self._said.add(once_key)
+        print(f"slurmagent watch: {text}", file=self.stderr, flush=True)
+
+    def run(self) -> int:
+        """The main loop; returns 0 once stopped."""
+        detector = change_detector(self.source) if self.source is not None else None
+        if self.use_nvml:
+            self._thread = threading.Thread(target=self._nvml_loop, name="nvml-xid-events", daemon=True)
+            self._thread.start()
+        following = []
+        if self.source is not None:
+            following.append(f"kernel log ({self.source.name})")
+        if self.use_nvml:
+            following.append("NVML XID events")
+        if not following:
+            self.say("nothing to follow: [health] kernel_log_enabled is false and NVML is off", "nothing")
+        self.say(f"node {self.node}: following {' and '.join(following) or 'nothing'}")
+        ping_every = watchdog_interval(self.env)
+        next_ping = 0.0
+        first = True
+        try:
+            while not self._stopping:
+                self._poll_kernel(detector, force=first)
+                if first:
+                    sd_notify(f"READY=1\nSTATUS=following {' and '.join(following) or 'nothing'}", self.env)
+                    first = False
+                self._wait(detector)
+                self._drain_queue()
+                if ping_every is not None and time.monotonic() >= next_ping:
+                    sd_notify("WATCHDOG=1", self.env)
+                    next_ping = time.monotonic() + ping_every
+        finally:
+            sd_notify("STOPPING=1", self.env)
+            self._stopping = True
+            self._stopped.set()
+            if detector is not None:
+                if self._polled_fd is not None:
+                    with contextlib.suppress(KeyError, ValueError):
+                        self._poller.unregister(self._polled_fd)
+                    self._polled_fd = None
+                detector.close()
+            if self._thread is not None:
+                self._thread.join(timeout=self.nvml_events.wait_ms / 1000 + 1)
+        self.say(f"stopped ({self.judged} XID events judged, {self.drains} drains, {self.app_xids} application XIDs)")
+        return 0
+
+    # --- NVML thread -------------------------------------------------------------------
+
+    def _nvml_loop(self) -> None:
+        ev = self.nvml_events
+        last_problem = None
+        while not self._stopping:
+            try:
+                self.nvml_gpus = ev.open()
+            except Exception as exc:  # noqa: BLE001 - NVML (or a binding bug) must not end the watcher
+                problem = str(exc) if isinstance(exc, NvmlUnavailable) else f"{type(exc).__name__}: {exc}"
+                if problem != last_problem:  # said once, again only when the problem changes
+                    self.say(f"NVML XID events unavailable: {problem}; following the kernel log only")
+                    last_problem = problem
+                self.nvml_state = "unavailable"
+                self._sleep(self.nvml_retry_s)
+                continue
+            if ev.unsupported:
+                self.say(f"GPU(s) {', '.join(map(str, ev.unsupported))} cannot deliver XID events "
+                         "(NVML_ERROR_NOT_SUPPORTED); the kernel log covers them", "nvml-partial")
+            if last_problem is not None or self.nvml_state == "starting":
+                self.say(f"NVML XID events on ({len(ev.gpus) - len(ev.unsupported)} GPU(s))")
+            self.nvml_state = "on"
+            last_problem = None
+            try:
+                while not self._stopping:
+                    event = ev.wait()
+                    if event is not None:
+                        self.events.put(event)
+                        self._wake()
+            except Exception as exc:  # noqa: BLE001
+                nv = ev.nv
+                value = getattr(exc, "value", None)
+                if value == int(getattr(nv, "NVML_ERROR_GPU_IS_LOST", _GPU_IS_LOST)):
+                    # The driver also logs Xid 79 with the GPU's address; the kernel log names it.
+                    self.say("NVML event wait: a GPU is lost (NVML_ERROR_GPU_IS_LOST)")
+                    last_problem = "gpu-lost"
+                else:
+                    last_problem = f"event wait failed ({ev._err(exc) if hasattr(exc, 'value') else exc})"
+                    self.say(f"NVML XID events: {last_problem}; following the kernel log, retrying")
+                self.nvml_state = "unavailable"
+            finally:
+                ev.close()
+            self._sleep(self.nvml_retry_s)
+
+    def _sleep(self, seconds: float) -> None:
+        if not self._stopping:
+            self._stopped.wait(seconds)
+
+    # --- main thread: judging ------------------------------------------------------------
+
+    def _wait(self, detector) -> None:
+        """Sleep in poll(): an NVML event, a stop or a new /dev/kmsg record ends it at once.
+
+        A file source is polled every `interval`; when every input can wake the loop (kmsg,
+        NVML, or no kernel log) it sleeps EVENT_WAIT_S, for the watchdog and retries only."""
+        fd = detector.fd if detector is not None else None
+        if fd != self._polled_fd:
+            if self._polled_fd is not None:
+                self._poller.unregister(self._polled_fd)
+            if fd is not None:
+                self._poller.register(fd, select.POLLIN)
+            self._polled_fd = fd
+        event_driven = detector is None or fd is not None
+        timeout = EVENT_WAIT_S if event_driven else self.interval
+        try:
+            ready = self._poller.poll(timeout * 1000)
+        except InterruptedError:
+            return
+        if any(f == self._wake_r for f, _ in ready):
+            with contextlib.suppress(OSError):
+                os.read(self._wake_r, 4096)
+
+    def _drain_queue(self) -> None:
+        """Judge the NVML events that arrived (and failed ones once their retry is due)."""
+        new: list[XidEvent] = []
+        while True:
+            try:
+                new.append(self.events.get_nowait())
+            except queue.Empty:
+                break
+        if self._nvml_retry.failing and not self._nvml_retry.due():
+            self.pending.extend(new)  # acted on together at the next retry
+            return
+        batch, self.pending = self.pending + new, []
+        if not batch:
+            return
+        try:
+            self.judge(batch)
+            self._nvml_retry.ok()
+        except Exception as exc:  # noqa: BLE001 - keep the events, say why, retry with backoff
+            self.pending = batch
+            self._nvml_retry.failed(exc)
+
+    def _poll_kernel(self, detector, force: bool = False) -> None:
+        if self.source is None:
+            return
+        if not (detector.changed() or force or self._kernel_retry.due()):
+            return
+        try:
+            with kernlog.locked(self.state_dir, self.cfg.health.timeout_s):
+                batch = kernlog.read_since(self.source, self.state_dir)
+                if batch.xids:
+                    gpus = self.gpu_refs()
+                    self.judge([
+                        XidEvent(xid=k.xid, gpu=g, source="kernel_log", detail=k.detail, raw=k.raw, pci=k.pci)
+                        for g, k in kernlog.map_to_gpus(batch.xids, gpus)
+                    ])
+                saved = kernlog.load_cursor(self.state_dir)
+                if saved != batch.cursor:
+                    kernlog.commit_cursor(self.state_dir, batch.cursor)  # after the decision was acted on
+            self._kernel_retry.ok()
+        except Exception as exc:  # noqa: BLE001 - the cursor stays put: judged again on the retry
+            self._kernel_retry.failed(exc)
+
+    def gpu_refs(self) -> list[Any]:
+        """Index and PCI address of each GPU: the replay snapshot, else NVML's view."""
+        if self.cfg.health.snapshot or not self.nvml_gpus:
+            from .health import read_snapshot
+
+            try:
+                return list(read_snapshot(self.cfg, self.node).gpus)
+            except Exception as exc:  # noqa: BLE001 - the XID is judged anyway, as "gpu ?"
+                self.say(f"cannot map XIDs to GPU indices: {exc}", "gpu-map")
+                return list(self.nvml_gpus)
+        return list(self.nvml_gpus)
+
+    def _duplicate(self, event: XidEvent) -> bool:
+        """The same XID already seen through the other input moments ago (NVML + NVRM line)."""
+        now = event.seen
+        for key, (when, _) in list(self.recent.items()):
+            if now - when > DUPLICATE_WINDOW_S:
+                del self.recent[key]
+        key = (event.gpu, event.xid)
+        prior = self.recent.get(key)
+        self.recent[key] = (now, event.source)
+        return prior is not None and prior[1] != event.source and now - prior[0] <= DUPLICATE_WINDOW_S
+
+    def judge(self, events: list[XidEvent]) -> str | None:
+        """Decide and act on a batch of XID events; one decision line per event.
+
+        Raises SlurmagentError when the drain failed (the caller keeps the events)."""
+        judged: list[tuple[XidEvent, Finding, bool]] = []
+        for e in events:
+            judged.append((e, xid_finding(e.xid, e.gpu, e.detail), self._duplicate(e)))
+        drains = [f for _, f, _ in judged if f.severity is Severity.DRAIN]
+        action = reason = None
+        if drains:
+            reason = reason_for(Report(findings=drains))
+            from .repair import drain_node  # journaled, through the circuit breaker
+
+            outcome = drain_node(self.cfg, self.slurm, self.node, reason, drains, source="watch")
+            if outcome.action.startswith("drain-failed"):
+                raise SlurmError(outcome.action)  # keep the events: retried here, and by the journal
+            action = outcome.action
+        for e, f, dup in judged:
+            if dup and (f.severity is not Severity.DRAIN or action != "drained"):
+                continue  # already judged through the other input
+            self.judged += 1
+            fields: dict[str, Any] = dict(node=self.node, source=e.source, rule=f.rule, gpu=e.gpu, xid=e.xid,
+                                          observed=e.xid, meaning=f.detail)
+            if f.severity is Severity.DRAIN:
+                self.drains += action == "drained"
+                fields.update(verdict="unhealthy", reason=reason, action=action)
+            else:
+                self.app_xids += 1
+                fields.update(verdict="warning", action="none (application xid)", app_xid_count=self.app_xids)
+            if e.raw:
+                fields["line"] = e.raw[-300:]
+            self.log.started = e.seen  # duration_ms: from the event seen to the decision logged
+            self.log.write("watch", **fields)
+            if f.severity is Severity.DRAIN:
+                self.say(f"{f.summary}: {action} ({reason})")
+        return action
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+
+
+def run_watch(cfg: Config, node: str, *, interval: float = DEFAULT_INTERVAL_S, use_nvml: bool = True,
+              nvml: Any = None, stderr: TextIO = sys.stderr) -> int:
+    """`slurmagent watch`: run until SIGTERM/SIGINT, then exit 0."""
+    watcher = Watcher(cfg, node, nvml=nvml, use_nvml=use_nvml, interval=interval, stderr=stderr)
+    previous: dict[int, Callable | int | None] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, watcher.stop)
+    try:
+        return watcher.run()
+    finally:
+        for sig, handler in previous.items():
+            with contextlib.suppress(Exception):
+                signal.signal(sig, handler)

@@ -1,0 +1,153 @@
+"""The drain circuit breaker on a real 8-node Slurm cluster: a burst of 4 failing nodes with
+the limit at 25% leaves exactly 2 drained and 2 suppressed (and visible)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cluster_config_text, healthy_snapshot_dict, write_json
+from slurmagent import policy
+from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+
+pytestmark = pytest.mark.slurm
+
+NODES = [f"n{i}" for i in range(1, 9)]
+POWER_BRAKE = "hw_power_brake_slowdown"
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    why = slurm_available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"local Slurm cluster unavailable in CI: {why}")
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("breaker")
+    root.chmod(0o755)
+    (root / "kern").mkdir()
+    for n in NODES:
+        write_json(root / "snap" / f"{n}.json", healthy_snapshot_dict(hostname=n))
+        (root / "kern" / f"{n}.log").touch()
+    config = root / "config.toml"
+    config.write_text(cluster_config_text(root) + "[repair]\nmax_drained_fraction = 0.25\nstrategy = \"none\"\n")
+    cluster = LocalSlurmCluster(root / "slurm", nodes=NODES)
+    cluster.start()
+    yield cluster, root, config
+    cluster.stop()
+
+
+def prologs_at_once(cluster, config, nodes):
+    env = dict(cluster.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO))
+    procs = {n: subprocess.Popen([sys.executable, "-m", "slurmagent.entry", "prolog"],
+                                 env=dict(env, SLURMD_NODENAME=n, SLURM_JOB_ID=str(880000 + i)),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, n in enumerate(nodes)}
+    results = {}
+    for n, p in procs.items():
+        out, err = p.communicate(timeout=60)
+        results[n] = (p.returncode, err)
+    return results
+
+
+def views(cluster):
+    proc = cluster.run(["scontrol", "-o", "show", "node"], check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    from slurmagent.slurm import parse_kv
+
+    return {v.name: v for v in (policy.node_view(parse_kv(line)) for line in out.splitlines() if line)}
+
+
+def reset(cluster, root):
+    for n in NODES:
+        write_json(root / "snap" / f"{n}.json", healthy_snapshot_dict(hostname=n))
+    cluster.run(["scontrol", "update", "nodename=n[1-8]", "comment="], check=False)
+    cluster.reset_nodes()
+
+
+def set_fault(root, node, fault):
+    snap = healthy_snapshot_dict(hostname=node)
+    if fault == "power-brake":
+        snap["gpus"][0]["clocks_event_reasons"] = [POWER_BRAKE]
+    elif fault == "gpu-lost":
+        snap["gpus"][2] = {"index": 2, "lost": True}
+    write_json(root / "snap" / f"{node}.json", snap)
+
+
+def test_burst_of_four_with_limit_25_percent_drains_exactly_two(eight, capfd):
+    cluster, root, config = eight
+    reset(cluster, root)
+    bad = ["n2", "n4", "n5", "n7"]
+    for n in bad:
+        set_fault(root, n, "power-brake")  # e.g. a facility power event: the same fault everywhere
+
+    results = prologs_at_once(cluster, config, bad)
+
+    v = views(cluster)
+    drained = sorted(n for n in bad if v[n].ours)
+    suppressed = sorted(n for n in bad if v[n].marks.suppressed_at is not None)
+    assert len(drained) == 2, (results, {n: (v[n].state, v[n].reason, v[n].comment) for n in bad})
+    assert len(suppressed) == 2 and not set(drained) & set(suppressed)
+    assert all(v[n].reason.startswith("slurmagent: hw-slowdown: gpu 0") for n in drained)
+    assert not any(v[n].drained for n in suppressed)  # still in service
+    assert not any(v[n].drained for n in NODES if n not in bad)
+    for n in drained:
+        assert results[n][0] == 1
+    for n in suppressed:  # power brake: the GPUs work, slower; the job may run (breaker open)
+        assert results[n][0] == 0, results[n]
+        assert "CIRCUIT BREAKER" in results[n][1]
+
+    # visible cluster-wide: status and the journal of each node
+    env = dict(cluster.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO))
+    st = subprocess.run([sys.executable, "-m", "slurmagent.entry", "status", "--json"], env=env,
+                        capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0, st.stderr
+    data = json.loads(st.stdout)
+    assert data["breaker"]["state"] == "open"
+    assert data["breaker"]["drained"] == drained and data["breaker"]["suppressed"] == suppressed
+    rows = {r["node"]: r for r in data["nodes"]}
+    assert all(rows[n]["repair"].startswith("suppressed by breaker") and rows[n]["rule"] == "hw-slowdown"
+               for n in suppressed)
+    table = subprocess.run([sys.executable, "-m", "slurmagent.entry", "status"], env=env, capture_output=True,
+                           text=True, timeout=60).stdout
+    assert "breaker: OPEN: 2 of 8 nodes drained by slurmagent, limit 2 (25%)" in table
+    # repairs are held back too (strategy none here: the plan is what counts)
+    rep = subprocess.run([sys.executable, "-m", "slurmagent.entry", "repair", "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0 and "CIRCUIT BREAKER OPEN" in rep.stderr
+
+    # an admin who knows better overrides the breaker for one node
+    forced = suppressed[1]
+    rep = subprocess.run([sys.executable, "-m", "slurmagent.entry", "repair", "--force", forced], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    assert f"{forced}: drained (breaker overridden) (--force)" in rep.stdout
+    after = views(cluster)[forced]
+    assert after.ours and after.reason.startswith("slurmagent: hw-slowdown: gpu 0") and after.marks.empty
+
+    # a suppressed node that turns healthy clears its mark on its next (healthy) prolog
+    n = suppressed[0]
+    write_json(root / "snap" / f"{n}.json", healthy_snapshot_dict(hostname=n))
+    assert prologs_at_once(cluster, config, [n])[n][0] == 0
+    assert views(cluster)[n].marks.suppressed_at is None
+
+
+def test_suppressed_node_with_a_lost_gpu_still_keeps_the_job_off(eight):
+    cluster, root, config = eight
+    reset(cluster, root)
+    bad = ["n1", "n3", "n6"]
+    for n in bad:
+        set_fault(root, n, "gpu-lost")
+
+    results = prologs_at_once(cluster, config, bad)
+
+    v = views(cluster)
+    assert sorted(n for n in bad if v[n].ours).__len__() == 2
+    assert all(code == 1 for code, _ in results.values())  # no job runs on a lost GPU, breaker or not
+    [loser] = [n for n in bad if not v[n].ours]
+    assert v[loser].marks.suppressed_at is not None and "gpu-lost" in v[loser].marks.suppressed_summary

@@ -1,0 +1,170 @@
+"""Pure decisions: breaker arithmetic, race-safe drains, repair planning, reasons."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from slurmagent import policy
+from slurmagent.checks import Finding, Severity
+from slurmagent.policy import NodeView, node_view
+from slurmagent.slurm import parse_kv
+
+T0 = 1_800_000_000.0
+
+
+def view(name, state="IDLE", reason="", t=None, comment=""):
+    return NodeView(name, frozenset(state.split("+")), reason, t, comment)
+
+
+def cluster(n, **special):
+    return [special.get(f"n{i}", view(f"n{i}")) for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("total,fraction,allowed", [(8, 0.25, 2), (3, 0.25, 1), (16, 0.25, 4), (10, 0.1, 1),
+                                                    (0, 0.25, 0), (10, 1.0, 10), (7, 0.5, 3), (20, 0.0, 1)])
+def test_allowed_drained(total, fraction, allowed):
+    assert policy.allowed_drained(total, fraction) == allowed
+
+
+def test_node_view_parses_reason_time_and_comment():
+    line = ("NodeName=n1 Arch=x86_64 CoresPerSocket=1 State=IDLE+DRAIN ThreadsPerCore=1 Partitions=gpu "
+            "BootTime=2026-11-30T09:37:42 SlurmdStartTime=2026-11-30T09:49:04 "
+            "Reason=slurmagent: xid 79 on gpu 3 (fallen off the bus) [root@2026-11-30T09:49:04] "
+            "Comment=slurmagent drained@1764495944.125")
+    n = node_view(parse_kv(line))
+    assert n.ours and n.drained and not n.repairing and n.registered
+    assert n.reason == "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
+    assert n.reason_time == policy.parse_slurm_time("2026-11-30T09:49:04")
+    assert n.marks.drained_at == 1764495944.125  # an older comment format still parses
+    down = node_view(parse_kv("NodeName=n2 State=DOWN+DRAIN+NOT_RESPONDING Reason=Not responding [slurm@2026-11-30T09:00:00]"))
+    assert down.held_by_other and not down.registered and not down.ours
+
+
+def test_reasons_round_trip():
+    r = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
+    rep = policy.repairing_reason(r)
+    assert rep == "slurmagent: repairing: xid 79 on gpu 3 (fallen off the bus)"
+    assert policy.repairing_reason(rep) == rep
+    assert policy.fault_reason(rep) == r
+    assert policy.rule_of(rep) == "xid 79" and policy.rule_of("slurmagent: ecc-uncorrectable: gpu 2 3 errs") == "ecc-uncorrectable"
+    assert not policy.repairable("slurmagent: expiry: terminates at 2026-11-30T10:00:00Z")
+    assert policy.repairable(r)
+    assert policy.fault_behavior("hw-slowdown") == "PERFORMANCE"
+    assert policy.fault_behavior("xid 79") == "UNRECOVERABLE_GPU_ERROR"
+
+
+def test_comment_marks():
+    c = policy.suppressed_comment(T0, "hw-slowdown: gpu 0 clocks slowed by hw_power_brake_slowdown")
+    m = policy.parse_comment(c)
+    assert m.suppressed_at == T0 and m.suppressed_summary.startswith("hw-slowdown: gpu 0")
+    assert policy.parse_comment("admin: RMA ticket 42").empty
+    assert not view("n1", comment="admin note").comment_free and view("n1", comment=c).comment_free
+
+
+def test_blocks_job_only_when_gpus_unusable():
+    lost = Finding("gpu-lost", Severity.DRAIN, 2, "GPU is lost", True)
+    xid79 = Finding("xid", Severity.DRAIN, 3, "fallen off the bus", 79)
+    slow = Finding("hw-slowdown", Severity.DRAIN, 0, "power brake", ["hw_power_brake_slowdown"])
+    warn = Finding("gpu-count", Severity.WARN, None, "x", 7)
+    assert policy.blocks_job([lost]) and policy.blocks_job([slow, xid79])
+    assert not policy.blocks_job([slow]) and not policy.blocks_job([warn])
+
+
+def test_decide_drain():
+    ours = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
+    nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", ours, T0), n2=view("n2", "IDLE+DRAIN", "admin: PSU", T0),
+                    n3=view("n3", "DOWN", "Not responding", T0), n4=view("n4", "IDLE+DRAIN", "Prolog error", T0))
+    assert policy.decide_drain(nodes, "n1", ours, 0.25) == "already-drained"
+    assert policy.decide_drain(nodes, "n1", "slurmagent: gpu-lost: gpu 1", 0.25) == "update-reason"
+    assert policy.decide_drain(nodes, "n2", ours, 0.25) == "kept-admin-drain"
+    assert policy.decide_drain(nodes, "n3", ours, 0.25) == "kept-admin-drain"
+    assert policy.decide_drain(nodes, "n4", ours, 0.25) == "kept-admin-drain"
+    assert policy.decide_drain(nodes, "n4", ours, 0.25, takeover_reasons=("Prolog error",)) == "drain"
+    assert policy.decide_drain(nodes, "n5", ours, 0.25) == "drain"  # 1 of 2 used
+    assert policy.decide_drain(nodes, "n9", ours, 0.25) == "no-such-node"
+    full = [*nodes[:4], view("n5", "IDLE+DRAIN", ours, T0), *nodes[5:]]
+    assert policy.decide_drain(full, "n6", ours, 0.25) == "suppress"
+    assert policy.decide_drain(full, "n6", ours, 1.0) == "drain"  # breaker off
+
+
+def simulate_burst(n_nodes, racers, fraction, rng, established=()):
+    """Racers drain optimistically at (second, order); each verifies with a view that holds
+    every update applied in its own second or earlier plus a random subset of later ones."""
+    base = {f"n{i}": view(f"n{i}") for i in range(1, n_nodes + 1)}
+    for name in established:
+        base[name] = view(name, "IDLE+DRAIN", "slurmagent: xid 48 on gpu 0", T0 - 600)
+    # first look: every racer sees only the established drains (they all start together)
+    start = list(base.values())
+    movers = [r for r in racers if policy.decide_drain(start, r, "slurmagent: hw-slowdown: gpu 0", fraction) == "drain"]
+    applied = {r: T0 + rng.choice([0, 0, 0, 1]) for r in movers}  # the second slurmctld applied each drain in
+    kept = []
+    for r in movers:
+        visible = {m for m, s in applied.items() if s <= applied[r] or rng.random() < 0.5}
+        nodes = [view(name, "IDLE+DRAIN", "slurmagent: hw-slowdown: gpu 0", applied[name]) if name in visible
+                 else node for name, node in base.items()]
+        if policy.keeps_drain(nodes, r, fraction):
+            kept.append(r)
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_burst_keeps_exactly_the_limit(seed):
+    rng = random.Random(seed)
+    racers = rng.sample([f"n{i}" for i in range(1, 9)], 4)
+    kept = simulate_burst(8, racers, 0.25, rng)
+    assert len(kept) == 2, kept
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_burst_respects_established_drains(seed):
+    rng = random.Random(seed)
+    kept = simulate_burst(16, ["n2", "n5", "n9", "n11", "n14", "n15"], 0.25, rng, established=("n1",))
+    assert len(kept) == 3, kept  # 4 allowed, 1 already taken
+
+
+def test_breaker_state():
+    ours = "slurmagent: hw-slowdown: gpu 0"
+    nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", ours, T0), n2=view("n2", "IDLE+DRAIN", ours, T0),
+                    n3=view("n3", comment=policy.suppressed_comment(T0, "hw-slowdown: gpu 0")),
+                    n4=view("n4", "IDLE+DRAIN", "Prolog error", T0, comment=policy.suppressed_comment(T0, "gpu-lost")),
+                    n5=view("n5", comment=policy.suppressed_comment(T0 - 2 * 86400, "old")))
+    b = policy.breaker(nodes, 0.25, now=T0 + 10)
+    assert b.drained == ("n1", "n2") and b.suppressed == ("n3", "n4") and b.open and b.full
+    assert "OPEN" in b.describe() and "n3, n4" in b.describe()
+    calm = nodes[:2] + [view(f"n{i}") for i in (3, 4, 5)] + nodes[5:]
+    assert not policy.breaker(calm, 0.25, now=T0).open and policy.breaker(calm, 0.25, now=T0).full
+
+
+def test_plan_repair():
+    ours = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
+    nodes = [view("n1", "IDLE+DRAIN", ours, T0), view("n2", "IDLE+DRAIN", "admin: PSU", T0),
+             view("n3", "IDLE+DRAIN", policy.repairing_reason(ours), T0), view("n4", "MIXED+DRAIN", ours, T0),
+             view("n5", "IDLE+DRAIN", "slurmagent: expiry: terminates soon", T0), view("n6", "IDLE"),
+             view("n7", "IDLE+DRAIN", ours, T0), *[view(f"n{i}") for i in range(8, 30)]]
+    b = policy.breaker(nodes, 0.25, now=T0)
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0 + 60,
+                              history={"n7": [T0 - 100, T0 - 50, T0 - 10]})
+    assert plan.todo == ["n1"]
+    assert set(plan.skipped) == {"n3", "n4", "n5"} and "already requested" in plan.skipped["n3"]
+    assert "n7" in plan.refused and "3 times" in plan.refused["n7"]
+    named = policy.plan_repair(nodes, ["n1", "n2", "n6", "nx"], force=False, breaker_state=b, now=T0 + 60)
+    assert named.todo == ["n1"]
+    assert "someone else" in named.refused["n2"] and "not drained" in named.refused["n6"] and "no such" in named.refused["nx"]
+    later = policy.plan_repair(nodes, ["n3"], force=False, breaker_state=b, now=T0 + 7200)
+    assert later.todo == ["n3"]  # asked long ago and still drained: ask again
+    forced = policy.plan_repair(nodes, ["n4"], force=True, breaker_state=b, now=T0)
+    assert forced.todo == ["n4"]
+
+
+def test_plan_repair_with_open_breaker():
+    ours = "slurmagent: hw-slowdown: gpu 0"
+    nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", ours, T0), n2=view("n2", "IDLE+DRAIN", ours, T0),
+                    n3=view("n3", comment=policy.suppressed_comment(T0, "hw-slowdown: gpu 0")),
+                    n4=view("n4", comment=policy.suppressed_comment(T0, "hw-slowdown: gpu 0")))
+    b = policy.breaker(nodes, 0.25, now=T0)
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0)
+    assert plan.todo == [] and plan.suppressed == ["n1", "n2"]
+    forced = policy.plan_repair(nodes, ["n3"], force=True, breaker_state=b, now=T0)
+    assert forced.todo == ["n3"] and forced.needs_drain == ["n3"]
