@@ -111,11 +111,17 @@ def run_healthcheck(
         if report.healthy:
             warnings = [f.summary for f in report.findings]
             log.write("healthcheck", node=node, verdict="healthy", action="none", warnings=warnings or None)
+            from . import metrics
+
+            metrics.for_node(cfg, node).record_check(report)
             return 0
         reason = reason_for(report)
         from .repair import drain_node  # journaled, through the circuit breaker
 
         action = drain_node(cfg, slurm_factory(cfg), node, reason, report.findings, source="healthcheck").action
+        from . import metrics
+
+        metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
         worst = report.worst
         log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
                   observed=worst.observed, reason=reason, action=action,

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from . import metrics
 from .checks import Report
 from .config import Config
 from .decisionlog import DecisionLog
@@ -105,6 +106,7 @@ def run_hook(
             warnings = [f.summary for f in report.findings]
             log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", action="none",
                       warnings=warnings or None)
+            metrics.for_node(cfg, ctx.node).record_check(report)
             from .journal import needs_attention  # replay a non-empty journal (issue 4)
 
             if needs_attention(cfg.state_path(ctx.node)):
@@ -142,6 +144,9 @@ def run_hook(
         log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
                   observed=worst.observed, reason=reason, action=",".join(actions),
                   findings=[f.summary for f in report.findings])
+        metrics.for_node(cfg, ctx.node).record_check(
+            report, drained_rule=worst.rule if drain.drained else None,
+            requeued=any(a.startswith("requeued") for a in actions))
         print(f"slurmagent {ctx.hook}: node {ctx.node} unhealthy: {reason}", file=stderr)
         return code
     except Exception as exc:  # noqa: BLE001 - a hook must never crash without a decision

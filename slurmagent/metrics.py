@@ -114,3 +114,9 @@ def read_values(state_dir: Path) -> dict[str, float]:
         return values if isinstance(values, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def for_node(cfg, node: str | None) -> Metrics:
+    """The node's metrics, honouring `[metrics] textfile`."""
+    textfile = cfg.node_path(cfg.metrics.textfile, node) if cfg.metrics.textfile else None
+    return Metrics(cfg.state_path(node), Path(textfile) if textfile else None)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from . import hostlist, policy
+from . import hostlist, metrics, policy
 from .config import Config
 from .errors import SlurmagentError, SlurmError
 from .journal import SUPPRESSED_MARKER, Entry, Journal, Retry, StopReplay, _write_atomic
@@ -209,12 +209,14 @@ class Runtime:
         b = policy.breaker(nodes, self.fraction, self.clock(), float(_r(self.cfg, "suppressed_ttl_s", 86400.0)))
         if decision == "suppress" and not p.get("force"):
             self._suppress(me, p, b)
+            metrics.for_node(self.cfg, self.local_node).update(set_={("slurmagent_breaker_open", ()): 1})
             return "suppressed-by-breaker"
         fields = {"State": "DRAIN", "Reason": reason}
         if me is not None and me.marks.suppressed_at is not None:
             fields["Comment"] = ""  # no longer held back by the breaker: drained now
         self._update([node], **fields)
         self._drop_marker(node)
+        metrics.for_node(self.cfg, self.local_node).update(set_={("slurmagent_breaker_open", ()): 0})
         if p.get("force") or policy.allowed_drained(len(nodes), self.fraction) >= len(nodes):
             return "drained" + (" (breaker overridden)" if decision == "suppress" else "")
         # Optimistic drain: verify against drains other machines made in the same burst.
@@ -326,6 +328,7 @@ class Runtime:
             self._revert(live)
             return f"failed: {exc}"
         record_history(self.state_dir, list(live), self.clock())
+        metrics.for_node(self.cfg, self.local_node).update(add={("slurmagent_repairs_total", ()): len(live)})
         return "requested: " + ", ".join(str(o) for o in ops)
 
     def _revert(self, live: dict[str, dict[str, Any]]) -> None:
@@ -633,6 +636,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
             continue
         rt.journal.mark_done(entry, "requested: " + ", ".join(str(o) for o in ops))
         record_history(rt.state_dir, members, now)
+        metrics.for_node(rt.cfg, rt.local_node).update(add={("slurmagent_repairs_total", ()): len(members)})
         what = (f"recreate requested via MIG {_mig_short(payload['mig'])}" if strategy == "recreate"
                 else "reported host as faulty")
         for n in members:

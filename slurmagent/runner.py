@@ -66,7 +66,19 @@ def run_command(cfg: Config, cmd: list[str], **opts) -> int:
     if store is None:
         sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
     outcome = sup.run()
+    _record_metrics(cfg, env.get("SLURMD_NODENAME"), outcome)
     return outcome.exit_code
+
+
+def _record_metrics(cfg: Config, node: str | None, outcome) -> None:
+    """Flush duration and bytes synced, when this (possibly unprivileged) job may write them."""
+    from . import metrics
+
+    m = metrics.for_node(cfg, node)
+    if not os.access(m.state_dir, os.W_OK):
+        return
+    gauges = {("slurmagent_flush_seconds", ()): outcome.flush_seconds} if outcome.flushed else {}
+    m.update(set_=gauges, add={("slurmagent_bytes_synced_total", ()): outcome.bytes_synced})
 
 
 def _warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:

@@ -91,6 +91,8 @@ class Outcome:
     child_killed: bool = False
     synced: bool = False
     resumed: bool = False
+    flush_seconds: float = 0.0
+    bytes_synced: int = 0
     messages: list[str] = field(default_factory=list)
 
 
@@ -162,6 +164,7 @@ class Supervisor:
         self.stop_sync = threading.Event()
         self.state_file = Path(str(opts.ckpt_dir).rstrip("/") + ".sync-state.json")
         self.last_sync_error = ""
+        self.bytes_synced = 0
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
@@ -190,6 +193,7 @@ class Supervisor:
                 if final:
                     self.say(f"final sync failed: {exc}; the local checkpoint in {self.opts.ckpt_dir} is kept")
                 return False
+        self.bytes_synced += result.bytes_sent
         if final:
             self.say(f"final sync: {result.files_sent} file(s), {result.bytes_sent} bytes sent to {self.opts.remote}")
         return True
@@ -232,6 +236,7 @@ class Supervisor:
                 code = child.returncode
                 outcome.exit_code = code if code >= 0 else 128 - code
                 outcome.synced = self.sync(deadline_s=300.0, final=True)
+                outcome.bytes_synced = self.bytes_synced
                 return outcome
             return self._flush(child, cause, outcome)
         finally:
@@ -284,6 +289,8 @@ class Supervisor:
         outcome.synced = self.sync(deadline_s=left, final=True)
         self._maybe_requeue(outcome)
         outcome.exit_code = EXIT_FLUSHED
+        outcome.flush_seconds = self.clock() - started
+        outcome.bytes_synced = self.bytes_synced
         return outcome
 
     def _maybe_requeue(self, outcome: Outcome) -> None:

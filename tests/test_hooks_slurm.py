@@ -47,6 +47,8 @@ def test_xid79_job_requeued_pending_and_completes_elsewhere(slurm, tmp_path):
     assert node["Reason"].startswith("slurmagent: xid 79 on gpu 3 (fallen off the bus)")
     prolog = [d for d in slurm.decisions("n1") if d.get("job") == job_id and d["event"] == "prolog"]
     assert prolog and prolog[0]["verdict"] == "unhealthy" and prolog[0]["rule"] == "xid" and prolog[0]["gpu"] == 3
+    prom = (slurm.state_dir("n1") / "slurmagent.prom").read_text()  # node_exporter textfile
+    assert 'slurmagent_gpu_healthy{gpu="3"} 0' in prom and 'slurmagent_drains_total{rule="xid"}' in prom
 
 
 def test_healthy_cluster_runs_jobs_without_drain(slurm):
