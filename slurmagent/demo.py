@@ -1,11 +1,20 @@
 """`slurmagent demo`: the end-to-end scenario on a local Slurm cluster with emulated GCP.
 
-A real slurmctld + three slurmd on 127.0.0.1 whose Prolog/Epilog are slurmagent, and a
-Cloud Storage emulator. Scene 1: GPU 3 of n1 shows XID 79; a job lands there, n1 is
-drained with a precise reason, the job goes back to PENDING and completes on another node.
-Scene 2: a training job under `slurmagent run` gets a maintenance SIGTERM; it checkpoints,
-the checkpoint reaches the bucket, the job is requeued and resumes on another node from the
-bucket. Everything started is stopped at the end.
+A real slurmctld + three slurmd on 127.0.0.1 whose Prolog/Epilog are slurmagent, a Cloud
+Storage emulator, and the fake Compute/metadata server of the test suite (so the demo runs
+from a source checkout: the product itself never contains a fake). Scenes:
+
+1. a GPU breaks while n3 is idle: `slurmagent watch` drains n3 before any job lands there;
+2. GPU 3 of n1 shows XID 79 when a job lands: the prolog drains n1 with a precise reason, the
+   job goes back to PENDING and completes on another node;
+3. repair: one recreateInstances call for the MIG of n1 and n3, the "new" VMs check
+   themselves with `resume-if-healthy` and take jobs again;
+4. maintenance: a training job under `slurmagent run` gets SIGTERM, checkpoints to the
+   bucket, is requeued and resumes on another node from the bucket;
+5. flex-start expiry: the VM under a training job will be terminated in 75 s; the expiry
+   watch drains it ahead, the job flushes at the lead and resumes elsewhere in time.
+
+Everything started is stopped at the end.
 """
 
 from __future__ import annotations
@@ -97,6 +106,21 @@ def trainer_main(argv: list[str]) -> int:
     return 0
 
 
+MIG = "demo-gpu-mig"
+ZONE = "us-central1-a"
+
+
+def _fake_gcp_class():
+    """The fake Compute + metadata server lives with the tests, never in the product."""
+    tests = Path(__file__).resolve().parent.parent / "tests"
+    if not (tests / "fake_gcp_expiry.py").exists():
+        return None
+    sys.path.insert(0, str(tests))
+    from fake_gcp_expiry import FakeGcpExpiry
+
+    return FakeGcpExpiry
+
+
 def run_demo(keep: bool = False) -> int:
     from .localcluster import LocalSlurmCluster, slurm_available
     from .localgcs import GcsEmulator
@@ -104,6 +128,10 @@ def run_demo(keep: bool = False) -> int:
     why = slurm_available()
     if why:
         print(f"slurmagent demo: cannot start a local Slurm cluster: {why}", file=sys.stderr)
+        return 2
+    fake_gcp = _fake_gcp_class()
+    if fake_gcp is None:
+        print("slurmagent demo: needs a source checkout (tests/fake_gcp_expiry.py emulates Compute)", file=sys.stderr)
         return 2
     tl = Timeline()
     root = Path(tempfile.mkdtemp(prefix="slurmagent-demo-"))
@@ -113,12 +141,20 @@ def run_demo(keep: bool = False) -> int:
     for node in ("n1", "n2", "n3"):
         (root / "snap" / f"{node}.json").write_text(json.dumps(_healthy_snapshot(node)))
         (root / "kern" / f"{node}.log").touch()
+    gcp = fake_gcp()
+    for node in ("n1", "n2", "n3"):
+        gcp.add_instance(node, zone=ZONE, mig=MIG)
+    gcp.set_identity("n1", zone=ZONE, created_by=gcp.mig_path(MIG, zone=ZONE))
+    gcp.start()
     config = root / "config.toml"
     config.write_text(
         f'state_dir = "{root}/state/%n"\n'
         f'[health]\nsnapshot = "{root}/snap/%n.json"\nkernel_log = "{root}/kern/%n.log"\nexpected_gpus = 8\n'
         f'[hooks]\nsyslog = false\n'
+        f'[gcp]\nproject = "{gcp.project}"\nzone = "{ZONE}"\ncompute_endpoint = "{gcp.url}"\n'
+        f'[repair]\nstrategy = "recreate"\nmax_drained_fraction = 0.7\n'
         f'[checkpoint]\nremote = "gs://demo-ckpt/jobs"\nsync_interval_s = 2.0\ngrace_s = 20.0\n'
+        f'[expiry]\ndrain_lead_s = 60.0\nflush_lead_s = 40.0\npublish_run_file = false\n'
     )
     hooks = {}
     for hook in ("prolog", "epilog"):
@@ -134,9 +170,14 @@ def run_demo(keep: bool = False) -> int:
         tl.say("starting a Cloud Storage emulator on 127.0.0.1 with bucket gs://demo-ckpt")
         emu.start()
         emu.create_bucket("demo-ckpt")
-        env = dict(cluster.env, SLURMAGENT_CONFIG=str(config), STORAGE_EMULATOR_HOST=emu.url)
+        env = dict(cluster.env, SLURMAGENT_CONFIG=str(config), STORAGE_EMULATOR_HOST=emu.url,
+                   GCE_METADATA_HOST=gcp.host)
+        env.pop("SLURMD_NODENAME", None)
+        _scene_idle_break(tl, cluster, root, env)
         _scene_sick_gpu(tl, cluster, root)
+        _scene_repair(tl, cluster, root, env, gcp)
         _scene_interrupted_training(tl, cluster, root, env)
+        _scene_flex_expiry(tl, cluster, root, env, gcp)
         tl.summary()
         ok = all(r[2].startswith("ok") for r in tl.rows)
         print("\nAll scenes passed." if ok else "\nSome scenes FAILED (see above).")
@@ -146,20 +187,157 @@ def run_demo(keep: bool = False) -> int:
         tl.summary()
         return 1
     finally:
-        tl.say("stopping the cluster and the emulator")
+        tl.say("stopping the cluster, the emulator and the fake Compute server")
         cluster.stop()
         emu.stop()
+        gcp.stop()
         if not keep:
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurmagent.entry", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _drained(cluster, node: str) -> dict | None:
+    info = cluster.node(node)
+    return info if "DRAIN" in info.get("State", "") else None
+
+
+def _finished(cluster, job: str) -> dict | None:
+    info = cluster.job(job)
+    return info if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED") else None
+
+
+def _scene_idle_break(tl: Timeline, cluster, root: Path, env: dict) -> None:
+    tl.say("scene 1: `slurmagent watch` follows n3's kernel log (NVML XID events on a real node)")
+    watcher = subprocess.Popen([sys.executable, "-m", "slurmagent.entry", "watch", "--node", "n3", "--no-nvml"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)
+        line = ("NVRM: Xid (PCI:0000:28:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit "
+                "error (DBE) has been detected on GPU in the framebuffer at partition 6, subpartition 0.\n")
+        t0 = time.monotonic()
+        with (root / "kern" / "n3.log").open("a") as fh:
+            fh.write(line)
+        tl.say("GPU 1 of idle n3 reports XID 48 (double-bit ECC error) in the kernel log")
+        node = tl.wait("the watcher to drain n3", lambda: _drained(cluster, "n3"), 30, interval=0.05)
+        took = time.monotonic() - t0
+        tl.say(f"n3 drained {took:.2f} s later: \"{node.get('Reason', '').split(' [')[0]}\"")
+        job = cluster.sbatch("-o", "/dev/null", "--wrap", "true")
+        final = tl.wait(f"job {job}", lambda: _finished(cluster, job), 60)
+        tl.say(f"a job submitted right after ran on {final['NodeList']} with {final['Restarts']} restarts")
+    finally:
+        watcher.terminate()
+        watcher.wait(15)
+    tl.result("idle break", "watch drained n3 before any job landed",
+              f"ok ({took:.2f} s)" if node.get("Reason", "").startswith("slurmagent: xid 48 on gpu 1") else "FAILED")
+    tl.result("idle break", "next job ran elsewhere, never requeued",
+              "ok" if final["NodeList"] != "n3" and final["Restarts"] == "0" and final["JobState"] == "COMPLETED"
+              else "FAILED")
+
+
+def _scene_repair(tl: Timeline, cluster, root: Path, env: dict, gcp) -> None:
+    recreated: list[str] = []
+    gcp.on_recreate = lambda mig, names: recreated.extend(names)
+    tl.say(f"scene 3: `slurmagent repair`: n1 and n3 are drained by slurmagent; both VMs are in MIG {MIG}")
+    proc = _cli(env, "repair")
+    for line in proc.stdout.strip().splitlines():
+        tl.say("  " + line)
+    calls = [c for c in gcp.mutations if "recreateInstances" in c.path]
+    reasons = {n: cluster.node(n).get("Reason", "").split(" [")[0] for n in ("n1", "n3")}
+    for n, r in reasons.items():
+        tl.say(f"  {n}: {r}")
+    tl.say("the MIG recreates the VMs: slurmd stops, comes back on a healthy machine, and checks itself at boot")
+    for node in sorted(set(recreated)):
+        cluster.stop_node(node)
+        (root / "snap" / f"{node}.json").write_text(json.dumps(_healthy_snapshot(node)))
+        (root / "kern" / f"{node}.log").write_text("")
+        cluster.start_node(node)
+    resumed = []
+    for node in sorted(set(recreated)):
+        out = _cli(dict(env, SLURMD_NODENAME=node), "resume-if-healthy", "--node", node)
+        tl.say(f"  resume-if-healthy on {node}: {out.stdout.strip() or out.stderr.strip()}")
+        if out.returncode == 0 and "resumed" in out.stdout:
+            resumed.append(node)
+    jobs = [cluster.sbatch("-w", node, "-o", "/dev/null", "--wrap", "true") for node in resumed]
+    done = [tl.wait(f"job {j}", lambda j=j: _finished(cluster, j), 60) for j in jobs]
+    tl.result("repair", "one recreateInstances call for the MIG of both nodes",
+              f"ok ({len(calls)} call, {','.join(sorted(recreated))})" if len(calls) == 1 and sorted(recreated) == ["n1", "n3"]
+              else f"FAILED ({len(calls)} calls, {recreated})")
+    tl.result("repair", "recreated VMs resumed themselves and ran jobs",
+              "ok" if resumed == ["n1", "n3"] and all(d["JobState"] == "COMPLETED" for d in done) else f"FAILED {resumed}")
+
+
+def _submit_trainer(env: dict, root: Path, name: str, steps: int, step_s: float, ledger: Path, out: Path) -> str:
+    sub = subprocess.run(
+        [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-J", name, "-o", str(out),
+         "--open-mode=append", "--", "--ckpt-dir", str(root / f"ckpt-{name}-%n"), "--",
+         sys.executable, "-m", "slurmagent.demo", "trainer", str(steps), str(ledger), str(step_s)],
+        env=env, capture_output=True, text=True, timeout=30,
+    )
+    if sub.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {sub.stderr.strip()}")
+    return sub.stdout.strip().split(";")[0]
+
+
+def _steps(ledger: Path) -> list[int]:
+    if not ledger.exists():
+        return []
+    return [int(line.split()[1]) for line in ledger.read_text().splitlines() if line.startswith("step ")]
+
+
+def _scene_flex_expiry(tl: Timeline, cluster, root: Path, env: dict, gcp) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    ledger, out, total = root / "ledger-flex", root / "flex.out", 900
+    tl.say(f"scene 5: a flex-start VM will be terminated; a wrapped training job of {total} steps runs on it")
+    job = _submit_trainer(env, root, "flex-demo", total, 0.1, ledger, out)
+    running = tl.wait(f"job {job} to start", lambda: (lambda j: j if j.get("JobState") == "RUNNING" else None)(cluster.job(job)), 60)
+    node = running["NodeList"]
+    tl.wait("training to reach step 30", lambda: len(_steps(ledger)) >= 30, 60)
+    end = datetime.now(timezone.utc) + timedelta(seconds=75)
+    gcp.set_scheduling(node, termination=end.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z")
+    tl.say(f"the Compute API now says {node} terminates at {end:%H:%M:%S} UTC (in 75 s); drain lead 60 s, flush lead 40 s")
+    tl.say("the expiry timer runs `slurmagent expiry-watch --once` (every 3 s here, 30 s in production)")
+    drained_at = None
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        _cli(dict(env, SLURMD_NODENAME=node), "expiry-watch", "--once", "--node", node)
+        info = cluster.node(node)
+        if drained_at is None and "DRAIN" in info.get("State", ""):
+            drained_at = datetime.now(timezone.utc)
+            tl.say(f"{node} drained {(end - drained_at).total_seconds():.0f} s before termination: "
+                   f"\"{info.get('Reason', '').split(' [')[0]}\"")
+        if "requeued job" in (out.read_text() if out.exists() else ""):
+            break
+        time.sleep(3)
+    flushed_at = datetime.now(timezone.utc)
+    for line in out.read_text().splitlines() if out.exists() else []:
+        if line.startswith("slurmagent run:") and ("checkpoint" in line or "requeued" in line or "sync" in line):
+            tl.say("  " + line)
+    resumed = tl.wait(f"job {job} to resume on another node",
+                      lambda: (lambda j: j if j.get("JobState") == "RUNNING" and j.get("NodeList") != node else None)(cluster.job(job)), 90)
+    resumed_at = datetime.now(timezone.utc)
+    tl.say(f"job {job} resumed on {resumed['NodeList']} {(end - resumed_at).total_seconds():.0f} s before {node} terminates")
+    final = tl.wait(f"job {job} to finish", lambda: _finished(cluster, job), 240)
+    tl.result("flex expiry", "node drained ahead of termination with the expiry reason",
+              "ok" if drained_at and drained_at < end else "FAILED")
+    tl.result("flex expiry", "job flushed and resumed elsewhere before the VM died",
+              f"ok ({node} -> {resumed['NodeList']}, {(end - resumed_at).total_seconds():.0f} s to spare)"
+              if resumed_at < end and flushed_at < end else "FAILED")
+    tl.result("flex expiry", f"all {total} steps, none lost, none repeated",
+              "ok" if final["JobState"] == "COMPLETED" and _steps(ledger) == list(range(1, total + 1)) else "FAILED")
+
+
 def _scene_sick_gpu(tl: Timeline, cluster, root: Path) -> None:
     snap = _healthy_snapshot("n1")
     snap["gpus"][3]["xid_events"] = [{"xid": 79, "time": "2026-11-30T05:00:00Z"}]
     (root / "snap" / "n1.json").write_text(json.dumps(snap))
-    tl.say("scene 1: GPU 3 of n1 falls off the bus (XID 79 in its replay snapshot); n1 still looks idle to Slurm")
+    tl.say("scene 2: GPU 3 of n1 falls off the bus (XID 79 in its replay snapshot); n1 still looks idle to Slurm")
     job = cluster.sbatch("-o", "/dev/null", "-J", "sick-gpu-demo", "--wrap", "echo hello from $SLURMD_NODENAME")
     tl.say(f"submitted job {job}; Slurm schedules it on n1 first")
     node = tl.wait("n1 to be drained by the prolog", lambda: (lambda n: n if "DRAIN" in n.get("State", "") else None)(cluster.node("n1")), 60)
@@ -181,42 +359,26 @@ def _scene_sick_gpu(tl: Timeline, cluster, root: Path) -> None:
               "ok" if int(final.get("Restarts", 0)) >= 1 and not held_seen else f"FAILED {held_seen}")
     tl.result("sick GPU", "job completed on a healthy node",
               f"ok ({final['NodeList']})" if final["JobState"] == "COMPLETED" and final["NodeList"] != "n1" else "FAILED")
-    cluster.resume("n1")
 
 
 def _scene_interrupted_training(tl: Timeline, cluster, root: Path, env: dict) -> None:
-    ledger = root / "ledger"
-    out = root / "train.out"
-    tl.say(f"scene 2: `slurmagent sbatch -- python train.py`: {DEMO_STEPS} steps, checkpoints every 25 steps, synced to the bucket")
-    sub = subprocess.run(
-        [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-J", "train-demo", "-o", str(out),
-         "--open-mode=append", "--", "--ckpt-dir", str(root / "ckpt-%n"), "--",
-         sys.executable, "-m", "slurmagent.demo", "trainer", str(DEMO_STEPS), str(ledger), "0.05"],
-        env=env, capture_output=True, text=True, timeout=30,
-    )
-    if sub.returncode != 0:
-        raise RuntimeError(f"sbatch failed: {sub.stderr.strip()}")
-    job = sub.stdout.strip().split(";")[0]
+    ledger, out = root / "ledger", root / "train.out"
+    tl.say(f"scene 4: `slurmagent sbatch -- python train.py`: {DEMO_STEPS} steps, checkpoints every 25 steps, synced to the bucket")
+    job = _submit_trainer(env, root, "train-demo", DEMO_STEPS, 0.05, ledger, out)
     running = tl.wait(f"job {job} to start", lambda: (lambda j: j if j.get("JobState") == "RUNNING" else None)(cluster.job(job)), 60)
     first = running["NodeList"]
-
-    def steps() -> list[int]:
-        if not ledger.exists():
-            return []
-        return [int(line.split()[1]) for line in ledger.read_text().splitlines() if line.startswith("step ")]
-
-    tl.wait("training to reach step 60", lambda: len(steps()) >= 60, 60)
-    tl.say(f"job {job} is training on {first} (step {len(steps())}); the platform announces maintenance: SIGTERM")
+    tl.wait("training to reach step 60", lambda: len(_steps(ledger)) >= 60, 60)
+    tl.say(f"job {job} is training on {first} (step {len(_steps(ledger))}); the platform announces maintenance: SIGTERM")
     cluster.run(["scancel", "--batch", "--signal=TERM", job])
     cluster.run(["scontrol", "update", f"nodename={first}", "state=drain", "reason=demo: VM stopped for maintenance"])
     tl.wait("the flush and requeue", lambda: "requeued job" in (out.read_text() if out.exists() else ""), 60)
     for line in out.read_text().splitlines():
         if line.startswith("slurmagent run:"):
             tl.say("  " + line)
-    final = tl.wait(f"job {job} to resume on another node and finish", lambda: (lambda j: j if j.get("JobState") in ("COMPLETED", "FAILED") else None)(cluster.job(job)), 180)
+    final = tl.wait(f"job {job} to resume on another node and finish", lambda: _finished(cluster, job), 180)
     restored = [line for line in out.read_text().splitlines() if "restored checkpoint" in line]
     tl.say(f"job {job} {final['JobState']} on {final['NodeList']}: {restored[0] if restored else 'no restore'}")
-    done = steps()
+    done = _steps(ledger)
     tl.result("maintenance", "checkpoint flushed to the bucket, job requeued", "ok" if restored else "FAILED")
     tl.result("maintenance", "resumed on another node from the bucket",
               f"ok ({first} -> {final['NodeList']})" if final["NodeList"] != first and restored else "FAILED")

@@ -1,0 +1,400 @@
+"""Hostile input: values a job or a non-root user controls never reach a shell, never widen an
+scontrol call, and never make a root hook read or replay something the user wrote.
+
+scontrol is `[slurm] scontrol` = a recording script that appends its argv as JSON: every call
+the product makes is checked element by element. Each hostile value would create MARK if any
+shell ever saw it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, healthy_snapshot_dict, wait_for, write_json, xid_snapshot_dict
+from slurmagent import kernlog
+
+XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown, setpriv and the root-only checks")
+DRAIN_N1 = ["update", "NodeName=n1", "State=DRAIN", f"Reason={XID79}"]
+
+# Each would run `touch MARK` (or widen an scontrol call) if it met a shell or a hostlist.
+HOSTILE = [
+    "42; touch {mark}",
+    "$(touch {mark})",
+    "`touch {mark}`",
+    "42\ntouch {mark}",
+    "42' ; touch '{mark}",
+    '42" && touch "{mark}',
+    "42 | touch {mark}",
+    "42,7",
+    "n[1-3]",
+    "n1 State=RESUME",
+    "../../../{name}",
+    "-h",
+]
+
+RECORDER = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as fh:
+    fh.write(json.dumps(args) + "\\n")
+nodes = {{"n1": "IDLE", "n2": "IDLE", "n3": "IDLE"}}
+reasons = {{}}
+if os.path.exists({nodes!r}):
+    with open({nodes!r}) as fh:
+        for name, (state, reason) in json.load(fh).items():
+            nodes[name], reasons[name] = state, reason
+if args[:3] == ["-o", "show", "node"]:
+    names = [args[3]] if len(args) > 3 else list(nodes)
+    if any(n not in nodes for n in names):
+        print("Node " + names[0] + " not found", file=sys.stderr)
+        sys.exit(1)
+    for n in names:
+        print(f"NodeName={{n}} State={{nodes[n]}} Gres=gpu:8 Reason={{reasons.get(n, '(null)')}}")
+elif args[:3] == ["-o", "show", "job"]:
+    print(f"JobId={{args[3]}} JobState=FAILED Restarts=0 Requeue=1")
+"""
+
+
+class Node:
+    """A node's config + replay files + a recording scontrol, all under tmp_path."""
+
+    def __init__(self, tmp_path: Path, **repair: object):
+        self.tmp = tmp_path
+        self.mark = tmp_path / "MARK"
+        self.calls_log = tmp_path / "scontrol.jsonl"
+        self.nodes_file = tmp_path / "nodes.json"
+        self.scontrol = tmp_path / "bin" / "scontrol"
+        self.scontrol.parent.mkdir()
+        self.scontrol.write_text(RECORDER.format(python=sys.executable, log=str(self.calls_log),
+                                                 nodes=str(self.nodes_file)))
+        self.scontrol.chmod(0o755)
+        self.snapshot = tmp_path / "snap.json"
+        self.kern = tmp_path / "kern.log"
+        self.kern.touch()
+        (tmp_path / "slurm.conf").write_text("SchedulerParameters=nohold_on_prolog_fail\n")
+        self.set_snapshot(xid_snapshot_dict(79, gpu=3))
+        self.config = self.write_config(tmp_path / "config.toml", **repair)
+
+    def write_config(self, path: Path, scontrol: Path | None = None, hooks: str = "",
+                     endpoint: str = "http://127.0.0.1:9", **repair: object) -> Path:
+        extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in {"max_drained_fraction": 1.0, **repair}.items())
+        path.write_text(f'state_dir = "{self.tmp}/state/%n"\n'
+                        f'[health]\nsnapshot = "{self.snapshot}"\nexpected_gpus = 8\nkernel_log = "{self.kern}"\n'
+                        f'[hooks]\nsyslog = false\n{hooks}'
+                        f'[slurm]\nscontrol = "{scontrol or self.scontrol}"\nconf = "{self.tmp}/slurm.conf"\n'
+                        f'[gcp]\nproject = "p"\nzone = "z"\ncompute_endpoint = "{endpoint}"\n'
+                        f'[repair]\n{extra}')
+        path.chmod(0o644)
+        return path
+
+    def set_snapshot(self, data: dict) -> None:
+        write_json(self.snapshot, data)
+
+    def state(self, node: str = "n1") -> Path:
+        return self.tmp / "state" / node
+
+    def calls(self) -> list[list[str]]:
+        if not self.calls_log.exists():
+            return []
+        return [json.loads(line) for line in self.calls_log.read_text().splitlines()]
+
+    def slurmagent(self, *args: str, env: dict[str, str] | None = None, config: Path | None = None,
+                   user: int | None = None) -> subprocess.CompletedProcess:
+        # the environment slurmd gives a hook: no PATH, nothing from the job
+        e = {"SLURMAGENT_CONFIG": str(config or self.config), "PYTHONPATH": str(REPO), **(env or {})}
+        pre = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+        return subprocess.run([*pre, sys.executable, "-m", "slurmagent.entry", *args], env=e, capture_output=True,
+                              text=True, timeout=60, cwd="/")
+
+
+@pytest.fixture
+def node(tmp_path) -> Node:
+    return Node(tmp_path)
+
+
+def hostile(template: str, node: Node) -> str:
+    return template.format(mark=node.mark, name="escaped")
+
+
+def test_recorder_sees_a_plain_epilog_requeue(node):
+    """The control case: a well-formed job id does reach `scontrol requeue`, as one element."""
+    proc = node.slurmagent("epilog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42", "SLURM_JOB_EXIT_CODE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert node.calls() == [["-o", "show", "node"], DRAIN_N1, ["requeue", "42"]]
+
+
+@pytest.mark.parametrize("template", HOSTILE)
+def test_hostile_job_id_and_exit_code_never_reach_scontrol(node, template):
+    value = hostile(template, node)
+    proc = node.slurmagent("epilog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": value,
+                                          "SLURM_JOB_EXIT_CODE": value.replace("42", "1")})
+    assert proc.returncode == 0, proc.stderr
+    # the node is still drained with our clean reason; no requeue with a value we cannot trust
+    assert node.calls() == [["-o", "show", "node"], DRAIN_N1]
+    assert f"ignoring SLURM_JOB_ID {value!r}: not a job id" in proc.stderr
+    assert f"unhealthy: {XID79}" in proc.stderr
+    assert not node.mark.exists()
+    decision = json.loads((node.state() / "hooks.log").read_text().splitlines()[-1])
+    assert decision["verdict"] == "unhealthy" and "job" not in decision and decision["reason"] == XID79
+
+
+@pytest.mark.parametrize("template", HOSTILE)
+@pytest.mark.parametrize("policy", ["open", "closed"])
+def test_hostile_node_name_is_refused_before_any_scontrol_call_or_path(node, template, policy):
+    value = hostile(template, node)
+    config = node.write_config(node.tmp / f"{policy}.toml", hooks=f'on_internal_error = "{policy}"\n')
+    before = sorted(node.tmp.rglob("*"))
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": value, "SLURM_JOB_ID": "42"}, config=config)
+    assert proc.returncode == (1 if policy == "closed" else 0), proc.stderr
+    assert node.calls() == []  # not even a `show node`: `n[1-3]` would have drained all three
+    assert f"SLURMD_NODENAME {value!r} is not a Slurm node name" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not node.mark.exists()
+    assert sorted(node.tmp.rglob("*")) == before  # no state dir, decision log or journal for that name
+    assert not (node.tmp.parent.parent / "escaped").exists()  # where `../../../escaped` would lead
+
+
+def test_hostile_node_name_for_root_commands_is_a_usage_error(node):
+    for value in ("n[1-3]", "../x", "n1 State=RESUME", "n1,n2"):
+        proc = node.slurmagent("healthcheck", env={"SLURMD_NODENAME": value})
+        assert proc.returncode == 2 and proc.stderr == f"slurmagent: not a Slurm node name: {value!r} " \
+                                                      "(--node or $SLURMD_NODENAME)\n", proc.stderr
+    assert node.calls() == []
+
+
+@pytest.mark.parametrize("template", HOSTILE[:7] + ["abc", "12;7", "n[1-3]"])
+def test_release_held_refuses_a_non_numeric_job_id(node, template):
+    value = hostile(template, node)
+    proc = node.slurmagent("release-held", value, "--deadline", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert "not a job id" in proc.stderr
+    assert node.calls() == [] and not node.mark.exists()
+
+
+# --- a non-root user cannot steer the root hooks ---------------------------------------------
+
+
+def user_config(node: Node, how: str) -> Path:
+    """A config that makes the hooks run the user's 'scontrol' (which would create MARK)."""
+    evil = node.tmp / "evil-scontrol"
+    evil.write_text(f"#!/bin/sh\ntouch {node.mark}\n")
+    evil.chmod(0o755)
+    d = node.tmp / "userdir"
+    d.mkdir()
+    cfg = node.write_config(d / "config.toml", scontrol=evil)
+    if how == "file owned by nobody":
+        os.chown(cfg, 65534, 65534)
+    elif how == "dir owned by nobody":
+        os.chown(d, 65534, 65534)
+    elif how == "dir writable by all":
+        d.chmod(0o777)
+    elif how == "file group-writable":
+        cfg.chmod(0o664)
+    elif how == "symlink to a file owned by nobody":
+        target = node.tmp / "user-owned.toml"
+        shutil.copy(cfg, target)
+        os.chown(target, 65534, 65534)
+        cfg.unlink()
+        cfg.symlink_to(target)
+    return cfg
+
+
+UNSAFE = ["file owned by nobody", "dir owned by nobody", "dir writable by all", "file group-writable",
+          "symlink to a file owned by nobody"]
+
+
+@needs_root
+@pytest.mark.parametrize("how", UNSAFE)
+def test_root_hook_refuses_a_config_a_user_controls(node, how):
+    cfg = user_config(node, how)
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"}, config=cfg)
+    assert proc.returncode == 0  # internal error, fail open: not "GPU unhealthy"
+    assert "internal error (not a GPU fault): config" in proc.stderr and "refused" in proc.stderr, proc.stderr
+    assert not node.mark.exists()  # the user's scontrol never ran
+    proc = node.slurmagent("healthcheck", env={"SLURMD_NODENAME": "n1"}, config=cfg)
+    assert "refused" in proc.stderr and not node.mark.exists(), proc.stderr
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    from slurmagent.cli import main
+
+    def run(*args: str, uid: int = 0) -> tuple[int, str, str]:
+        monkeypatch.setattr(os, "geteuid", lambda: uid)
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_repair_refuses_non_root_unless_a_root_owned_config_allows_it(node, cli, tmp_path):
+    code, out, err = cli("--config", str(node.config), "repair", uid=1000)
+    assert code == 2 and out == ""
+    assert err == ("slurmagent: repair must run as root (uid 1000): it drains nodes, requeues jobs and recreates "
+                   "VMs; use --dry-run, or set [repair] allow_non_root = true in a root-owned config\n")
+    assert node.calls() == []
+    code, out, err = cli("--config", str(node.config), "repair", "--dry-run", uid=1000)
+    assert code == 0 and "nothing to repair" in out, err
+
+    allowed = node.write_config(tmp_path / "allow.toml", allow_non_root=True)
+    code, out, err = cli("--config", str(allowed), "repair", uid=1000)
+    assert code == 0 and "nothing to repair" in out, err
+    assert ["-o", "show", "node"] in node.calls()
+
+    os.chown(allowed, 65534, 65534)  # the user's own file cannot grant it
+    code, _, err = cli("--config", str(allowed), "repair", uid=1000)
+    assert code == 2 and "repair must run as root" in err
+
+
+@needs_root
+def test_repair_as_the_real_nobody_user_is_refused(node):
+    d = Path(tempfile.mkdtemp(prefix="sa-hostile-", dir="/tmp"))
+    try:
+        d.chmod(0o755)
+        cfg = node.write_config(d / "config.toml")
+        proc = node.slurmagent("--config", str(cfg), "repair", "n1", user=65534)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("slurmagent: repair must run as root (uid 65534)")
+        assert len(proc.stderr.splitlines()) == 1
+    finally:
+        shutil.rmtree(d)
+    assert node.calls() == []
+
+
+# --- state a user could have written is not trusted by root -----------------------------------
+
+
+def plant_drain_of_n2(node: Node) -> Path:
+    pending = node.state("n1") / "journal" / "pending"
+    pending.mkdir(parents=True, mode=0o700)
+    entry = {"id": "f" * 32, "kind": "drain", "created": time.time(), "attempts": 0, "last_error": "",
+             "payload": {"node": "n2", "reason": "slurmagent: planted"}}
+    path = pending / f"{time.time_ns():020d}-drain-ffffffffffff.json"
+    path.write_text(json.dumps(entry))
+    return path
+
+
+@needs_root
+@pytest.mark.parametrize("how", ["trusted (control)", "journal owned by nobody", "pending writable by all"])
+def test_planted_journal_entries_are_not_replayed(node, how):
+    node.set_snapshot(healthy_snapshot_dict(hostname="n1"))
+    planted = plant_drain_of_n2(node)
+    journal = planted.parent.parent
+    if how == "journal owned by nobody":
+        for p in (journal, planted.parent, planted):
+            os.chown(p, 65534, 65534)
+    elif how == "pending writable by all":
+        planted.parent.chmod(0o777)
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 0, proc.stderr
+    drains_of_n2 = [c for c in node.calls() if c[:2] == ["update", "NodeName=n2"]]
+    if how.startswith("trusted"):
+        assert drains_of_n2 == [["update", "NodeName=n2", "State=DRAIN", "Reason=slurmagent: planted"]]
+        return
+    assert drains_of_n2 == []
+    assert f"refusing to replay {planted.parent}" in proc.stderr, proc.stderr
+    assert planted.exists()  # left alone for the admin to look at
+
+
+PCI_GPU3 = "0000:48:00"
+
+
+@needs_root
+@pytest.mark.parametrize("owner", [0, 65534])
+def test_a_cursor_a_user_moved_past_an_xid_does_not_hide_it(node, owner):
+    node.set_snapshot(healthy_snapshot_dict(hostname="n1"))
+    node.kern.write_text(f"[ 12.0] NVRM: Xid (PCI:{PCI_GPU3}): 79, pid=1, name=x, GPU has fallen off the bus.\n")
+    state = node.state("n1")
+    state.mkdir(parents=True)
+    cursor = kernlog.cursor_path(state)
+    cursor.write_text(json.dumps({"boot_id": kernlog.current_boot_id(), "source": f"file:{node.kern}",
+                                  "position": node.kern.stat().st_size}))
+    os.chown(cursor, owner, owner)
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    if owner == 0:  # the control: a root-written cursor says the XID was judged already
+        assert proc.returncode == 0 and node.calls() == [], proc.stderr
+        return
+    assert proc.returncode == 1, proc.stderr
+    assert f"ignoring kernel-log cursor {cursor}: owned by uid 65534" in proc.stderr
+    assert node.calls()[-1] == DRAIN_N1
+    assert os.stat(cursor).st_uid == 0  # replaced by root's own
+
+
+@needs_root
+def test_a_user_written_mig_cache_cannot_redirect_a_repair(node, cli, monkeypatch):
+    from fake_gcp import FakeGcp
+
+    fake = FakeGcp().start()
+    try:
+        fake.add_instance("n1", "z", mig="mig-a")
+        fake.add_instance("n9", "z", mig="victim-mig")
+        cfg = node.write_config(node.tmp / "repair.toml", endpoint=fake.url)
+        node.nodes_file.write_text(json.dumps({"n1": ["IDLE+DRAIN", XID79]}))
+        monkeypatch.setenv("SLURMD_NODENAME", "ctl")
+        ctl = node.state("ctl")
+        ctl.mkdir(parents=True)
+        state = ctl / "repair-state.json"
+        state.write_text(json.dumps({"migs": {"n1": {"zone": "z", "mig": {
+            "project": fake.project_number, "scope": "zones", "location": "z", "name": "victim-mig"}}}}))
+        os.chown(state, 65534, 65534)
+        code, out, err = cli("--config", str(cfg), "repair", "n1")
+        assert f"ignoring {state}: owned by uid 65534" in err
+        posts = [c.path for c in fake.mutations]
+        assert posts and all("/instanceGroupManagers/mig-a/" in p for p in posts), (posts, out, err)
+        assert code == 0, err
+    finally:
+        fake.stop()
+
+
+# --- on the real cluster: hostile job names, comments and environment ------------------------
+
+
+@pytest.mark.slurm
+def test_hostile_job_name_comment_and_env_on_a_bad_node(slurm, tmp_path):
+    mark = tmp_path / "MARK"
+    c = slurm.cluster
+    slurm.set_snapshot("n1", xid_snapshot_dict(79, gpu=3))
+    env = dict(c.env, EVIL=f"$(touch {mark})", SLURM_EVIL=f"`touch {mark}`; touch {mark}")
+    job = subprocess.run(
+        ["sbatch", "--parsable", "-w", "n1", "-o", "/dev/null",
+         "-J", f"x'; touch {mark}; echo '$(touch {mark})`touch {mark}`",
+         f"--comment=a\"; touch {mark} #\n$(touch {mark})", "--wrap", "true"],
+        env=env, capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
+    wait_for(lambda: "DRAIN" in c.node("n1").get("State", ""), 30, "the prolog to drain n1")
+    from slurmagent import policy
+
+    assert policy.node_view(c.node("n1")).reason == XID79  # our clean reason, nothing of the job's
+    def requeued():
+        j = c.job(job)
+        return j if j.get("Restarts") == "1" and j.get("JobState") == "PENDING" else None
+
+    info = wait_for(requeued, 30, "the requeue")
+    assert "Held" not in info.get("Reason", "")  # PENDING to run elsewhere, not held
+    decision = [d for d in slurm.decisions("n1") if d.get("job") == job][-1]
+    assert decision["verdict"] == "unhealthy" and decision["reason"] == XID79
+    assert not mark.exists()
+
+
+def test_a_process_name_chosen_by_the_job_cannot_talk_a_fatal_xid_down(node):
+    """The kernel prints the faulting process's name (`name=<comm>`), which a job picks: a name
+    like `x, Nonfatal` must not turn a fatal NVLink5 XID into a warning."""
+    node.set_snapshot(healthy_snapshot_dict(hostname="n1"))
+    node.kern.write_text(f"[ 9.0] NVRM: Xid (PCI:{PCI_GPU3}): 149, pid=4242, name=x, Nonfatal, "
+                         "NETIR_LINK_EVT  Fatal   XC0 i0 Link 09 (0x025525c6 0x00000000 0x00000000)\n")
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 1, proc.stderr
+    drain = node.calls()[-1]
+    assert drain[:3] == ["update", "NodeName=n1", "State=DRAIN"]
+    assert drain[3].startswith("Reason=slurmagent: xid 149 on gpu 3 (") and drain[3].endswith("(fatal))")
