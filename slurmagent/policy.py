@@ -91,15 +91,11 @@ def suppressed_comment(now: float, summary: str) -> str:
     return f"{COMMENT_TAG} suppressed@{now:.3f} {text}"[:MAX_REASON]
 
 
-@dataclass(frozen=True)
-class NodeView:
-    name: str
+class DrainFlags:
+    """Node-state predicates over `flags` (Slurm's State split on `+`) and `reason`."""
+
     flags: frozenset[str]
-    reason: str = ""
-    reason_time: float | None = None  # epoch seconds of the reason (slurmctld's clock, 1 s resolution)
-    comment: str = ""
-    slurmd_start: float | None = None
-    raw: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    reason: str
 
     @property
     def drained(self) -> bool:
@@ -118,6 +114,18 @@ class NodeView:
     def held_by_other(self) -> bool:
         """Drained or down for a reason that is not ours (an admin or Slurm itself)."""
         return (self.drained or self.down) and not self.reason.startswith(PREFIX)
+
+
+@dataclass(frozen=True)
+class NodeView(DrainFlags):
+    name: str
+    flags: frozenset[str]
+    reason: str = ""
+    reason_time: float | None = None  # epoch seconds of the reason (slurmctld's clock, 1 s resolution)
+    comment: str = ""
+    slurmd_start: float | None = None
+    raw: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
 
     @property
     def repairing(self) -> bool:

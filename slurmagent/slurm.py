@@ -15,8 +15,8 @@ from typing import Protocol
 
 from . import hostlist
 from .errors import SlurmError
+from .policy import PREFIX as REASON_PREFIX, DrainFlags
 
-REASON_PREFIX = "slurmagent:"
 MAX_REASON = 200
 
 
@@ -57,7 +57,7 @@ def make_reason(rule: str, detail: str) -> str:
 
 
 @dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(DrainFlags):
     name: str
     flags: frozenset[str]
     reason: str = ""
@@ -65,21 +65,13 @@ class NodeInfo:
     partitions: str = ""
 
     @property
-    def drained(self) -> bool:
-        return "DRAIN" in self.flags
-
-    @property
-    def down(self) -> bool:
-        return "DOWN" in self.flags
-
-    @property
     def drained_by_slurmagent(self) -> bool:
-        return self.drained and self.reason.startswith(REASON_PREFIX)
+        return self.ours
 
     @property
     def drained_by_other(self) -> bool:
         """Drained by an admin or by Slurm itself: slurmagent never touches those."""
-        return (self.drained or self.down) and not self.reason.startswith(REASON_PREFIX)
+        return self.held_by_other
 
 
 @dataclass(frozen=True)
