@@ -275,9 +275,7 @@ def read_scheduling(cfg: Config, node: str) -> SchedulingInfo:
     compute = Compute(project, cfg.gcp.compute_endpoint, call_timeout_s=max(1.0, min(budget, 15.0)),
                       deadline_s=budget, retries=2, backoff_s=0.5)
     try:
-        client = compute._client("instances")
-        inst = compute._call("instances.get", client.get, time.monotonic() + budget,
-                             project=project, zone=zone, instance=node)
+        inst = compute.instance(zone, node, budget)
     except ComputeError as exc:
         if exc.status == 404:
             raise ExpiryError(f"instances.get: no instance {node!r} in {project}/{zone} "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures for every test module)
 from slurmagent.localcluster import LocalSlurmCluster, slurm_available
 from slurmagent.snapshot import NodeSnapshot
 

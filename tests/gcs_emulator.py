@@ -1,11 +1,11 @@
 """pytest fixtures around slurmagent.localgcs.GcsEmulator (a Cloud Storage emulator on 127.0.0.1).
 
-    from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures)
+    tests/conftest.py imports the fixtures, so every test module can ask for them.
 """
 
 from __future__ import annotations
 
-from slurmagent.localgcs import DEFAULT_BUCKET, KINDS, GcsEmulator, fake_gcs_server_binary, free_port  # noqa: F401
+from slurmagent.localgcs import DEFAULT_BUCKET, GcsEmulator
 
 try:
     import pytest

@@ -15,7 +15,6 @@ import pytest
 
 from conftest import REPO, healthy_snapshot_dict, write_json
 from fake_gcp import FakeGcp
-from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures)
 from slurmagent.gcp import metadata
 
 ZONE = "us-central1-a"

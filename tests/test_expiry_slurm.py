@@ -17,7 +17,6 @@ import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
-from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures)
 from slurmagent.expiry import current_boot_id
 from slurmagent.gcp import metadata
 

@@ -25,7 +25,6 @@ import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, xid_snapshot_dict
 from fake_gcp import FakeGcp
-from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures)
 from test_hostile import DRAIN_N1, XID79, Node
 from test_repair_runtime import FakeScontrol
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO, cluster_config_text, healthy_snapshot_dict, wait_for, xid_snapshot_dict
+from conftest import REPO, cluster_config_text, wait_for, xid_snapshot_dict
 
 pytestmark = pytest.mark.slurm
 
@@ -33,7 +32,11 @@ def test_xid79_job_requeued_pending_and_completes_elsewhere(slurm, tmp_path):
     c = slurm.cluster
     slurm.set_snapshot("n1", xid_snapshot_dict(79, gpu=3))
     out = tmp_path / "out"
+    # n2 and n3 are held back until the job has met n1, so the scheduler has no other choice
+    c.run(["scontrol", "update", "nodename=n2,n3", "state=drain", "reason=test: hold"])
     job_id = c.sbatch("-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
+    wait_for(lambda: "DRAIN" in c.node("n1")["State"], 30, "the prolog to drain n1")
+    c.resume("n2", "n3")
 
     job, seen = watch_job(c, job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=90)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
-from gcs_emulator import GcsEmulator, gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures)
+from slurmagent.localgcs import GcsEmulator
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 

@@ -201,11 +201,15 @@ class Compute:
 
     # --- reads ---------------------------------------------------------------------------
 
+    def instance(self, zone: str, instance: str, deadline_s: float | None = None) -> Any:
+        """`instances.get`: the Instance message (metadata, scheduling, resource status)."""
+        client = self._client("instances")
+        return self._call("instances.get", client.get, self._end(deadline_s), project=self.project, zone=zone,
+                          instance=instance)
+
     def instance_mig(self, zone: str, instance: str, deadline_s: float | None = None) -> MigRef | None:
         """The MIG that created this instance (`created-by`), None when it is not in one."""
-        client = self._client("instances")
-        inst = self._call("instances.get", client.get, self._end(deadline_s), project=self.project, zone=zone,
-                          instance=instance)
+        inst = self.instance(zone, instance, deadline_s)
         items = list(getattr(getattr(inst, "metadata", None), "items", []) or [])
         created_by = next((i.value for i in items if i.key == "created-by"), None)
         return parse_created_by(created_by)
