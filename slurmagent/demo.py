@@ -338,9 +338,11 @@ def _scene_sick_gpu(tl: Timeline, cluster, root: Path) -> None:
     snap["gpus"][3]["xid_events"] = [{"xid": 79, "time": "2026-11-30T05:00:00Z"}]
     (root / "snap" / "n1.json").write_text(json.dumps(snap))
     tl.say("scene 2: GPU 3 of n1 falls off the bus (XID 79 in its replay snapshot); n1 still looks idle to Slurm")
+    cluster.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=demo: hold until n1 met the job"])
     job = cluster.sbatch("-o", "/dev/null", "-J", "sick-gpu-demo", "--wrap", "echo hello from $SLURMD_NODENAME")
-    tl.say(f"submitted job {job}; Slurm schedules it on n1 first")
-    node = tl.wait("n1 to be drained by the prolog", lambda: (lambda n: n if "DRAIN" in n.get("State", "") else None)(cluster.node("n1")), 60)
+    tl.say(f"submitted job {job}; Slurm schedules it on n1 (n2 is held back for a moment so it must)")
+    node = tl.wait("n1 to be drained by the prolog", lambda: _drained(cluster, "n1"), 60)
+    cluster.resume("n2")
     tl.say(f"n1 drained by the prolog: reason \"{node.get('Reason', '').split(' [')[0]}\"")
     held_seen = []
 
