@@ -57,7 +57,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a full disk must not keep the half-written temp file
             os.unlink(tmp)
         raise
     if not durable:

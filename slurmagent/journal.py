@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .fsutil import atomic_write_text
+
 PENDING = "pending"
 DONE = "done"
 SUPPRESSED_MARKER = "breaker-suppressed"  # in the state dir: the breaker kept this node from draining
@@ -125,24 +127,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    from .fsutil import write_all
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:  # a full disk must not keep the half-written temp file (or fill up further)
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+    """Journal and repair-state files: root-only (0600), fsync'd, renamed into place."""
+    atomic_write_text(path, data.decode("utf-8"), 0o600)
 
 
 class Journal:
