@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.size_mib <= 0 or args.shards <= 0:
         ap.error("--size-mib and --shards must be > 0")
 
-    from slurmagent.localgcs import GcsEmulator
+    from slurmagent.devtools.localgcs import GcsEmulator
 
     work = Path(tempfile.mkdtemp(prefix="slurmagent-bench-", dir=args.tmpdir))
     shard_bytes = args.size_mib * MiB // args.shards

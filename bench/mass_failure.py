@@ -40,7 +40,7 @@ from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict  # noq
 from fake_gcp import FakeGcp  # noqa: E402
 
 from slurmagent import policy  # noqa: E402
-from slurmagent.localcluster import LocalSlurmCluster, slurm_available  # noqa: E402
+from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available  # noqa: E402
 from slurmagent.slurm import parse_kv  # noqa: E402
 
 ZONE = "us-central1-a"

@@ -3,7 +3,7 @@
 
     python bench/requeue_latency.py [--runs 5] [--shards 16] [--shard-mib 4]
 
-On a real local Slurm cluster (slurmagent.localcluster) with a Cloud Storage emulator: a
+On a real local Slurm cluster (slurmagent.devtools.localcluster) with a Cloud Storage emulator: a
 wrapped trainer holds a checkpoint of N shards that the background sync has already sent;
 `scancel --batch --signal=TERM` is timed until the job shows Restarts=1. The baseline, in
 the same run, is a bare batch script that traps TERM and calls `scontrol requeue` itself:
@@ -72,8 +72,8 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=16)
     ap.add_argument("--shard-mib", type=int, default=4)
     args = ap.parse_args()
-    from slurmagent.localcluster import LocalSlurmCluster, slurm_available
-    from slurmagent.localgcs import GcsEmulator
+    from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
+    from slurmagent.devtools.localgcs import GcsEmulator
 
     if slurm_available():
         raise SystemExit(f"needs a local Slurm cluster: {slurm_available()}")

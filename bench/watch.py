@@ -82,7 +82,7 @@ def main() -> None:
     from conftest import healthy_snapshot_dict  # the tests' replay snapshot (GPU 3 at 0000:48:00)
     from slurmagent.decisionlog import read_records
     from slurmagent.healthcheck import _parse_time
-    from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+    from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 
     why = slurm_available()
     if why:

@@ -37,9 +37,10 @@ def cli(ctx: click.Context, config_path: str | None, debug: bool) -> None:
 
 
 def _node_name(node: str | None) -> str:
-    from .slurm import valid_node_name
+    from .host import node_name  # start-up speed
+    from .slurm import valid_node_name  # start-up speed
 
-    name = node or os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+    name = node_name(node)
     if not valid_node_name(name):  # it names state paths and scontrol arguments
         raise SlurmagentError(f"not a Slurm node name: {name!r} (--node or $SLURMD_NODENAME)")
     return name
@@ -54,7 +55,7 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
     """Run the health checks and print findings (exit 0 healthy, 1 unhealthy)."""
     from dataclasses import replace
 
-    from .health import evaluate
+    from .health import evaluate  # start-up speed
 
     cfg = state.config()
     name = _node_name(node)
@@ -70,7 +71,7 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
         for f in report.findings:
             click.echo(f"  {f.severity.name:<5} {f.summary}")
         if not report.healthy:
-            from .hooks import reason_for
+            from .reasons import reason_for  # start-up speed
 
             click.echo(f"  drain reason: {reason_for(report)}")
     sys.exit(0 if report.healthy else 1)
@@ -81,13 +82,13 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
 @click.pass_obj
 def snapshot(state: State, output: str | None) -> None:
     """Capture this node's GPU state in the replay format."""
-    from . import nvml
-    from .snapshot import save
+    from .nvml_deadline import read_snapshot_with_deadline  # start-up speed
+    from .fsutil import atomic_write_text  # start-up speed
 
     cfg = state.config()
-    snap = nvml.read_snapshot_with_deadline(cfg.health.timeout_s, hostname=_node_name(None))
+    snap = read_snapshot_with_deadline(cfg.health.timeout_s, hostname=_node_name(None))
     if output:
-        save(snap, output)
+        atomic_write_text(output, snap.to_json())  # a reader never sees half a snapshot
     else:
         click.echo(snap.to_json(), nl=False)
 
@@ -95,7 +96,7 @@ def snapshot(state: State, output: str | None) -> None:
 @cli.command()
 def prolog() -> None:
     """Slurm Prolog entry point (reads SLURM_JOB_ID, SLURMD_NODENAME)."""
-    from .hookmain import hook_main
+    from .hookmain import hook_main  # start-up speed
 
     sys.exit(hook_main("prolog"))
 
@@ -103,7 +104,7 @@ def prolog() -> None:
 @cli.command()
 def epilog() -> None:
     """Slurm Epilog entry point (reads SLURM_JOB_ID, SLURM_JOB_EXIT_CODE)."""
-    from .hookmain import hook_main
+    from .hookmain import hook_main  # start-up speed
 
     sys.exit(hook_main("epilog"))
 
@@ -114,8 +115,8 @@ def epilog() -> None:
 @click.pass_obj
 def release_held(state: State, job_id: str, deadline: float) -> None:
     """Internal: release a job Slurm requeued held after our prolog failed."""
-    from .hooks import release_when_held
-    from .slurm import Slurm
+    from .actions import release_when_held  # start-up speed
+    from .slurm import Slurm  # start-up speed
 
     if not job_id.replace("_", "").isdigit():
         raise click.BadParameter(f"not a job id: {job_id!r}")
@@ -127,7 +128,7 @@ def release_held(state: State, job_id: str, deadline: float) -> None:
 @click.pass_obj
 def doctor(state: State) -> None:
     """Check slurm.conf, config, NVML, state dir, metadata, Compute, bucket, clock; say what to fix."""
-    from .doctor import run_doctor
+    from .doctor import run_doctor  # start-up speed
 
     results = run_doctor(state.config_path)
     width = max(len(r.name) for r in results)
@@ -149,7 +150,7 @@ def doctor(state: State) -> None:
 @click.pass_obj
 def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, cmd) -> None:
     """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
-    from .runner import run_command
+    from .runner import run_command  # start-up speed
 
     sys.exit(run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
                          grace=grace, max_requeues=max_requeues, sync_interval=sync_interval))
@@ -160,12 +161,9 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.pass_obj
 def sbatch(state: State, args) -> None:
     """Submit CMD wrapped by `run`: slurmagent sbatch [sbatch opts] -- CMD ARGS..."""
-    from .runner import submit
+    from .runner import submit  # start-up speed
 
     sys.exit(submit(state.config(), list(args)))
-
-
-# --- issue 7: health between jobs (watch, healthcheck) ---------------------------------------
 
 
 @cli.command()
@@ -176,7 +174,7 @@ def sbatch(state: State, args) -> None:
 @click.pass_obj
 def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> None:
     """Long-running: drain this node at once on a drain-class XID (NVML events, kernel log)."""
-    from .watch import run_watch
+    from .watch import run_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
     sys.exit(run_watch(cfg, _node_name(node), interval=interval, use_nvml=not no_nvml))
@@ -189,7 +187,7 @@ def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> Non
 @click.pass_obj
 def healthcheck(state: State, node: str | None, skip_recent: float | None) -> None:
     """For Slurm's HealthCheckProgram: check this node, drain on failure (0 healthy, 1 unhealthy)."""
-    from .healthcheck import run_healthcheck
+    from .healthcheck import run_healthcheck  # start-up speed
 
     code = run_healthcheck(_node_name(node), lambda: state.config(for_root_hook=os.geteuid() == 0),
                            skip_recent=skip_recent)
@@ -200,12 +198,9 @@ def healthcheck(state: State, node: str | None, skip_recent: float | None) -> No
 @click.option("--keep", is_flag=True, help="keep the demo's work directory")
 def demo(keep: bool) -> None:
     """The end-to-end scenario on a local Slurm cluster with emulated GCP."""
-    from .demo import run_demo
+    from .devtools.demo import run_demo  # the dev harness: only this command imports it
 
     sys.exit(run_demo(keep=keep))
-
-
-# --- issue 4: repair loop (repair, resume-if-healthy, status, journal) -----------------------
 
 
 @cli.command()
@@ -215,8 +210,8 @@ def demo(keep: bool) -> None:
 @click.pass_obj
 def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> None:
     """Repair nodes drained by slurmagent through their MIG (all of them when none named)."""
-    from .hostlist import expand
-    from .repair import run_repair
+    from .hostlist import expand  # start-up speed
+    from .repair import run_repair  # start-up speed
 
     try:
         names = [n for expr in nodes for n in expand(expr)]
@@ -251,7 +246,7 @@ def _require_root_for_repair(cfg: config_mod.Config) -> None:
 @click.pass_obj
 def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> None:
     """At boot: resume this node if it is healthy and drained by slurmagent (exit 1: unhealthy)."""
-    from .repair import run_resume_if_healthy
+    from .repair import run_resume_if_healthy  # start-up speed
 
     sys.exit(run_resume_if_healthy(state.config(for_root_hook=os.geteuid() == 0), _node_name(node),
                                    out=sys.stdout, wait_s=wait_s))
@@ -262,7 +257,7 @@ def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> N
 @click.pass_obj
 def status(state: State, as_json: bool) -> None:
     """Nodes drained by slurmagent, repair state, breaker, journal backlog, expiry countdowns."""
-    from .repair import collect_status, format_status
+    from .status import collect_status, format_status  # start-up speed
 
     st = collect_status(state.config())
     click.echo(json.dumps(st, indent=1, default=str) if as_json else format_status(st))
@@ -274,14 +269,14 @@ def status(state: State, as_json: bool) -> None:
 @click.pass_obj
 def journal_cmd(state: State, replay: bool, node: str | None) -> None:
     """Show (or replay) this node's journal of pending actions."""
-    from .journal import Journal
-    from .repair import Runtime
-    from .slurm import Slurm
+    from .actions import Actions  # start-up speed
+    from .journal import Journal  # start-up speed
+    from .slurm import Slurm  # start-up speed
 
     cfg = state.config()
     name = _node_name(node)
     if replay:
-        for entry, outcome in Runtime(cfg, Slurm.from_config(cfg), name).replay():
+        for entry, outcome in Actions(cfg, Slurm.from_config(cfg), name).replay():
             click.echo(f"{entry.kind} {json.dumps(entry.payload, sort_keys=True)}: {outcome}")
     j = Journal.for_config(cfg, name)
     pending = j.pending()
@@ -299,8 +294,9 @@ def install(root_dir: str, dry_run: bool) -> None:
     """Install hook shims, systemd units and a config template (idempotent)."""
     from pathlib import Path
 
-    from .install import install as do_install, missing_slurm_conf_lines
-    from .slurm import slurm_conf_path
+    from .doctor import missing_slurm_conf_lines  # start-up speed
+    from .install import install as do_install  # start-up speed
+    from .slurm import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
     for step in do_install(root, dry_run=dry_run):
@@ -318,9 +314,6 @@ def install(root_dir: str, dry_run: bool) -> None:
                "scontrol reconfigure")
 
 
-# --- issue 5: flex-start expiry watch ---------------------------------------------------------
-
-
 @cli.command("expiry-watch")
 @click.option("--once", is_flag=True, help="one check and exit (what slurmagent-expiry.timer runs every 30 s)")
 @click.option("--node", metavar="NAME", help="node name (default $SLURMD_NODENAME or the host name)")
@@ -329,13 +322,10 @@ def install(root_dir: str, dry_run: bool) -> None:
 @click.pass_obj
 def expiry_watch(state: State, once: bool, node: str | None, interval: float) -> None:
     """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs."""
-    from .expiry import run_expiry_watch
+    from .expiry import run_expiry_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
     sys.exit(run_expiry_watch(cfg, _node_name(node), once=once, interval_s=interval))
-
-
-# --- end issue 5 ------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,9 @@ class HooksConfig:
 class SlurmConfig:
     scontrol: str = _key("scontrol", "scontrol binary")
     sbatch: str = _key("sbatch", "sbatch binary")
-    timeout_s: float = _key(10.0, "deadline of one scontrol/sbatch call")
+    squeue: str = _key("squeue", "squeue binary (the expiry watch lists the jobs running on the node)")
+    scancel: str = _key("scancel", "scancel binary (the expiry watch signals wrapped jobs to flush)")
+    timeout_s: float = _key(10.0, "deadline of one scontrol/squeue/scancel/sbatch call")
     conf: str = _key("", "slurm.conf path; default `$SLURM_CONF` or /etc/slurm/slurm.conf")
 
 
@@ -118,7 +120,8 @@ class ExpiryConfig:
     api_timeout_s: float = _key(20.0, "deadline of the Compute API read (retries included)")
     metadata_timeout_s: float = _key(2.0, "deadline of one metadata server read (a long poll waits this much longer)")
     publish_run_file: bool = _key(
-        True, "also write /run/slurmagent/expiry.json (world-readable) for wrappers running as the job's user")
+        True, "also write a world-readable copy of the expiry state (`run_file`) for wrappers running as the job's user")
+    run_file: str = _key("/run/slurmagent/expiry.json", "where that world-readable copy goes (`%n` = node name)")
 
 
 @dataclass(frozen=True)

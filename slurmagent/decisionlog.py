@@ -15,6 +15,25 @@ from pathlib import Path
 from typing import Any
 
 
+def warn(msg: str) -> None:
+    """Loud: stderr and syslog/journald at warning level."""
+    print(f"slurmagent: {msg}", file=sys.stderr)
+    try:
+        import syslog
+
+        syslog.openlog("slurmagent", 0, syslog.LOG_DAEMON)
+        syslog.syslog(syslog.LOG_WARNING, msg)
+    except OSError:
+        pass
+
+
+def path_for(cfg: Any, node: str) -> Path:
+    """Where a node's decisions go: `[hooks] log_file` (`%n` = node), else `<state_dir>/hooks.log`."""
+    if cfg.hooks.log_file:
+        return Path(cfg.node_path(cfg.hooks.log_file, node))
+    return cfg.state_path(node) / "hooks.log"
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 

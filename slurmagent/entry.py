@@ -11,10 +11,10 @@ HOOKS = ("prolog", "epilog")
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 1 and args[0] in HOOKS:
-        from .hookmain import hook_main
+        from .hookmain import hook_main  # no click on the hooks' path: start-up speed
 
         return hook_main(args[0])
-    from .cli import main as cli_main
+    from .cli import main as cli_main  # click only for the other commands: start-up speed
 
     return cli_main(args)
 

@@ -12,18 +12,20 @@ Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, TextIO
 
+from . import actions, metrics
 from .checks import Report
 from .config import Config
-from .decisionlog import DecisionLog
+from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError
-from .hooks import decision_log_path, drain_unless_other, reason_for
-from .slurm import Slurm, make_reason
+from .reasons import reason_for
+from .slurm import Slurm
+from .timefmt import parse_log_time
 
 TAIL_BYTES = 64 * 1024
 RECENT_EVENTS = ("prolog", "epilog")
@@ -36,24 +38,10 @@ def skip_recent_s(cfg: Config) -> float:
     return cfg.health.healthcheck_skip_s
 
 
-def _parse_time(text: object) -> float | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        try:
-            return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-
-
 def recent_decision(log_path: Path, node: str, within_s: float, now: float | None = None) -> dict | None:
     """The newest conclusive prolog/epilog decision for `node` logged within `within_s`, if any.
 
     Reads only the file's tail, and nothing at all when the file is older than the window."""
-    import json
-
     if within_s <= 0:
         return None
     now = time.time() if now is None else now
@@ -73,7 +61,7 @@ def recent_decision(log_path: Path, node: str, within_s: float, now: float | Non
             continue
         if not isinstance(record, dict):
             continue
-        when = _parse_time(record.get("time"))
+        when = parse_log_time(record.get("time"))
         if when is None:
             continue
         if now - when > within_s:
@@ -106,21 +94,16 @@ def run_healthcheck(
         if recent is not None:
             return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
         if health is None:
-            from .health import evaluate as health
+            from .health import evaluate as health  # NVML and the checks: only past the skip, for start-up speed
         report = health(cfg, node, True)
         if report.healthy:
             warnings = [f.summary for f in report.findings]
             log.write("healthcheck", node=node, verdict="healthy", action="none", warnings=warnings or None)
-            from . import metrics
-
             metrics.for_node(cfg, node).record_check(report)
             return 0
         reason = reason_for(report)
-        from .repair import drain_node  # journaled, through the circuit breaker
-
-        action = drain_node(cfg, slurm_factory(cfg), node, reason, report.findings, source="healthcheck").action
-        from . import metrics
-
+        action = actions.drain_fault(cfg, slurm_factory(cfg), node, reason, report.findings,
+                                     source="healthcheck").action
         metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
         worst = report.worst
         log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
@@ -134,14 +117,11 @@ def run_healthcheck(
 
 def _internal_error(node, cfg, log, exc, slurm_factory, stderr) -> int:
     what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
-    policy = cfg.hooks.on_internal_error if cfg else "open"
+    on_error = cfg.hooks.on_internal_error if cfg else "open"
     action, code = "none (fail open)", 0
-    if policy == "closed":
-        action, code = "drain (fail closed)", 1
-        try:
-            drain_unless_other(slurm_factory(cfg), node, make_reason("internal error", what))
-        except Exception as drain_exc:  # noqa: BLE001
-            action += f", drain failed: {drain_exc}"
+    if on_error == "closed":  # through the breaker, like every unplanned drain
+        blocked, action = actions.fail_closed(cfg, slurm_factory, node, what, source="healthcheck")
+        code = 1 if blocked else 0
     log.write("healthcheck", node=node, verdict="internal-error", error=what, action=action)
     print(f"slurmagent healthcheck: internal error (not a GPU fault): {what}; {action}", file=stderr)
     return code

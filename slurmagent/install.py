@@ -118,9 +118,3 @@ def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = 
             state.mkdir(parents=True, exist_ok=True)
             state.chmod(0o750)
     return steps
-
-
-def missing_slurm_conf_lines(conf: Path) -> list[str]:
-    from .doctor import slurm_conf_results
-
-    return [f"{r.name}: {r.fix}" for r in slurm_conf_results(conf) if not r.ok and r.fix]

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .fsutil import atomic_write_text
+from . import host
+from .fsutil import atomic_write_text, unsafe_for_root
 from .errors import SlurmagentError
 
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 CURSOR_FILE = "kernlog.cursor"
 LOCK_FILE = "kernlog.lock"
 DEFAULT_TIMEOUT_S = 10.0
@@ -431,15 +431,6 @@ class Batch:
     cursor: Cursor
 
 
-def current_boot_id(path: str = BOOT_ID_PATH) -> str:
-    """This boot's id; empty when unknown (then a reboot cannot be told apart)."""
-    try:
-        with open(path, encoding="ascii", errors="replace") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
 def cursor_path(state_dir: str | os.PathLike[str]) -> Path:
     return Path(state_dir) / CURSOR_FILE
 
@@ -449,8 +440,6 @@ def load_cursor(state_dir: str | os.PathLike[str]) -> Cursor | None:
 
     As root, a cursor file a non-root user could have written is ignored (said on stderr):
     moving it past an XID would hide the fault, and starting over can only judge more."""
-    from .fsutil import unsafe_for_root
-
     why = unsafe_for_root(cursor_path(state_dir))
     if why:
         import sys
@@ -509,7 +498,7 @@ def read_since(
     source: Source, state_dir: str | os.PathLike[str], *, boot_id: str | None = None
 ) -> Batch:
     """XIDs logged since the saved cursor, without moving it (see :func:`commit_cursor`)."""
-    bid = current_boot_id() if boot_id is None else boot_id
+    bid = host.boot_id() if boot_id is None else boot_id
     saved = load_cursor(state_dir)
     start: Position = None
     if saved is not None and saved.boot_id == bid and saved.source == source.name:

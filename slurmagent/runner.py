@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import expiry_state
 from .config import Config
 from .errors import SlurmagentError
 from .slurm import Slurm
@@ -20,9 +21,6 @@ from .wrapper import (
     expand_node,
     parse_signal,
 )
-
-EXPIRY_STATE_FILES = ("/run/slurmagent/expiry.json",)
-
 
 def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
                   ckpt_signal="USR1", grace=None, max_requeues=None, sync_interval=None) -> RunOptions:
@@ -46,7 +44,7 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
         max_requeues=ck.max_requeues if max_requeues is None else max_requeues,
         sync_interval_s=ck.sync_interval_s if sync_interval is None else max(sync_interval, 0.5),
         flush_lead_s=cfg.expiry.flush_lead_s,
-        expiry_files=(cfg.state_path(node) / "expiry.json", *map(Path, EXPIRY_STATE_FILES)),
+        expiry_files=expiry_state.files_for(cfg, node),
     )
 
 
@@ -56,13 +54,13 @@ def run_command(cfg: Config, cmd: list[str], **opts) -> int:
     options = build_options(cfg, cmd, env, ident, **opts)
     store = None
     if options.remote:
-        from .gcp.storage import GcsCheckpointStore
+        from .gcp.storage import GcsCheckpointStore  # google only with a remote: start-up speed
 
         store = GcsCheckpointStore(options.remote)
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
     sup = Supervisor(options, ident, store, (lambda job: slurm.requeue([job])) if slurm else None, env)
     if slurm is not None:
-        _warn_if_not_requeueable(sup, slurm, ident.job_id)
+        warn_if_not_requeueable(sup, slurm, ident.job_id)
     if store is None:
         sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
     outcome = sup.run()
@@ -72,7 +70,7 @@ def run_command(cfg: Config, cmd: list[str], **opts) -> int:
 
 def _record_metrics(cfg: Config, node: str | None, outcome) -> None:
     """Flush duration and bytes synced, when this (possibly unprivileged) job may write them."""
-    from . import metrics
+    from . import metrics  # only after the job: start-up speed
 
     m = metrics.for_node(cfg, node)
     if not os.access(m.state_dir, os.W_OK):
@@ -81,7 +79,7 @@ def _record_metrics(cfg: Config, node: str | None, outcome) -> None:
     m.update(set_=gauges, add={("slurmagent_bytes_synced_total", ()): outcome.bytes_synced})
 
 
-def _warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
+def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
     try:
         job = slurm.job(job_id)
     except SlurmagentError as exc:

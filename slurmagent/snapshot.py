@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SnapshotError
-from .fsutil import atomic_write_text
 
 SCHEMA = 1
 
@@ -141,11 +140,6 @@ def load(path: str | os.PathLike[str]) -> NodeSnapshot:
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"snapshot {path} is not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     return NodeSnapshot.from_dict(data, source=f"snapshot {path}")
-
-
-def save(snapshot: NodeSnapshot, path: str | os.PathLike[str]) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a snapshot."""
-    atomic_write_text(path, snapshot.to_json())
 
 
 # --- conversion helpers -------------------------------------------------------------------

@@ -9,7 +9,6 @@ handler only records; the main loop acts (submitit style).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Protocol, TextIO
 
 from .errors import SlurmagentError
+from .expiry_state import termination_time
+from .host import node_name
 
 EXIT_FLUSHED = 143
 FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -114,31 +115,7 @@ def default_ckpt_dir(env: Mapping[str, str], ident: JobIdentity) -> Path:
 
 def expand_node(path: str, env: Mapping[str, str]) -> str:
     """`%n` -> this node's name, so per-node paths work when several slurmd share a host."""
-    return path.replace("%n", env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0])
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def termination_time(files: tuple[Path, ...], boot_id: str | None = None) -> datetime | None:
-    """The VM's termination time from the expiry watch's state file, if any. A file from an
-    earlier boot (a flex VM stopped and started on the same disk) is ignored."""
-    boot_id = _boot_id() if boot_id is None else boot_id
-    for path in files:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("boot_id") and boot_id and data["boot_id"] != boot_id:
-                continue
-            raw = data.get("termination_time")
-            if raw:
-                return datetime.fromisoformat(raw.replace("Z", "+00:00"))
-        except (OSError, ValueError, AttributeError):
-            continue
-    return None
+    return path.replace("%n", node_name(None, env))
 
 
 class Supervisor:

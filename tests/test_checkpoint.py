@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurmagent.localgcs import GcsEmulator
+from slurmagent.devtools.localgcs import GcsEmulator
 
 from slurmagent import checkpoint as ck  # noqa: E402
 from slurmagent.checkpoint import (  # noqa: E402

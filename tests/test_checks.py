@@ -8,7 +8,7 @@ import pytest
 
 from conftest import healthy_snapshot_dict, xid_snapshot_dict
 from slurmagent.checks import RULE_ORDER, Limits, Report, Severity, run_checks, timeout_report
-from slurmagent.hooks import reason_for
+from slurmagent.reasons import reason_for
 from slurmagent.snapshot import NodeSnapshot
 
 REASON_CHARS = re.compile(r"^[A-Za-z0-9 _.,:;/()@+#%-]*$")

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
-from slurmagent.expiry import current_boot_id
+from slurmagent.host import boot_id as current_boot_id
 from slurmagent.gcp import metadata
 
 pytestmark = pytest.mark.slurm

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, write_json, xid_snapshot_dict
-from slurmagent import kernlog
+from slurmagent import host, kernlog
+from slurmagent.nodes import node_from_kv
 
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown, setpriv and the root-only checks")
@@ -319,7 +320,7 @@ def test_a_cursor_a_user_moved_past_an_xid_does_not_hide_it(node, owner):
     state = node.state("n1")
     state.mkdir(parents=True)
     cursor = kernlog.cursor_path(state)
-    cursor.write_text(json.dumps({"boot_id": kernlog.current_boot_id(), "source": f"file:{node.kern}",
+    cursor.write_text(json.dumps({"boot_id": host.boot_id(), "source": f"file:{node.kern}",
                                   "position": node.kern.stat().st_size}))
     os.chown(cursor, owner, owner)
     proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
@@ -373,9 +374,7 @@ def test_hostile_job_name_comment_and_env_on_a_bad_node(slurm, tmp_path):
          f"--comment=a\"; touch {mark} #\n$(touch {mark})", "--wrap", "true"],
         env=env, capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
     wait_for(lambda: "DRAIN" in c.node("n1").get("State", ""), 30, "the prolog to drain n1")
-    from slurmagent import policy
-
-    assert policy.node_view(c.node("n1")).reason == XID79  # our clean reason, nothing of the job's
+    assert node_from_kv(c.node("n1")).reason == XID79  # our clean reason, nothing of the job's
     def requeued():
         j = c.job(job)
         return j if j.get("Restarts") == "1" and j.get("JobState") == "PENDING" else None

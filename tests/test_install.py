@@ -10,6 +10,7 @@ import tomllib
 
 from conftest import REPO
 from slurmagent.config import Config, parse
+from slurmagent.doctor import missing_slurm_conf_lines
 from slurmagent.install import config_template, install
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurmagent import kernlog
+from slurmagent import host, kernlog
 from slurmagent.kernlog import (
     Cursor,
     DmesgSource,
@@ -308,12 +308,12 @@ def test_new_boot_restarts(log: Path, tmp_path: Path) -> None:
 def test_boot_id_is_read_from_proc_by_default(log: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
     read_new(FileSource(log), state)
-    assert load_cursor(state).boot_id == kernlog.current_boot_id()  # type: ignore[union-attr]
+    assert load_cursor(state).boot_id == host.boot_id()  # type: ignore[union-attr]
     assert read_new(FileSource(log), state) == []
     fake = tmp_path / "boot_id"
     fake.write_text("abc\n", encoding="ascii")
-    assert kernlog.current_boot_id(str(fake)) == "abc"
-    assert kernlog.current_boot_id(str(tmp_path / "missing")) == ""
+    assert host.boot_id(str(fake)) == "abc"
+    assert host.boot_id(str(tmp_path / "missing")) == ""
 
 
 def test_peek_does_not_advance(log: Path, tmp_path: Path) -> None:

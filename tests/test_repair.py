@@ -16,7 +16,8 @@ import pytest
 
 from conftest import REPO, cluster_config_text, healthy_snapshot_dict, wait_for, xid_snapshot_dict
 from fake_gcp import FakeGcp
-from slurmagent import policy
+from slurmagent import reasons
+from slurmagent.nodes import node_from_kv
 
 pytestmark = pytest.mark.slurm
 
@@ -87,7 +88,7 @@ def drain(env, nodes: str, reason: str) -> None:
 
 
 def reason(env, node: str) -> str:
-    return policy.node_view(env.cluster.node(node)).reason
+    return node_from_kv(env.cluster.node(node)).reason
 
 
 # --- repair ------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_open_breaker_suppresses_repairs_and_force_overrides(env, gcp, tmp_path,
 
 def test_resume_if_healthy(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
-    drain(env, "n1", policy.repairing_reason(XID79))
+    drain(env, "n1", reasons.repairing_reason(XID79))
     drain(env, "n2", "admin: swap PSU")
 
     code, out, err = cli(cfg, "resume-if-healthy", "--node", "n1", "--wait", "10")
@@ -260,7 +261,7 @@ def test_resume_if_healthy(env, gcp, tmp_path, cli):
 
 def test_resume_if_healthy_unhealthy_stays_drained_with_new_reason(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
-    drain(env, "n1", policy.repairing_reason(XID79))
+    drain(env, "n1", reasons.repairing_reason(XID79))
     env.set_snapshot("n1", xid_snapshot_dict(48, gpu=5))
 
     code, out, err = cli(cfg, "resume-if-healthy", "--node", "n1", "--wait", "10")
@@ -268,13 +269,13 @@ def test_resume_if_healthy_unhealthy_stays_drained_with_new_reason(env, gcp, tmp
     assert code == 1
     assert "UNHEALTHY" in out
     node = env.cluster.node("n1")
-    assert "DRAIN" in node["State"] and policy.node_view(node).reason.startswith("slurmagent: xid 48 on gpu 5")
+    assert "DRAIN" in node["State"] and node_from_kv(node).reason.startswith("slurmagent: xid 48 on gpu 5")
 
 
 def test_status_table_and_json(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
     drain(env, "n1", XID79)
-    drain(env, "n2", policy.repairing_reason("slurmagent: gpu-lost: gpu 1 GPU is lost"))
+    drain(env, "n2", reasons.repairing_reason("slurmagent: gpu-lost: gpu 1 GPU is lost"))
     expiry = env.root / "state" / "n1" / "expiry.json"
     expiry.parent.mkdir(parents=True, exist_ok=True)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3 * 3600 + 30))
@@ -335,7 +336,7 @@ def test_prolog_with_slurmctld_down_journals_the_drain(env):
 
     assert proc.returncode == 0, proc.stderr
     node = c.node("n1")
-    assert "DRAIN" in node["State"] and policy.node_view(node).reason == XID79
+    assert "DRAIN" in node["State"] and node_from_kv(node).reason == XID79
     assert not list(pending.glob("*.json"))
     done = [json.loads(p.read_text()) for p in (pending.parent / "done").glob("*.json")]
     assert [d["outcome"] for d in done if d["kind"] == "drain"] == ["drained"]
@@ -367,7 +368,7 @@ def test_full_loop_drain_repair_recreate_resume_runs_pending_job(env, gcp, tmp_p
     proc = slurmagent("repair")
     assert proc.returncode == 0, proc.stderr
     assert recreated == ["n1"] and len(gcp.mutations) == 1
-    assert reason(env, "n1") == policy.repairing_reason(XID79)
+    assert reason(env, "n1") == reasons.repairing_reason(XID79)
 
     # The MIG recreates the VM: slurmd goes away and comes back on a healthy machine.
     c.stop_node("n1")

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from conftest import REPO, cluster_config_text, healthy_snapshot_dict, write_json
-from slurmagent import policy
-from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+from slurmagent.nodes import node_from_kv, parse_kv
+from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 
 pytestmark = pytest.mark.slurm
 
@@ -58,9 +58,7 @@ def views(cluster):
     proc = cluster.run(["scontrol", "-o", "show", "node"], check=False)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    from slurmagent.slurm import parse_kv
-
-    return {v.name: v for v in (policy.node_view(parse_kv(line)) for line in out.splitlines() if line)}
+    return {v.name: v for v in (node_from_kv(parse_kv(line)) for line in out.splitlines() if line)}
 
 
 def reset(cluster, root):

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fakes.slurm import FakeSlurm
 from slurmagent import hostlist
 from slurmagent.errors import SlurmError
-from slurmagent.slurm import (
-    MAX_REASON,
-    Slurm,
-    clean_reason,
-    expected_gpus_for,
-    gpu_count_from_gres,
-    job_from_kv,
-    make_reason,
-    node_from_kv,
-    parse_kv,
-)
+from slurmagent.nodes import job_from_kv, node_from_kv, parse_kv
+from slurmagent.reasons import MAX_REASON, clean_reason, make_reason
+from slurmagent.slurm import Slurm, expected_gpus_for, gpu_count_from_gres
 
 # --- hostlist -----------------------------------------------------------------------------
 
@@ -199,38 +191,28 @@ def test_clean_reason_keeps_readable_text_and_bounds_length() -> None:
 # --- Slurm with a fake runner -----------------------------------------------------------------
 
 
-class FakeRunner:
-    """Records argv lists; answers from a queue of (returncode, stdout, stderr) or raises."""
-
-    def __init__(self, *replies):
-        self.calls: list[tuple[list[str], float]] = []
-        self.replies = list(replies)
-
-    def __call__(self, argv, timeout):
-        assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
-        self.calls.append((list(argv), timeout))
-        reply = self.replies.pop(0) if self.replies else (0, "", "")
-        if isinstance(reply, Exception):
-            raise reply
-        code, out, err = reply
-        return subprocess.CompletedProcess(argv, code, out, err)
+def canned(*replies) -> FakeSlurm:
+    """Slurm answering from canned (code, stdout, stderr) replies, or raising; then empty successes."""
+    fake = FakeSlurm(["n1", "gpu-1", "gpu-2", "gpu-3"])
+    fake.replies = list(replies) + [(0, "", "")] * 8
+    return fake
 
 
 def test_drain_many_nodes_is_one_call_with_hostlist() -> None:
-    runner = FakeRunner()
+    runner = canned()
     slurm = Slurm("/opt/slurm/bin/scontrol", timeout_s=7, runner=runner)
     slurm.drain(["gpu-3", "gpu-1", "gpu-2"], "slurmagent: xid 79 on gpu 3 (fallen off the bus)")
     assert len(runner.calls) == 1
-    argv, timeout = runner.calls[0]
+    argv, timeout = runner.calls[0], runner.timeouts[0]
     assert timeout == 7
     assert argv == ["/opt/slurm/bin/scontrol", "update", "NodeName=gpu-[1-3]", "State=DRAIN",
                     "Reason=slurmagent: xid 79 on gpu 3 (fallen off the bus)"]
 
 
 def test_drain_reason_is_one_argv_element_even_when_hostile() -> None:
-    runner = FakeRunner()
+    runner = canned()
     Slurm(runner=runner).drain(["n1"], "slurmagent: x\nState=RESUME $(id) 'q'")
-    argv = runner.calls[0][0]
+    argv = runner.calls[0]
     assert len(argv) == 5
     reasons = [a for a in argv if a.startswith("Reason=")]
     assert len(reasons) == 1 and reasons[0].count("=") == 1
@@ -238,7 +220,7 @@ def test_drain_reason_is_one_argv_element_even_when_hostile() -> None:
 
 
 def test_empty_node_lists_make_no_call() -> None:
-    runner = FakeRunner()
+    runner = canned()
     slurm = Slurm(runner=runner)
     slurm.drain([], "r")
     slurm.resume([])
@@ -247,43 +229,43 @@ def test_empty_node_lists_make_no_call() -> None:
 
 
 def test_resume_and_requeue_argv() -> None:
-    runner = FakeRunner()
+    runner = canned()
     slurm = Slurm(runner=runner)
     slurm.resume(["n2", "n1"])
     slurm.requeue(["12", "13"])
-    assert [c[0] for c in runner.calls] == [
+    assert runner.calls == [
         ["scontrol", "update", "NodeName=n[1-2]", "State=RESUME"],
         ["scontrol", "requeue", "12,13"],
     ]
 
 
 def test_timeout_propagates() -> None:
-    runner = FakeRunner(SlurmError("scontrol update timed out after 10 s"))
+    runner = canned(SlurmError("scontrol update timed out after 10 s"))
     with pytest.raises(SlurmError, match="timed out"):
         Slurm(runner=runner).drain(["n1"], "slurmagent: x")
 
 
 def test_failed_call_raises_with_scontrol_message() -> None:
-    runner = FakeRunner((1, "", "slurm_update error: Invalid node name specified\n"))
+    runner = canned((1, "", "slurm_update error: Invalid node name specified\n"))
     with pytest.raises(SlurmError, match="Invalid node name specified"):
         Slurm(runner=runner).drain(["nx"], "slurmagent: x")
 
 
 def test_show_nodes_parses_every_line() -> None:
     out = NODE_LINE + "\n" + "NodeName=gpu-4 State=IDLE Reason=(null) Gres=gpu:8\n"
-    runner = FakeRunner((0, out, ""))
+    runner = canned((0, out, ""))
     nodes = Slurm(runner=runner).nodes(["gpu-4", "gpu-3"])
-    assert runner.calls[0][0] == ["scontrol", "-o", "show", "node", "gpu-[3-4]"]
+    assert runner.calls[0] == ["scontrol", "-o", "show", "node", "gpu-[3-4]"]
     assert [(n.name, n.drained_by_slurmagent) for n in nodes] == [("gpu-3", True), ("gpu-4", False)]
 
 
 def test_node_not_found() -> None:
     with pytest.raises(SlurmError, match="no such node"):
-        Slurm(runner=FakeRunner((0, "", ""))).node("ghost")
+        Slurm(runner=canned((0, "", ""))).node("ghost")
 
 
 def test_job_invalid_id_is_none() -> None:
-    runner = FakeRunner((1, "", "slurm_load_jobs error: Invalid job id specified\n"))
+    runner = canned((1, "", "slurm_load_jobs error: Invalid job id specified\n"))
     assert Slurm(runner=runner).job("99") is None
 
 

@@ -17,7 +17,14 @@ from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict
 from slurmagent import snapshot as snapshot_mod
 from slurmagent.checks import run_checks
 from slurmagent.errors import SnapshotError
-from slurmagent.snapshot import GpuState, NodeSnapshot, load, save
+from slurmagent.fsutil import atomic_write_text
+from slurmagent.snapshot import GpuState, NodeSnapshot, load
+
+
+def save(snapshot: NodeSnapshot, path) -> None:
+    """What `slurmagent snapshot -o FILE` does."""
+    atomic_write_text(path, snapshot.to_json())
+
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -20,11 +20,14 @@ import pynvml
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, write_json
+from fakes.slurm import FakeSlurm
 from slurmagent import kernlog
 from slurmagent.config import parse
 from slurmagent.decisionlog import read_records
 from slurmagent.slurm import Slurm
-from slurmagent.watch import NvmlXidEvents, Watcher, sd_notify, watchdog_interval
+from slurmagent.host import sd_notify, watchdog_interval
+from slurmagent.nvml import NvmlXidEvents
+from slurmagent.watch import Watcher
 
 GPU3_PCI = "0000:48:00"  # healthy_gpu(3): 00000000:48:00.0
 
@@ -108,35 +111,6 @@ class FakeEventNvml(SimpleNamespace):
         self.frees += 1
 
 
-class FakeScontrol:
-    """`scontrol` for one node: show node, update state=drain; `down` answers like a dead slurmctld."""
-
-    def __init__(self, node: str = "n1", state: str = "IDLE", reason: str = ""):
-        self.node, self.state, self.reason = node, state, reason
-        self.down = False
-        self.calls: list[list[str]] = []
-
-    @property
-    def drains(self) -> list[list[str]]:
-        return [a for a in self.calls if "update" in a]
-
-    def __call__(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        self.calls.append(argv)
-        if self.down:
-            return subprocess.CompletedProcess(argv, 1, "", "Unable to contact slurm controller (connect failure)\n")
-        if argv[1:4] == ["-o", "show", "node"]:
-            reason = f" Reason={self.reason} [root@2026-11-30T05:00:00]" if self.reason else ""
-            line = f"NodeName={self.node} Arch=x86_64 CPUTot=2 State={self.state} Partitions=gpu{reason}\n"
-            return subprocess.CompletedProcess(argv, 0, line, "")
-        if argv[1] == "update":
-            kv = dict(a.split("=", 1) for a in argv[2:])
-            if kv.get("State") == "DRAIN":
-                self.state = "IDLE+DRAIN"
-                self.reason = kv["Reason"]
-            return subprocess.CompletedProcess(argv, 0, "", "")
-        return subprocess.CompletedProcess(argv, 1, "", f"unexpected {argv}")
-
-
 class Harness:
     """A Watcher in a thread, with a fake NVML, a fake scontrol and real files."""
 
@@ -148,7 +122,7 @@ class Harness:
         if snapshot:
             health["snapshot"] = str(write_json(tmp / "snap.json", healthy_snapshot_dict()))
         self.cfg = parse({"state_dir": str(tmp / "state"), "health": health, "hooks": {"syslog": False}})
-        self.scontrol = FakeScontrol()
+        self.scontrol = FakeSlurm()
         self.stderr = io.StringIO()
         self.nvml = nvml
         self.watcher = Watcher(self.cfg, "n1", Slurm(runner=self.scontrol), nvml=nvml, use_nvml=use_nvml,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
-from slurmagent.localgcs import GcsEmulator
+from slurmagent.devtools.localgcs import GcsEmulator
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 

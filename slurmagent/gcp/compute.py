@@ -1,10 +1,15 @@
-"""MIG repair through the Compute API (the only module importing google.cloud.compute_v1).
+"""The Compute API: MIG repair and the VM's termination time (the only module importing
+google.cloud.compute_v1).
 
 * `instance_mig`: `instances.get` -> the `created-by` metadata item -> the MIG (zonal or
   regional).
 * `recreate`: `instanceGroupManagers.recreateInstances` (or the regional one): ONE call per
   MIG with all its instances (chunks of 1000, the API's limit).
 * `report_faulty`: `instances.reportHostAsFaulty` (disruption IMMEDIATE, one fault reason).
+* `read_scheduling`: `instances.get` on the instance named like the node -> when the VM
+  will be terminated (`resourceStatus.scheduling.terminationTimestamp`, else
+  `scheduling.terminationTime`, else `lastStartTimestamp + scheduling.maxRunDuration`) and
+  the scheduling facts around it (provisioning model, termination action).
 * `wait`: the extended operation is polled here through Zone/RegionOperationsClient built
   with the same endpoint and credentials: the clients' own poller calls Google's default
   endpoint whatever `client_options` say, so the local fake could never answer it.
@@ -27,13 +32,21 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from ..errors import SlurmagentError
+from ..errors import ExpiryError, SlurmagentError
+from ..timefmt import fmt_time, from_epoch, parse_time
+from . import metadata
 from .metadata import MigRef, parse_created_by
 
 MAX_PER_CALL = 1000  # recreateInstances takes at most 1000 instances
+API_RETRIES = 5  # repair: attempts of one request on 429/5xx/connection failures
+API_BACKOFF_S = 1.0  # repair: first backoff between those attempts (jittered, doubling)
+SCHEDULING_CALL_TIMEOUT_S = 15.0  # expiry: one instances.get, within [expiry] api_timeout_s
+SCHEDULING_RETRIES = 2
+SCHEDULING_BACKOFF_S = 0.5
 RETRIABLE = frozenset({408, 429, 500, 502, 503, 504})
 NAMESPACE = uuid.UUID("5b0e6a4e-7f4c-4f0e-9a55-6c1a3d1f2b10")
 
@@ -93,14 +106,8 @@ class Compute:
     @classmethod
     def from_config(cls, cfg, project: str) -> Compute:
         r = cfg.repair
-        return cls(
-            project,
-            cfg.gcp.compute_endpoint,
-            call_timeout_s=float(getattr(r, "api_timeout_s", 30.0)),
-            deadline_s=float(getattr(r, "operation_timeout_s", 120.0)),
-            retries=int(getattr(r, "api_retries", 5)),
-            backoff_s=float(getattr(r, "api_backoff_s", 1.0)),
-        )
+        return cls(project, cfg.gcp.compute_endpoint, call_timeout_s=float(r.api_timeout_s),
+                   deadline_s=float(r.operation_timeout_s), retries=API_RETRIES, backoff_s=API_BACKOFF_S)
 
     @property
     def total_calls(self) -> int:
@@ -292,6 +299,77 @@ class Compute:
                 raise ComputeError(f"operation {op.name} not done within the deadline (status {got.status.name})", None)
             self.sleep(interval)
             interval = min(interval * 1.5, 5.0)
+
+
+# --- the VM's termination time (expiry watch) -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class SchedulingInfo:
+    termination_time: datetime | None
+    provisioning_model: str = ""
+    instance_termination_action: str = ""
+    max_run_duration_s: float | None = None
+    field: str = ""  # the API field the time came from
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "termination_time": fmt_time(self.termination_time) if self.termination_time else None,
+            "provisioning_model": self.provisioning_model,
+            "instance_termination_action": self.instance_termination_action,
+            "max_run_duration_s": self.max_run_duration_s,
+            "field": self.field,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SchedulingInfo:
+        t = d.get("termination_time")
+        return cls(parse_time(t) if t else None, d.get("provisioning_model", ""),
+                   d.get("instance_termination_action", ""), d.get("max_run_duration_s"), d.get("field", ""))
+
+
+def _has(msg: Any, name: str) -> bool:
+    try:
+        return name in msg
+    except TypeError:
+        return bool(getattr(msg, name, None))
+
+
+def scheduling_from_instance(inst: Any) -> SchedulingInfo:
+    """A compute_v1.Instance -> the termination time and the scheduling facts around it."""
+    sched = inst.scheduling if _has(inst, "scheduling") else None
+    model = str(sched.provisioning_model) if sched is not None and _has(sched, "provisioning_model") else ""
+    action = (str(sched.instance_termination_action)
+              if sched is not None and _has(sched, "instance_termination_action") else "")
+    mrd = None
+    if sched is not None and _has(sched, "max_run_duration"):
+        mrd = float(sched.max_run_duration.seconds) + sched.max_run_duration.nanos / 1e9
+    when, src = None, ""
+    rs = inst.resource_status if _has(inst, "resource_status") else None
+    if rs is not None and _has(rs, "scheduling") and _has(rs.scheduling, "termination_timestamp"):
+        when, src = parse_time(rs.scheduling.termination_timestamp), "resourceStatus.scheduling.terminationTimestamp"
+    elif sched is not None and _has(sched, "termination_time") and sched.termination_time:
+        when, src = parse_time(sched.termination_time), "scheduling.terminationTime"
+    elif mrd and _has(inst, "last_start_timestamp") and inst.last_start_timestamp:
+        start = parse_time(inst.last_start_timestamp).timestamp()
+        when, src = from_epoch(start + mrd), "lastStartTimestamp+scheduling.maxRunDuration"
+    return SchedulingInfo(when, model, action, mrd, src)
+
+
+def read_scheduling(cfg: Any, node: str) -> SchedulingInfo:
+    """`instances.get` for the instance named like this node (the slurm-gcp convention)."""
+    project, zone = metadata.project_and_zone(cfg, cfg.expiry.metadata_timeout_s)
+    budget = float(cfg.expiry.api_timeout_s)
+    compute = Compute(project, cfg.gcp.compute_endpoint, call_timeout_s=max(1.0, min(budget, SCHEDULING_CALL_TIMEOUT_S)),
+                      deadline_s=budget, retries=SCHEDULING_RETRIES, backoff_s=SCHEDULING_BACKOFF_S)
+    try:
+        inst = compute.instance(zone, node, budget)
+    except ComputeError as exc:
+        if exc.status == 404:
+            raise ExpiryError(f"instances.get: no instance {node!r} in {project}/{zone} "
+                              "(slurmagent takes the node name as the instance name)") from None
+        raise
+    return scheduling_from_instance(inst)
 
 
 def op_ref(op: Any, scope: str, location: str) -> OpRef:

@@ -1,0 +1,503 @@
+"""The only way slurmagent changes Slurm or Compute state: journaled actions.
+
+Every action (drain, requeue, release, resume, repair request) goes through the node's
+journal (`journal.py`): written before it is tried, marked done after, replayed by the next
+hook/timer/command when slurmctld or the API was down. A handler looks at the current
+state before it acts, so a replay is harmless.
+
+* Fault drains (`drain_fault`: hooks, watch, healthcheck, resume-if-healthy, and the
+  fail-closed drain after slurmagent's own internal error) go through the circuit breaker
+  (`policy.py`): one `scontrol -o show node` to count, the drain, and, when the breaker is
+  on, a second read to verify against concurrent drains on other machines.
+* Planned drains (`drain_planned`: expiry, maintenance, preemption) are journaled too, but
+  the breaker neither suppresses nor counts them: a flex cohort shares one termination time.
+* Adding an action kind: one handler `_do_<kind>` in `Actions.handlers()` and one public
+  function that journals it with `Actions.run(kind, ...)`.
+* A signal to a job (`signal_jobs`) is not journaled: a late one would hit a job that moved on.
+
+No google module is imported here: `gcp/compute.py` is imported on the repair path only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from . import hostlist, metrics, policy, reasons
+from .config import Config
+from .decisionlog import warn
+from .errors import SlurmagentError, SlurmError
+from .host import node_name
+from .journal import Entry, Journal, Retry, StopReplay
+from .nodes import NodeInfo
+from .repair_state import drop_marker, has_marker, record_history, write_marker
+from .slurm import Slurm, conf_value, read_conf_lines, slurm_conf_path, unreachable
+
+# Slurm's own reason after our prolog exited non-zero: a pending drain from that prolog may
+# replace it with the precise reason (it is the echo of our own failure, not an admin's).
+PROLOG_FAILURE_REASONS = ("Prolog error", "Prolog failed")
+HOOK_LOCK_WAIT_S = 10.0  # a hook waits at most this long for another replayer of its journal
+REPLAY_DEADLINE_S = 30.0  # one replay (and the action that started it) stops trying after this
+RELEASE_WAIT_S = 300.0  # a journaled release waits this long for Slurm to requeue the job (held)
+REQUEUE_STATES = frozenset({"FAILED", "NODE_FAIL", "COMPLETING", "BOOT_FAIL", "TIMEOUT", "OUT_OF_MEMORY"})
+RELEASE_POLL_S, RELEASE_WATCH_DEADLINE_S = 0.5, 60.0  # the release watch: poll period, deadline
+
+
+@dataclass
+class DrainOutcome:
+    action: str
+    blocks_job: bool = True  # the prolog exits non-zero: the job must not run here
+
+    @property
+    def drained(self) -> bool:
+        return self.action.startswith("drained") or self.action == "already-drained"
+
+    @property
+    def suppressed(self) -> bool:
+        return self.action.startswith("suppressed")
+
+
+class Actions:
+    """Executes journal entries against Slurm (and Compute for repair requests)."""
+
+    def __init__(self, cfg: Config, slurm: Slurm, local_node: str | None = None, *,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] | None = None,
+                 compute_factory: Callable[[str], Any] | None = None):
+        self.cfg = cfg
+        self.slurm = slurm
+        self.local_node = node_name(local_node)
+        self.state_dir = cfg.state_path(self.local_node)
+        self.journal = Journal.for_config(cfg, self.local_node)
+        self.clock = clock
+        self.sleep = sleep or time.sleep  # looked up now, so a test can patch time.sleep
+        self.compute_factory = compute_factory
+        self.fraction = float(cfg.repair.max_drained_fraction)
+
+    def handlers(self) -> dict[str, Callable[[Entry], str]]:
+        return {"drain": self._do_drain, "requeue": self._do_requeue, "release": self._do_release,
+                "resume": self._do_resume, "repair": self._do_repair}
+
+    def replay(self, deadline_s: float = REPLAY_DEADLINE_S, lock_wait_s: float = 0.0) -> list[tuple[Entry, str]]:
+        return self.journal.replay(self.handlers(), deadline_s, lock_wait_s)
+
+    def run(self, kind: str, *, lock_wait_s: float | None = None, **payload: Any) -> tuple[Entry, str]:
+        """Journal one action, then replay (older pending entries first, then this one).
+        When the journal cannot be written (state dir full or read-only) the action is still
+        tried once, unjournaled: a broken state dir must not let a job onto a bad GPU."""
+        try:
+            entry = self.journal.add(kind, **payload)
+        except OSError as exc:
+            warn(f"cannot journal {kind} in {self.journal.dir}: {exc.strerror or exc}; trying it unjournaled")
+            entry = Entry(id="unjournaled", kind=kind, created=self.clock(), payload=payload)
+            try:
+                return entry, self.handlers()[kind](entry)
+            except (Retry, StopReplay) as why:
+                return entry, f"pending: {why} (NOT journaled)"
+        try:
+            results = self.replay(REPLAY_DEADLINE_S,
+                                  lock_wait_s=REPLAY_DEADLINE_S if lock_wait_s is None else lock_wait_s)
+        except OSError as exc:  # the journal broke half-way (disk full?): the action may or may not be done
+            warn(f"journal {self.journal.dir}: {exc.strerror or exc} while replaying")
+            return entry, f"pending: journal I/O error: {exc.strerror or exc}"
+        for done, outcome in results:
+            if done.id == entry.id:
+                return entry, outcome
+        return entry, "pending: not tried yet (journal busy or replay deadline)"
+
+    # --- slurm calls mapped to replay semantics ---
+
+    def _slurm(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except SlurmError as exc:
+            if unreachable(exc):
+                raise StopReplay(f"slurmctld unreachable: {exc}") from None
+            raise Retry(str(exc)) from None
+
+    def _nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
+        return self._slurm(lambda: self.slurm.nodes(names))
+
+    def _update(self, nodes: list[str], **fields: str) -> None:
+        self._slurm(lambda: self.slurm.update_nodes(nodes, **fields))
+
+    def _breaker_gauge(self, is_open: bool) -> None:
+        metrics.for_node(self.cfg, self.local_node).update(set_={("slurmagent_breaker_open", ()): int(is_open)})
+
+    # --- drain ---
+
+    def _do_drain(self, entry: Entry) -> str:
+        p = entry.payload
+        if p.get("planned"):
+            return self._drain_planned(p["node"], reasons.clean_reason(p["reason"]))
+        return self._drain_fault(p)
+
+    def _drain_planned(self, node: str, reason: str) -> str:
+        found = [n for n in self._nodes([node]) if n.name == node]
+        decision = policy.decide_planned_drain(found[0] if found else None, reason)
+        if decision == "drain":
+            self._update([node], State="DRAIN", Reason=reason)
+            return "drained"
+        return decision
+
+    def _drain_fault(self, p: dict[str, Any]) -> str:
+        node, reason = p["node"], reasons.clean_reason(p["reason"])
+        nodes = self._nodes()
+        takeover = PROLOG_FAILURE_REASONS if p.get("takeover_prolog_error") else ()
+        decision = policy.decide_drain(nodes, node, reason, self.fraction, takeover_reasons=takeover)
+        me = next((n for n in nodes if n.name == node), None)
+        if decision in ("no-such-node", "kept-admin-drain", "already-drained"):
+            return decision
+        if decision == "update-reason":
+            self._update([node], State="DRAIN", Reason=reason)
+            return "drained (reason updated)"
+        b = policy.breaker(nodes, self.fraction, self.clock(), float(self.cfg.repair.suppressed_ttl_s))
+        if decision == "suppress" and not p.get("force"):
+            self._suppress(me, p, b)
+            self._breaker_gauge(True)
+            return "suppressed-by-breaker"
+        fields = {"State": "DRAIN", "Reason": reason}
+        if me is not None and me.marks.suppressed_at is not None:
+            fields["Comment"] = ""  # no longer held back by the breaker: drained now
+        self._update([node], **fields)
+        drop_marker(self.cfg.state_path(node))
+        self._breaker_gauge(False)
+        if p.get("force") or policy.allowed_drained(len(nodes), self.fraction) >= len(nodes):
+            return "drained" + (" (breaker overridden)" if decision == "suppress" else "")
+        # Optimistic drain: verify against drains other machines made in the same burst.
+        now = time.time()
+        self.sleep(max(0.0, math.floor(now) + 1.25 - now))
+        after = self._nodes()
+        if policy.keeps_drain(after, node, self.fraction):
+            return "drained"
+        me_after = next((n for n in after if n.name == node), None)
+        if me_after is not None and me_after.ours and me_after.reason == reason:
+            undo = {"State": "RESUME"}
+            if me_after.comment_free:
+                undo["Comment"] = reasons.suppressed_comment(self.clock(), reasons.fault_text(reason))
+            self._update([node], **undo)
+        self._write_marker(node)
+        warn(f"CIRCUIT BREAKER: {node} not drained (lost the race for the last of "
+             f"{policy.allowed_drained(len(after), self.fraction)} drain slots): {reason}")
+        return "suppressed-by-breaker (lost the race)"
+
+    def _suppress(self, me: NodeInfo | None, p: dict[str, Any], b: policy.Breaker) -> None:
+        node = p["node"]
+        fault = reasons.fault_text(p["reason"])
+        if me is not None and me.comment_free and not me.ours:
+            self._update([node], Comment=reasons.suppressed_comment(self.clock(), fault))
+        self._write_marker(node)
+        warn(f"CIRCUIT BREAKER: {node} is unhealthy ({fault}) but NOT drained: "
+             f"{b.describe()}. Check for a cluster-wide cause; `slurmagent repair --force {node}` overrides")
+
+    def _write_marker(self, node: str) -> None:
+        if node == self.local_node or "%n" in self.cfg.state_dir:  # a state dir this machine holds
+            write_marker(self.cfg.state_path(node), self.clock())
+
+    # --- requeue / release / resume ---
+
+    def _do_requeue(self, entry: Entry) -> str:
+        job_ids = [str(j) for j in entry.payload["job_ids"]]
+        if entry.attempts == 0 and entry.payload.get("fresh"):
+            self._slurm(lambda: self.slurm.requeue(job_ids))
+            return "requeued"
+        todo = []
+        for jid in job_ids:
+            job = self._slurm(lambda jid=jid: self.slurm.job(jid))
+            if job is not None and job.state in REQUEUE_STATES:
+                todo.append(jid)
+        if not todo:
+            return "nothing to do (jobs already requeued, running or gone)"
+        self._slurm(lambda: self.slurm.requeue(todo))
+        return f"requeued {','.join(todo)}"
+
+    def _do_release(self, entry: Entry) -> str:
+        jid = str(entry.payload["job_id"])
+        job = self._slurm(lambda: self.slurm.job(jid))
+        if job is None:
+            return "nothing to do (job gone)"
+        if job.held:
+            self._slurm(lambda: self.slurm.release([jid]))
+            return "released"
+        if job.restarts == 0 and job.state in ("RUNNING", "CONFIGURING", "PENDING") and \
+                self.clock() - entry.created < RELEASE_WAIT_S:
+            raise Retry("job not requeued yet")
+        return f"nothing to do (job {job.state}, not held)"
+
+    def _do_resume(self, entry: Entry) -> str:
+        p = entry.payload
+        node = p["node"]
+        found = [n for n in self._nodes([node]) if n.name == node]
+        if not found or not found[0].ours:
+            return "nothing to do (not drained by slurmagent)"
+        if p.get("only_reason") and found[0].reason != p["only_reason"]:
+            return "nothing to do (drained for another reason now)"
+        fields = {"State": "RESUME"}
+        if found[0].comment.startswith(reasons.COMMENT_TAG + " "):
+            fields["Comment"] = ""
+        self._update([node], **fields)
+        drop_marker(self.cfg.state_path(node))
+        return "resumed"
+
+    # --- repair request (replayed with the same requestId) ---
+
+    def _do_repair(self, entry: Entry) -> str:
+        p = entry.payload
+        nodes = {n.name: n for n in self._nodes()}
+        live = {name: info for name, info in p["nodes"].items() if name in nodes and nodes[name].ours}
+        if not live:
+            return "moot: nodes no longer drained by slurmagent"
+        marking = {n: reasons.repairing_reason(i["reason"]) for n, i in live.items() if not nodes[n].repairing}
+        if marking:
+            self._slurm(lambda: self.slurm.set_reasons(marking))
+        compute = self.compute(p["project"])
+        from .gcp.compute import ComputeError  # google only on the repair path, for start-up speed
+
+        try:
+            ops = send_repair(compute, p, live)
+        except ComputeError as exc:
+            if exc.retriable:
+                raise Retry(str(exc)) from None
+            self.revert_repairing(live)
+            return f"failed: {exc}"
+        self.repaired(list(live))
+        return "requested: " + ", ".join(str(o) for o in ops)
+
+    def repaired(self, nodes: list[str]) -> None:
+        record_history(self.state_dir, nodes, self.clock())
+        metrics.for_node(self.cfg, self.local_node).update(add={("slurmagent_repairs_total", ()): len(nodes)})
+
+    def compute(self, project: str) -> Any:
+        if self.compute_factory is not None:
+            return self.compute_factory(project)
+        from .gcp.compute import Compute  # google only on the repair path, for start-up speed
+
+        return Compute.from_config(self.cfg, project)
+
+    def revert_repairing(self, live: dict[str, dict[str, Any]]) -> None:
+        """After a failed repair request: the nodes' reasons back from `repairing` to the fault."""
+        try:
+            self.slurm.set_reasons({n: reasons.fault_reason(i["reason"]) for n, i in live.items()})
+        except SlurmError as exc:
+            warn(f"could not put back the reasons of {hostlist.compress(list(live))} after a failed repair: {exc}")
+
+    def clear_suppressed_mark(self, node: str) -> None:
+        """The node is healthy again: its breaker mark (Comment and local marker) goes."""
+        found = [n for n in self.slurm.nodes([node]) if n.name == node]
+        if found and found[0].marks.suppressed_at is not None:
+            self.slurm.update_nodes([node], Comment="")
+        drop_marker(self.cfg.state_path(node))
+
+
+def send_repair(compute: Any, p: dict[str, Any], live: dict[str, dict[str, Any]]) -> list:
+    """Send one repair request (a MIG's recreate, or report-faulty for each node) and wait."""
+    from .gcp.metadata import MigRef  # only the repair path needs it: start-up speed
+
+    deadline = float(p.get("deadline_s", 120.0))
+    if p["strategy"] == "recreate":
+        mig = MigRef.from_dict(p["mig"])
+        ops = compute.recreate(mig, [(info["zone"], name) for name, info in sorted(live.items())], p["request_id"],
+                               deadline_s=deadline)
+    else:
+        ops = []
+        for name, info in sorted(live.items()):
+            rid = str(uuid.uuid5(uuid.UUID(p["request_id"]), name))
+            rule = reasons.rule_of(info["reason"])
+            ops.append(compute.report_faulty(info["zone"], name, policy.fault_behavior(rule),
+                                             f"{reasons.PREFIX} {reasons.fault_text(info['reason'])}", rid,
+                                             deadline_s=deadline))
+    for op in ops:
+        compute.wait(op, deadline_s=deadline)
+    return ops
+
+
+# --- the public actions -------------------------------------------------------------------
+
+
+def _in_journal(pending: str) -> str:
+    return pending.replace("pending: ", "pending in the journal: ", 1)
+
+
+def drain_fault(cfg: Config, slurm: Slurm, node: str, reason: str, findings: Iterable[Any] = (), *,
+                source: str = "", job: str | None = None, takeover_prolog_error: bool = False,
+                force: bool = False, lock_wait_s: float = HOOK_LOCK_WAIT_S,
+                runner: Actions | None = None) -> DrainOutcome:
+    """An unplanned drain (a fault, or slurmagent's own internal error), through the breaker.
+
+    `blocks_job`: may a job still run here when the breaker held the drain back? Not when
+    the findings make the GPUs unusable (lost, missing, NVML dead)."""
+    rt = runner or Actions(cfg, slurm, node)
+    flags = {"job": job, "takeover_prolog_error": takeover_prolog_error, "force": force}
+    _, outcome = rt.run("drain", lock_wait_s=lock_wait_s, node=node, reason=reason, source=source,
+                        **{k: v for k, v in flags.items() if v})
+    if outcome.startswith("pending"):  # e.g. slurmctld unreachable: the journal retries it
+        return DrainOutcome("drain-failed: " + _in_journal(outcome), True)
+    if outcome.startswith("suppressed"):  # breaker open: no drain; a dead GPU still keeps the job off
+        return DrainOutcome(outcome, policy.blocks_job(findings))
+    return DrainOutcome(outcome, True)
+
+
+def fail_closed(cfg: Config, slurm_factory: Callable[[Config], Slurm], node: str, what: str, *, source: str,
+                job: str | None = None) -> tuple[bool, str]:
+    """`[hooks] on_internal_error = "closed"`: drain after slurmagent's own failure, through the
+    breaker like any unplanned drain. Returns (the node is kept from running jobs, action):
+    when the breaker holds the drain back the job may run (a bad rollout must not drain the
+    cluster, and a failing prolog would make Slurm drain the node anyway)."""
+    try:
+        drain = drain_fault(cfg, slurm_factory(cfg), node, reasons.internal_error_reason(what), source=source, job=job)
+    except Exception as exc:  # noqa: BLE001 - already on the failure path: say it, keep the job off
+        return True, f"drain (fail closed), drain failed: {exc}"
+    if drain.suppressed:
+        return False, f"drain (fail closed) {drain.action}: the job may run"
+    if drain.action.startswith("drain-failed"):
+        return True, f"drain (fail closed), {drain.action}"
+    return True, "drain (fail closed)"
+
+
+def drain_planned(cfg: Config, slurm: Slurm, node: str, reason: str, *, source: str = "",
+                  lock_wait_s: float = HOOK_LOCK_WAIT_S) -> str:
+    """A drain ahead of a scheduled end of the VM: journaled, never held back nor counted by
+    the breaker; an admin's drain and a slurmagent fault drain stay. Returns `drained`,
+    `already-drained`, `kept-admin-drain`, `kept-slurmagent-drain`, `no-such-node` or `pending: ...`."""
+    _, outcome = Actions(cfg, slurm, node).run("drain", lock_wait_s=lock_wait_s, node=node, reason=reason,
+                                               source=source, planned=True)
+    return outcome
+
+
+def requeue_jobs(cfg: Config, slurm: Slurm, node: str, job_ids: list[str]) -> str:
+    """Requeue jobs (one call); `requeued`, or `requeue-failed: ...` (then the journal retries)."""
+    _, outcome = Actions(cfg, slurm, node).run("requeue", job_ids=job_ids, fresh=True, lock_wait_s=HOOK_LOCK_WAIT_S)
+    if outcome.startswith("pending"):
+        return "requeue-failed: " + _in_journal(outcome)
+    return outcome
+
+
+def requeue_each(cfg: Config, slurm: Slurm, node: str, job_ids: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Requeue jobs in one call; if that fails, one by one, so one job that cannot be requeued
+    (Requeue=0) does not hide the others. Returns (requeued, {job: why not})."""
+    if not job_ids:
+        return [], {}
+    rt = Actions(cfg, slurm, node)
+    _, outcome = rt.run("requeue", job_ids=job_ids, fresh=True, lock_wait_s=HOOK_LOCK_WAIT_S)
+    if not outcome.startswith("pending"):
+        return list(job_ids), {}
+    done, failed = [], {}
+    for job in job_ids:
+        _, outcome = rt.run("requeue", job_ids=[job], fresh=True, lock_wait_s=HOOK_LOCK_WAIT_S)
+        if outcome.startswith("pending"):
+            failed[job] = outcome.removeprefix("pending: ")
+        else:
+            done.append(job)
+    return done, failed
+
+
+def signal_jobs(slurm: Slurm, job_ids: list[str], signal: str = "USR1") -> None:
+    """Signal the batch steps of jobs (one call). Not journaled: a late signal would hit a job
+    that has moved on. Raises SlurmError."""
+    slurm.signal_jobs(job_ids, signal, batch=True)
+
+
+def resume(cfg: Config, slurm: Slurm, node: str, reason: str = "", *, only_if_reason: bool = False) -> str:
+    """Resume a node slurmagent drained (journaled). With `only_if_reason`, only while it still
+    carries exactly `reason` (the expiry watch undoing its own drain)."""
+    only = {"only_reason": reasons.clean_reason(reason)} if only_if_reason else {}
+    return Actions(cfg, slurm, node).run("resume", node=node, reason=reason, **only)[1]
+
+
+def begin_repairs(rt: Actions, payloads: list[dict[str, Any]]) -> list[Entry]:
+    """Journal repair requests, then say `repairing` in Slurm for all their nodes at once
+    (one call per distinct reason): a second run, or another machine, does not ask twice.
+    Raises SlurmError (the entries are then closed as not sent)."""
+    entries = [rt.journal.add("repair", **p) for p in payloads]
+    try:
+        rt.slurm.set_reasons({n: reasons.repairing_reason(i["reason"]) for p in payloads for n, i in p["nodes"].items()})
+    except SlurmError as exc:
+        for entry in entries:
+            rt.journal.mark_done(entry, f"not sent: {exc}")
+        raise
+    return entries
+
+
+def finish_repair(rt: Actions, entry: Entry, compute: Any) -> list:
+    """Send a begun repair request and wait for it. On a ComputeError the reasons go back to
+    the fault and the error is raised; the entry is closed either way."""
+    from .gcp.compute import ComputeError  # google only on the repair path, for start-up speed
+
+    live = entry.payload["nodes"]
+    try:
+        ops = send_repair(compute, entry.payload, live)
+    except ComputeError as exc:
+        rt.revert_repairing(live)
+        rt.journal.mark_done(entry, f"failed: {exc}")
+        raise
+    rt.journal.mark_done(entry, "requested: " + ", ".join(str(o) for o in ops))
+    rt.repaired(list(live))
+    return ops
+
+
+def after_healthy_hook(cfg: Config, node: str, slurm_factory: Callable[[Config], Slurm]) -> None:
+    """The healthy path: replay a non-empty journal; clear our breaker mark if we set one.
+    Costs one directory listing and one stat when there is nothing to do."""
+    journal = Journal.for_config(cfg, node)
+    marked = has_marker(cfg.state_path(node))
+    if not journal.has_pending() and not marked:
+        return
+    try:
+        rt = Actions(cfg, slurm_factory(cfg), node)
+        rt.replay()
+        if marked:
+            rt.clear_suppressed_mark(node)
+    except (SlurmagentError, OSError) as exc:
+        print(f"slurmagent: journal replay deferred: {exc}", file=sys.stderr)
+
+
+# --- held jobs: Slurm without nohold_on_prolog_fail requeues a job held ---------------------
+
+
+def nohold_configured(cfg: Config) -> bool:
+    """Does slurm.conf say `SchedulerParameters=nohold_on_prolog_fail` (requeued jobs stay PENDING)?"""
+    params = conf_value(read_conf_lines(slurm_conf_path(cfg.slurm.conf)), "SchedulerParameters") or ""
+    return "nohold_on_prolog_fail" in params.split(",")
+
+
+def spawn_release_watch(job_id: str, cfg: Config) -> None:
+    """Without nohold_on_prolog_fail Slurm requeues the job held: a detached process releases
+    it once it is (`slurmagent release-held JOB`), so the prolog need not wait."""
+    argv = [sys.executable, "-m", "slurmagent.cli", "release-held", job_id]
+    subprocess.Popen(argv, env=dict(os.environ), start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def release_held(cfg: Config, node: str, job_id: str) -> list[str]:
+    """The prolog keeps a job off this node: make sure it ends PENDING, not held. Returns the actions taken."""
+    if nohold_configured(cfg):
+        return []
+    spawn_release_watch(job_id, cfg)
+    try:  # journaled too: a later replay confirms the release
+        Journal.for_config(cfg, node).add("release", job_id=job_id, node=node)
+    except OSError as exc:
+        warn(f"cannot journal the release of job {job_id}: {exc}")
+    return ["release-watch"]
+
+
+def release_when_held(slurm: Slurm, job_id: str, deadline_s: float = RELEASE_WATCH_DEADLINE_S,
+                      interval_s: float = RELEASE_POLL_S) -> bool:
+    """Poll until the job shows up requeued-held, then release it; give up at the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        job = slurm.job(job_id)
+        if job is None:
+            return False
+        if job.held:
+            slurm.release([job_id])
+            return True
+        if job.state in ("RUNNING", "COMPLETED", "CANCELLED", "FAILED"):
+            if job.state != "RUNNING" or job.restarts > 0:
+                return False
+        time.sleep(interval_s)
+    return False

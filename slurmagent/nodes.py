@@ -1,0 +1,227 @@
+"""ONE node and job model, parsed from `scontrol -o show node|job` lines, with pure predicates.
+
+Node state is Slurm's `State` split on `+` into flags; the predicates say what slurmagent
+may do with a node (`ours`: drained by slurmagent, the only nodes it resumes or repairs;
+`held_by_other`: an admin's or Slurm's drain, never touched). The node's Comment may carry
+the breaker's mark (`slurmagent suppressed@<epoch> <summary>`), read by `marks`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from . import reasons
+from .reasons import COMMENT_TAG
+from .timefmt import parse_slurm_time
+
+# States in which slurmd has not (re)registered the node with slurmctld.
+UNREGISTERED_FLAGS = frozenset({"DOWN", "NOT_RESPONDING", "UNKNOWN", "FUTURE", "POWERED_DOWN", "POWERING_UP",
+                                "POWER_DOWN", "POWERING_DOWN", "REBOOT_ISSUED", "REBOOT_REQUESTED"})
+BUSY_FLAGS = frozenset({"ALLOCATED", "MIXED", "COMPLETING"})
+_BASE_STATES = frozenset({"IDLE", "ALLOCATED", "MIXED", "DOWN", "UNKNOWN", "FUTURE", "ERROR"})
+
+# scontrol appends `[user@time]` to a node's Reason: stripped, and the time kept when it is one.
+_REASON_STAMP = re.compile(r" \[(?P<user>[^\]@]*)@(?P<time>[^\]]*)\]$")
+
+# `exec [ENV=.. python -m] .../slurmagent[.entry] [--opts] run ...` on one line, outside a comment
+WRAPPED_RE = re.compile(
+    r"^[ \t]*exec[ \t]+(?:[^\s#]\S*[ \t]+)*?[^\s#]*slurmagent(?:\.entry|\.cli)?[ \t]+(?:[^\s#]\S*[ \t]+)*?run(?:\s|$)",
+    re.M)
+
+
+def parse_kv(line: str) -> dict[str, str]:
+    """`scontrol -o` output: Key=Value tokens; Reason/Comment values may contain spaces."""
+    out: dict[str, str] = {}
+    key = None
+    for token in line.strip().split(" "):
+        name, eq, value = token.partition("=")
+        if eq and re.fullmatch(r"[A-Za-z][A-Za-z0-9_:/]*", name):
+            key = name
+            out[key] = value
+        elif key is not None:
+            out[key] += " " + token
+    return out
+
+
+@dataclass(frozen=True)
+class Marks:
+    """What slurmagent wrote in a node's Comment."""
+
+    drained_at: float | None = None
+    suppressed_at: float | None = None
+    suppressed_summary: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return self.drained_at is None and self.suppressed_at is None
+
+
+def parse_comment(comment: str) -> Marks:
+    if not comment.startswith(COMMENT_TAG + " "):
+        return Marks()
+    drained = suppressed = None
+    summary: list[str] = []
+    for token in comment.split(" ")[1:]:
+        key, at, value = token.partition("@")
+        if at and key in ("drained", "suppressed") and not summary:
+            try:
+                stamp = float(value)
+            except ValueError:
+                continue
+            if key == "drained":
+                drained = stamp
+            else:
+                suppressed = stamp
+        elif token:
+            summary.append(token)
+    return Marks(drained, suppressed, " ".join(summary) if suppressed is not None else "")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    flags: frozenset[str]
+    reason: str = ""
+    reason_time: float | None = None  # epoch seconds of the reason (slurmctld's clock, 1 s resolution)
+    comment: str = ""
+    gres: str = ""
+    partitions: str = ""
+    slurmd_start: float | None = None
+    raw: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def drained(self) -> bool:
+        return "DRAIN" in self.flags
+
+    @property
+    def down(self) -> bool:
+        return "DOWN" in self.flags
+
+    @property
+    def ours(self) -> bool:
+        """Drained by slurmagent: the only nodes slurmagent resumes or repairs."""
+        return self.drained and reasons.is_ours(self.reason)
+
+    @property
+    def held_by_other(self) -> bool:
+        """Drained or down for a reason that is not ours (an admin or Slurm itself)."""
+        return (self.drained or self.down) and not reasons.is_ours(self.reason)
+
+    drained_by_slurmagent = ours
+    drained_by_other = held_by_other
+
+    @property
+    def planned_drain(self) -> bool:
+        """Drained by slurmagent ahead of a scheduled end of the VM (expiry, maintenance, preemption)."""
+        return self.ours and reasons.is_planned(self.reason)
+
+    @property
+    def fault_drain(self) -> bool:
+        """Drained by slurmagent for a fault: what the circuit breaker counts."""
+        return self.ours and not reasons.is_planned(self.reason)
+
+    @property
+    def repairing(self) -> bool:
+        return self.ours and reasons.is_repairing(self.reason)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.flags & BUSY_FLAGS)
+
+    @property
+    def registered(self) -> bool:
+        return bool(self.flags) and not (self.flags & UNREGISTERED_FLAGS)
+
+    @property
+    def boot_time(self) -> float | None:
+        return parse_slurm_time(self.raw.get("BootTime", ""))
+
+    @property
+    def partition_names(self) -> list[str]:
+        return [p for p in self.partitions.split(",") if p]
+
+    @property
+    def marks(self) -> Marks:
+        return parse_comment(self.comment)
+
+    @property
+    def comment_free(self) -> bool:
+        """We may write the comment: empty or already ours (never an admin's)."""
+        return not self.comment or self.comment.startswith(COMMENT_TAG + " ")
+
+    @property
+    def state(self) -> str:
+        return "+".join(sorted(self.flags, key=lambda f: (f not in _BASE_STATES, f)))
+
+
+def node_from_kv(kv: dict[str, str]) -> NodeInfo:
+    """One `scontrol -o show node` line, already split into Key=Value pairs."""
+    flags = frozenset(f for f in re.split(r"[+*]", kv.get("State", "")) if f)
+    reason = kv.get("Reason", "")
+    reason_time = None
+    m = _REASON_STAMP.search(reason)
+    if m:
+        reason_time = parse_slurm_time(m["time"])
+        reason = reason[: m.start()]
+    if reason == "(null)":
+        reason = ""
+    comment = kv.get("Comment", "")
+    if comment == "(null)":
+        comment = ""
+    return NodeInfo(
+        name=kv.get("NodeName", ""),
+        flags=flags,
+        reason=reason.strip(),
+        reason_time=reason_time,
+        comment=comment.strip(),
+        gres=kv.get("Gres", ""),
+        partitions=kv.get("Partitions", ""),
+        slurmd_start=parse_slurm_time(kv.get("SlurmdStartTime", "")),
+        raw=kv,
+    )
+
+
+def nodes_from_text(text: str) -> list[NodeInfo]:
+    """Every node of a `scontrol -o show node` answer."""
+    return [node_from_kv(parse_kv(line)) for line in text.splitlines() if line.startswith("NodeName=")]
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    state: str
+    reason: str = ""
+    restarts: int = 0
+    requeue: bool = True
+    node_list: str = ""
+    batch_flag: bool = True
+    time_limit: str = ""
+    end_time: str = ""
+    raw: dict | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.state == "PENDING" and (
+            self.reason in ("JobHeldAdmin", "JobHeldUser") or "held" in self.reason.lower()
+        )
+
+
+def job_from_kv(kv: dict[str, str]) -> JobInfo:
+    return JobInfo(
+        job_id=kv.get("JobId", ""),
+        state=kv.get("JobState", ""),
+        reason=kv.get("Reason", ""),
+        restarts=int(kv.get("Restarts", "0") or 0),
+        requeue=kv.get("Requeue", "1") == "1",
+        node_list=kv.get("NodeList", ""),
+        batch_flag=kv.get("BatchFlag", "1") == "1",
+        time_limit=kv.get("TimeLimit", ""),
+        end_time=kv.get("EndTime", ""),
+        raw=kv,
+    )
+
+
+def script_execs_wrapper(script: str) -> bool:
+    """Does a batch script exec the slurmagent wrapper (so USR1 means 'flush')?"""
+    return bool(WRAPPED_RE.search(script))
