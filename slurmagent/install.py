@@ -61,8 +61,8 @@ def config_template() -> str:
     ]
     section = None
     for row in reference_markdown().splitlines()[2:]:
-        key, default, doc = [c.strip() for c in row.strip("|").split("|", 2)]
-        key, default = key.strip("`"), default.strip("`")
+        key, default, allowed, doc = [c.strip() for c in row.strip("|").split("|", 3)]
+        key, default, allowed = key.strip("`"), default.strip("`"), allowed.strip("`")
         if "." in key:
             sec, name = key.split(".", 1)
             if sec != section:
@@ -70,7 +70,7 @@ def config_template() -> str:
                 section = sec
         else:
             name = key
-        lines.append(f"#{name} = {default}    # {doc}")
+        lines.append(f"#{name} = {default}    # {doc}" + (f" [{allowed}]" if allowed else ""))
     return "\n".join(lines) + "\n"
 
 
