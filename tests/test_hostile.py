@@ -398,3 +398,37 @@ def test_a_process_name_chosen_by_the_job_cannot_talk_a_fatal_xid_down(node):
     drain = node.calls()[-1]
     assert drain[:3] == ["update", "NodeName=n1", "State=DRAIN"]
     assert drain[3].startswith("Reason=slurmagent: xid 149 on gpu 3 (") and drain[3].endswith("(fatal))")
+
+
+# --- bad config values, arguments and files: one line, exit 2 (or, in a hook, an internal error) --
+
+
+@pytest.mark.parametrize(("old", "new", "shown"), [
+    ("[slurm]\n", "[slurm]\ntimeout_s = 1e308\n", "'slurm.timeout_s' = 1e+308 is out of range (0.5 .. 3600)"),
+    ("[health]\n", "[health]\ntimeout_s = 0\n", "'health.timeout_s' = 0 is out of range (0.5 .. 3600)"),
+    ("expected_gpus = 8", "expected_gpus = 100000000000000000000000",
+     "'health.expected_gpus' = 100000000000000000000000 is out of range (0 .. 1024)"),
+    ("max_drained_fraction = 1.0", "max_drained_fraction = 5", "'repair.max_drained_fraction' = 5 is out of range (0 .. 1)"),
+])
+def test_a_hook_with_an_out_of_range_config_reports_a_config_error(node, old, new, shown):
+    """`slurm.timeout_s = 1e308` once overflowed a timer and the XID-79 prolog failed open as a
+    mystery OverflowError; the value is now refused at load, as the config error it is."""
+    text = node.config.read_text()
+    assert old in text
+    node.config.write_text(text.replace(old, new, 1))
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 0  # an internal error fails open by default: said, never "healthy"
+    assert proc.stderr == (f"slurmagent prolog: internal error (not a GPU fault): config {node.config}: {shown}; "
+                           "none (fail open)\n")
+    assert node.calls() == []  # nothing ran under a config that was refused
+
+
+@pytest.mark.parametrize("args", [["--config", "{cfg}", "prolog"], ["--config={cfg}", "prolog"],
+                                  ["--debug", "--config", "{cfg}", "prolog"]])
+def test_config_option_before_a_hook_is_honoured(node, args):
+    args = [a.replace("{cfg}", str(node.config)) for a in args]
+    absent = node.tmp / "absent.toml"
+    proc = node.slurmagent(*args, env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42", "SLURMAGENT_CONFIG": str(absent)})
+    assert proc.returncode == 1, proc.stderr  # XID 79 from the snapshot that --config names
+    assert node.calls()[-1] == DRAIN_N1
+    assert str(absent) not in proc.stderr
