@@ -432,3 +432,13 @@ def test_config_option_before_a_hook_is_honoured(node, args):
     assert proc.returncode == 1, proc.stderr  # XID 79 from the snapshot that --config names
     assert node.calls()[-1] == DRAIN_N1
     assert str(absent) not in proc.stderr
+
+
+def test_a_deeply_nested_snapshot_in_a_hook_is_a_snapshot_error(node):
+    node.snapshot.write_text('{"schema": 1, "gpus": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 0
+    assert proc.stderr == (f"slurmagent prolog: internal error (not a GPU fault): snapshot {node.snapshot} is not a "
+                           "snapshot: JSON nested too deeply; none (fail open)\n")
+    decision = json.loads((node.state() / "hooks.log").read_text().splitlines()[-1])
+    assert decision["verdict"] == "internal-error" and "nested too deeply" in decision["error"]
