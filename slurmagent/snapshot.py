@@ -148,6 +148,8 @@ def load(path: str | os.PathLike[str]) -> NodeSnapshot:
         raise SnapshotError(f"snapshot {path} is not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     except RecursionError:  # the parser's own limit; a real snapshot nests four levels deep
         raise SnapshotError(f"snapshot {path} is not a snapshot: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise SnapshotError(f"snapshot {path} is not a snapshot: {exc}") from None
     return NodeSnapshot.from_dict(data, source=f"snapshot {path}")
 
 

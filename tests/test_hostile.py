@@ -442,3 +442,21 @@ def test_a_deeply_nested_snapshot_in_a_hook_is_a_snapshot_error(node):
                            "snapshot: JSON nested too deeply; none (fail open)\n")
     decision = json.loads((node.state() / "hooks.log").read_text().splitlines()[-1])
     assert decision["verdict"] == "internal-error" and "nested too deeply" in decision["error"]
+
+
+def test_a_job_that_floods_xids_gets_a_bounded_decision_log_line(node):
+    """A job can make the kernel print an application XID as often as it likes; each is a finding,
+    and one decision line once reached 8.9 MB. The line is cut at 64 KiB with a marker; the verdict,
+    the reason and the first findings stay."""
+    node.set_snapshot(xid_snapshot_dict(79, gpu=3))
+    line = f"[ 9.0] NVRM: Xid (PCI:{PCI_GPU3}): 13, pid=4242, name=x, Graphics Exception: ESR 0x{{:x}}\n"
+    node.kern.write_text("".join(line.format(i) for i in range(20_000)))
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 1, proc.stderr
+    (raw,) = (node.state() / "hooks.log").read_bytes().splitlines()
+    assert len(raw) <= 64 * 1024
+    decision = json.loads(raw)
+    assert decision["verdict"] == "unhealthy" and decision["reason"] == XID79 and decision["truncated"] is True
+    findings = decision["findings"]
+    assert findings[0] == "xid 79 on gpu 3 (fallen off the bus)" and findings[1].startswith("xid 13 on gpu 3")
+    assert findings[-1] == f"... {20_001 - (len(findings) - 1)} more (truncated)"

@@ -391,3 +391,11 @@ def test_gpu_index_defaults_to_position_and_may_skip() -> None:
     assert [g.index for g in snap.gpus] == [0, 1, 5]
     with pytest.raises(SnapshotError, match=r"gpus\[1\]\.index 0 repeats gpus\[0\]'s"):
         NodeSnapshot.from_dict({"schema": 1, "gpus": [{}, {"index": 0}]})
+
+
+def test_cli_integer_too_long_to_convert_exits_2(cli_env, tmp_path) -> None:
+    path = tmp_path / "digits.json"
+    path.write_text('{"schema": 1, "gpus": [{"temperature_c": 1' + "0" * 5000 + "}]}")
+    proc = check_cli(cli_env, "--snapshot", str(path))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"slurmagent: snapshot {path} is not a snapshot: Exceeds the limit")
