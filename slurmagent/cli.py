@@ -237,7 +237,7 @@ def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> 
     try:
         names = [n for expr in nodes for n in expand(expr)]
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise SlurmagentError(f"repair: {exc}") from None
     cfg = state.config()
     if os.geteuid() != 0 and not dry_run:
         _require_root_for_repair(cfg)

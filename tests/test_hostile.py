@@ -460,3 +460,37 @@ def test_a_job_that_floods_xids_gets_a_bounded_decision_log_line(node):
     findings = decision["findings"]
     assert findings[0] == "xid 79 on gpu 3 (fallen off the bus)" and findings[1].startswith("xid 13 on gpu 3")
     assert findings[-1] == f"... {20_001 - (len(findings) - 1)} more (truncated)"
+
+
+def run_limited(*args: str, config: Path, memory: int = 1 << 30) -> subprocess.CompletedProcess:
+    """The CLI with its address space capped, so that an unbounded expansion fails instead of
+    eating the machine."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    env = {"SLURMAGENT_CONFIG": str(config), "PYTHONPATH": str(REPO), "SLURMD_NODENAME": "ctl"}
+    return subprocess.run([sys.executable, "-m", "slurmagent.entry", *args], env=env, capture_output=True, text=True,
+                          timeout=120, cwd="/", preexec_fn=cap)
+
+
+@pytest.mark.parametrize(("expr", "error"), [
+    ("n[1-100000000]", "hostlist 'n[1-100000000]' names 100000000 nodes, more than 65536"),
+    ("n1,n[1-300][1-300]", "hostlist 'n1,n[1-300][1-300]' names 90001 nodes, more than 65536"),
+    ("n[1-1" + "0" * 30 + "]", "bad range '1-1" + "0" * 30 + "' in hostlist 'n[1-1" + "0" * 30 + "]'"),
+])
+def test_repair_refuses_a_hostlist_too_large_to_expand(node, expr, error):
+    proc = run_limited("repair", "--dry-run", expr, config=node.config)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == f"slurmagent: repair: {error}\n"
+    assert node.calls() == []
+
+
+def test_hostlist_at_the_limit_still_expands():
+    from slurmagent import hostlist
+
+    names = hostlist.expand("n[00001-65536]")
+    assert len(names) == 65536 and names[0] == "n00001" and names[-1] == "n65536"
+    with pytest.raises(ValueError, match="names 65537 nodes, more than 65536"):
+        hostlist.expand("n[1-65536],x")
