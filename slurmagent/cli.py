@@ -154,6 +154,12 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
     """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
     from .runner import run_command
 
+    for option, key, value in (("--grace", "checkpoint.grace_s", grace), ("--sync-interval", "checkpoint.sync_interval_s",
+                               sync_interval), ("--max-requeues", "checkpoint.max_requeues", max_requeues)):
+        allowed = None if value is None else config_mod.out_of_range(key, value)
+        if allowed:
+            raise SlurmagentError(f"run: {option} {value} is out of range ({allowed})")
+
     sys.exit(run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
                          grace=grace, max_requeues=max_requeues, sync_interval=sync_interval))
 

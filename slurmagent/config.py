@@ -294,6 +294,16 @@ def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
     return float(value) if typ == "float" else value
 
 
+def out_of_range(dotted: str, value: float) -> str | None:
+    """The allowed range of key `dotted` (e.g. `checkpoint.grace_s`) when `value` is outside it:
+    a command-line option that overrides a key obeys the key's bounds."""
+    section, _, name = dotted.partition(".")
+    f = next(f for f in fields(_SECTION_CLASSES[section]) if f.name == name)
+    low, high = f.metadata.get("range", (None, None))
+    inside = math.isfinite(value) and (0 if low is None else low) <= value <= (math.inf if high is None else high)
+    return None if inside else _range_text(f)
+
+
 def _range_text(f: Any) -> str:
     low, high = f.metadata.get("range", (None, None))
     return f"{0 if low is None else low} .. {'' if high is None else high}".strip()

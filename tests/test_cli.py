@@ -88,3 +88,17 @@ def test_run_hands_the_command_its_own_options_and_separator(tmp_path, argv):
     proc = slurmagent("run", "--ckpt-dir", str(tmp_path / "ck"), *argv, config=tmp_path / "c.toml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text()) == ["-x", "--", "--lr=3"]
+
+
+@pytest.mark.parametrize(("option", "value", "shown"), [
+    ("--sync-interval", "0", "--sync-interval 0.0 is out of range (0.1 .. 86400)"),
+    ("--grace", "1e308", "--grace 1e+308 is out of range (0.1 .. 86400)"),
+    ("--grace", "nan", "--grace nan is out of range (0.1 .. 86400)"),
+    ("--max-requeues", "100000", "--max-requeues 100000 is out of range (0 .. 10000)"),
+])
+def test_run_options_obey_the_ranges_of_the_keys_they_override(tmp_path, option, value, shown):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    proc = slurmagent("run", "--ckpt-dir", str(tmp_path / "ck"), option, value, "--", "touch", str(tmp_path / "ran"),
+                      config=tmp_path / "c.toml", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == f"slurmagent: run: {shown}\n"
+    assert not (tmp_path / "ran").exists()
