@@ -11,6 +11,7 @@ from itertools import groupby
 _BRACKET = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<ranges>[^\[\]]+)\](?P<rest>.*)$")
 
 # `n[1-100000000]` is a short string and a 100-million-element list: counted before expanded.
+# Slurm's own hostlist code takes a range of more than 64K hosts for an error, too.
 MAX_NAMES = 65536
 _MAX_DIGITS = 18
 
