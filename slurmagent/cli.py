@@ -94,19 +94,21 @@ def snapshot(state: State, output: str | None) -> None:
 
 
 @cli.command()
-def prolog() -> None:
+@click.pass_obj
+def prolog(state: State) -> None:
     """Slurm Prolog entry point (reads SLURM_JOB_ID, SLURMD_NODENAME)."""
     from .hookmain import hook_main  # start-up speed
 
-    sys.exit(hook_main("prolog"))
+    sys.exit(hook_main("prolog", state.config_path))
 
 
 @cli.command()
-def epilog() -> None:
+@click.pass_obj
+def epilog(state: State) -> None:
     """Slurm Epilog entry point (reads SLURM_JOB_ID, SLURM_JOB_EXIT_CODE)."""
     from .hookmain import hook_main  # start-up speed
 
-    sys.exit(hook_main("epilog"))
+    sys.exit(hook_main("epilog", state.config_path))
 
 
 @cli.command("release-held", hidden=True)
@@ -139,7 +141,8 @@ def doctor(state: State) -> None:
     sys.exit(0 if all(r.ok for r in results) else 1)
 
 
-@cli.command(context_settings={"ignore_unknown_options": False})
+# The command's own options and its `--` stay its own: parsing stops at the first word of CMD.
+@cli.command(context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False})
 @click.option("--ckpt-dir", metavar="DIR", help="local checkpoint dir (default ${TMPDIR:-/tmp}/slurmagent/<job id>; %n = node)")
 @click.option("--remote", metavar="gs://B/P", help="checkpoint remote (default [checkpoint] remote + /<job id>)")
 @click.option("--ckpt-signal", default="USR1", show_default=True, help="signal that asks the job to checkpoint")
@@ -152,11 +155,30 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
     """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
     from .runner import run_command  # start-up speed
 
+    for option, key, value in (("--grace", "checkpoint.grace_s", grace), ("--sync-interval", "checkpoint.sync_interval_s",
+                               sync_interval), ("--max-requeues", "checkpoint.max_requeues", max_requeues)):
+        allowed = None if value is None else config_mod.out_of_range(key, value)
+        if allowed:
+            raise SlurmagentError(f"run: {option} {value} is out of range ({allowed})")
+
     sys.exit(run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
                          grace=grace, max_requeues=max_requeues, sync_interval=sync_interval))
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+class PassThrough(click.Command):
+    """Hands every argument over untouched (only a lone `-h`/`--help` is click's): click would
+    drop the first `--` it meets, and in `sbatch -N1 --gres=gpu:8 -- python train.py` that `--`
+    is where sbatch's options end."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args in (["-h"], ["--help"]):
+            return super().parse_args(ctx, args)
+        ctx.params["args"] = tuple(args)
+        ctx.args = []
+        return []
+
+
+@cli.command(cls=PassThrough)
 @click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 def sbatch(state: State, args) -> None:
@@ -216,7 +238,7 @@ def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> 
     try:
         names = [n for expr in nodes for n in expand(expr)]
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise SlurmagentError(f"repair: {exc}") from None
     cfg = state.config()
     if os.geteuid() != 0 and not dry_run:
         _require_root_for_repair(cfg)

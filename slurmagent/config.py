@@ -21,23 +21,34 @@ DEFAULT_PATH = "/etc/slurmagent/config.toml"
 ENV_VAR = "SLURMAGENT_CONFIG"
 
 
-def _key(default: Any, doc: str, choices: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"doc": doc, "choices": choices})
+def _key(default: Any, doc: str, choices: tuple[str, ...] = (), *, low: float | None = None,
+         high: float | None = None) -> Any:
+    """A config key; a number's `low`..`high` (inclusive) is checked at load and shown in the README."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "range": (low, high)})
 
 
 @dataclass(frozen=True)
 class HealthConfig:
     snapshot: str = _key("", "replay snapshot to read instead of NVML (`%n` = node name)")
-    expected_gpus: int = _key(0, "0 = the node's GPU count from slurm.conf/gres.conf, else this number")
-    timeout_s: float = _key(15.0, "deadline of the whole check; a hung NVML read is an unhealthy verdict")
+    expected_gpus: int = _key(
+        0, "0 = the node's GPU count from slurm.conf/gres.conf, else this number",
+        low=0, high=1024,
+    )
+    timeout_s: float = _key(
+        15.0, "deadline of the whole check; a hung NVML read is an unhealthy verdict",
+        low=0.5, high=3600,
+    )
     kernel_log: str = _key("", "file to read for NVRM Xid lines instead of the kernel log (`%n` = node name)")
     kernel_log_enabled: bool = _key(True, "read XIDs from the kernel log at all")
-    temperature_warn_c: float = _key(85.0, "warn (not drain) at or above this GPU temperature")
-    nvlink_errors_warn: int = _key(1000, "warn when a link's replay+recovery+CRC counters reach this")
-    ecc_corrected_warn: int = _key(10000, "warn when volatile corrected ECC errors reach this")
+    temperature_warn_c: float = _key(85.0, "warn (not drain) at or above this GPU temperature", low=1, high=200)
+    nvlink_errors_warn: int = _key(
+        1000, "warn when a link's replay+recovery+CRC counters reach this",
+        low=1, high=10**12,
+    )
+    ecc_corrected_warn: int = _key(10000, "warn when volatile corrected ECC errors reach this", low=1, high=10**12)
     healthcheck_skip_s: float = _key(
         120.0, "`healthcheck` exits 0 at once when a prolog/epilog decision was logged this recently (0 = always check)"
-    )
+    , low=0, high=86400)
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class SlurmConfig:
     sbatch: str = _key("sbatch", "sbatch binary")
     squeue: str = _key("squeue", "squeue binary (the expiry watch lists the jobs running on the node)")
     scancel: str = _key("scancel", "scancel binary (the expiry watch signals wrapped jobs to flush)")
-    timeout_s: float = _key(10.0, "deadline of one scontrol/squeue/scancel/sbatch call")
+    timeout_s: float = _key(10.0, "deadline of one scontrol/squeue/scancel/sbatch call", low=0.5, high=3600)
     conf: str = _key("", "slurm.conf path; default `$SLURM_CONF` or /etc/slurm/slurm.conf")
 
 
@@ -73,16 +84,34 @@ class GcpConfig:
 @dataclass(frozen=True)
 class RepairConfig:
     strategy: str = _key("recreate", "recreate | report-faulty | none", ("recreate", "report-faulty", "none"))
-    max_drained_fraction: float = _key(0.25, "circuit breaker: most nodes slurmagent may hold drained")
-    retry_after_s: float = _key(3600.0, "ask the MIG again when a node is still `repairing` after this long")
-    max_repairs_per_day: int = _key(3, "per node; beyond this it stays drained for an admin (or `repair --force`)")
-    api_timeout_s: float = _key(30.0, "timeout of one Compute API request")
-    operation_timeout_s: float = _key(120.0, "deadline of one repair request, retries and operation wait included")
-    resume_wait_s: float = _key(300.0, "`resume-if-healthy` waits this long for slurmd to register")
-    suppressed_ttl_s: float = _key(86400.0, "a circuit-breaker suppression mark older than this stops counting")
-    journal_max_pending: int = _key(1000, "journal: most pending actions kept (beyond: logged loudly, oldest dropped)")
-    journal_max_done: int = _key(500, "journal: done entries kept for `status`")
-    journal_max_age_s: float = _key(86400.0, "journal: pending actions older than this are dropped")
+    max_drained_fraction: float = _key(0.25, "circuit breaker: most nodes slurmagent may hold drained", low=0, high=1)
+    retry_after_s: float = _key(
+        3600.0, "ask the MIG again when a node is still `repairing` after this long",
+        low=1, high=604800,
+    )
+    max_repairs_per_day: int = _key(
+        3, "per node; beyond this it stays drained for an admin (or `repair --force`)",
+        low=0, high=1000,
+    )
+    api_timeout_s: float = _key(30.0, "timeout of one Compute API request", low=0.1, high=600)
+    operation_timeout_s: float = _key(
+        120.0, "deadline of one repair request, retries and operation wait included",
+        low=0.1, high=86400,
+    )
+    resume_wait_s: float = _key(300.0, "`resume-if-healthy` waits this long for slurmd to register", low=0, high=86400)
+    suppressed_ttl_s: float = _key(
+        86400.0, "a circuit-breaker suppression mark older than this stops counting",
+        low=1, high=2592000,
+    )
+    journal_max_pending: int = _key(
+        1000, "journal: most pending actions kept (beyond: logged loudly, oldest dropped)",
+        low=1, high=1000000,
+    )
+    journal_max_done: int = _key(500, "journal: done entries kept for `status`", low=0, high=1000000)
+    journal_max_age_s: float = _key(
+        86400.0, "journal: pending actions older than this are dropped",
+        low=60, high=2592000,
+    )
     allow_non_root: bool = _key(
         False, "let non-root users run `repair` (honoured only from a root-owned config; `--dry-run` is always allowed)")
 
@@ -90,17 +119,20 @@ class RepairConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     remote: str = _key("", "gs://bucket/prefix; STORAGE_EMULATOR_HOST is honoured")
-    sync_interval_s: float = _key(60.0, "background sync period of `slurmagent run`")
-    grace_s: float = _key(90.0, "how long the child may take to checkpoint after the signal")
-    max_requeues: int = _key(3, "requeue at most this many times (SLURM_RESTART_COUNT)")
-    signal_lead_s: int = _key(300, "`slurmagent sbatch`: end-of-time signal this long before the limit")
+    sync_interval_s: float = _key(60.0, "background sync period of `slurmagent run`", low=0.1, high=86400)
+    grace_s: float = _key(90.0, "how long the child may take to checkpoint after the signal", low=0.1, high=86400)
+    max_requeues: int = _key(3, "requeue at most this many times (SLURM_RESTART_COUNT)", low=0, high=10000)
+    signal_lead_s: int = _key(
+        300, "`slurmagent sbatch`: end-of-time signal this long before the limit",
+        low=0, high=65535,
+    )
 
 
 @dataclass(frozen=True)
 class ExpiryConfig:
     termination_time: str = _key("", "RFC 3339 override; default: the Compute API")
-    drain_lead_s: float = _key(1800.0, "drain this long before termination")
-    flush_lead_s: float = _key(120.0, "flush running jobs this long before termination")
+    drain_lead_s: float = _key(1800.0, "drain this long before termination", low=0, high=604800)
+    flush_lead_s: float = _key(120.0, "flush running jobs this long before termination", low=0, high=604800)
     prolog_guard: str = _key(
         "requeue",
         "a job whose time limit ends after `termination - flush_lead_s`: `requeue` drains the node with the expiry "
@@ -116,9 +148,15 @@ class ExpiryConfig:
     )
     drain_at_max_time: bool = _key(
         False, "also drain when the lifetime left is below the node's largest partition MaxTime (only when all are finite)")
-    refresh_s: float = _key(3600.0, "ask the Compute API again after this long (the answer is cached per boot)")
-    api_timeout_s: float = _key(20.0, "deadline of the Compute API read (retries included)")
-    metadata_timeout_s: float = _key(2.0, "deadline of one metadata server read (a long poll waits this much longer)")
+    refresh_s: float = _key(
+        3600.0, "ask the Compute API again after this long (the answer is cached per boot)",
+        low=1, high=604800,
+    )
+    api_timeout_s: float = _key(20.0, "deadline of the Compute API read (retries included)", low=0.1, high=600)
+    metadata_timeout_s: float = _key(
+        2.0, "deadline of one metadata server read (a long poll waits this much longer)",
+        low=0.1, high=600,
+    )
     publish_run_file: bool = _key(
         True, "also write a world-readable copy of the expiry state (`run_file`) for wrappers running as the job's user")
     run_file: str = _key("/run/slurmagent/expiry.json", "where that world-readable copy goes (`%n` = node name)")
@@ -249,27 +287,46 @@ def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
         raise ConfigError(f"config {source}: '{dotted}' must be {_TYPE_NAMES[typ]}, not {type(value).__name__}")
     if typ == "float" and not math.isfinite(value):
         raise ConfigError(f"config {source}: '{dotted}' must be a finite number, not {value}")
-    if typ in ("int", "float") and value < 0:
-        raise ConfigError(f"config {source}: '{dotted}' must not be negative")
+    low, high = f.metadata.get("range", (None, None))
+    if typ in ("int", "float") and not ((0 if low is None else low) <= value <= (math.inf if high is None else high)):
+        # a zero deadline spins, 1e308 overflows a timer at run time: refuse both here, at load
+        raise ConfigError(f"config {source}: '{dotted}' = {value} is out of range ({_range_text(f)})")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"config {source}: '{dotted}' must be one of {', '.join(choices)}, not {value!r}")
     return float(value) if typ == "float" else value
 
 
+def out_of_range(dotted: str, value: float) -> str | None:
+    """The allowed range of key `dotted` (e.g. `checkpoint.grace_s`) when `value` is outside it:
+    a command-line option that overrides a key obeys the key's bounds."""
+    section, _, name = dotted.partition(".")
+    f = next(f for f in fields(_SECTION_CLASSES[section]) if f.name == name)
+    low, high = f.metadata.get("range", (None, None))
+    inside = math.isfinite(value) and (0 if low is None else low) <= value <= (math.inf if high is None else high)
+    return None if inside else _range_text(f)
+
+
+def _range_text(f: Any) -> str:
+    low, high = f.metadata.get("range", (None, None))
+    return f"{0 if low is None else low} .. {'' if high is None else high}".strip()
+
+
 def reference_markdown() -> str:
     """The config reference table for the README, generated from the schema."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows = ["| key | default | range | meaning |", "|---|---|---|---|"]
     for f in fields(Config):
         if f.metadata.get("internal"):
             continue
         if f.name == "state_dir":
-            rows.append(f"| `state_dir` | `{f.default!r}` | {f.metadata['doc']} |".replace("'", '"'))
+            rows.append(f"| `state_dir` | `{f.default!r}` | | {f.metadata['doc']} |".replace("'", '"'))
             continue
         for sf in fields(_SECTION_CLASSES[f.name]):
             default = sf.default
             shown = str(default).lower() if isinstance(default, bool) else repr(default).replace("'", '"')
-            rows.append(f"| `{f.name}.{sf.name}` | `{shown}` | {sf.metadata['doc']} |")
+            numeric = str(sf.type) in ("int", "float")
+            allowed = f"`{_range_text(sf)}`" if numeric else ""
+            rows.append(f"| `{f.name}.{sf.name}` | `{shown}` | {allowed} | {sf.metadata['doc']} |")
     return "\n".join(rows)
 
 

@@ -164,7 +164,47 @@ def test_bad_choice_hooks_policy(tmp_path) -> None:
 )
 def test_negative_numbers_refused(tmp_path, text: str, key: str) -> None:
     path, msg = load_text(tmp_path, text)
-    assert key in msg and "negative" in msg and str(path) in msg
+    assert key in msg and "out of range" in msg and str(path) in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("[health]\ntimeout_s = 0\n", "'health.timeout_s' = 0 is out of range (0.5 .. 3600)"),
+        ("[health]\ntimeout_s = 1e308\n", "'health.timeout_s' = 1e+308 is out of range (0.5 .. 3600)"),
+        ("[slurm]\ntimeout_s = 1e308\n", "'slurm.timeout_s' = 1e+308 is out of range (0.5 .. 3600)"),
+        ("[checkpoint]\nsync_interval_s = 0\n", "'checkpoint.sync_interval_s' = 0 is out of range (0.1 .. 86400)"),
+        ("[health]\nexpected_gpus = 100000000000000000000000\n",
+         "'health.expected_gpus' = 100000000000000000000000 is out of range (0 .. 1024)"),
+        ("[repair]\nmax_drained_fraction = 5\n", "'repair.max_drained_fraction' = 5 is out of range (0 .. 1)"),
+        ("[checkpoint]\nsignal_lead_s = 70000\n", "'checkpoint.signal_lead_s' = 70000 is out of range (0 .. 65535)"),
+        ("[expiry]\nmetadata_timeout_s = 0\n", "'expiry.metadata_timeout_s' = 0 is out of range (0.1 .. 600)"),
+    ],
+)
+def test_numbers_outside_their_range_are_refused_at_load(tmp_path, text: str, shown: str) -> None:
+    """A zero deadline spins and 1e308 overflows a timer (an XID-79 prolog failed open on it): refused at load."""
+    path, msg = load_text(tmp_path, text)
+    assert msg == f"config {path}: {shown}"
+
+
+def test_range_bounds_are_allowed() -> None:
+    cfg = parse({"health": {"timeout_s": 0.5, "expected_gpus": 1024}, "repair": {"max_drained_fraction": 1},
+                 "checkpoint": {"sync_interval_s": 86400, "signal_lead_s": 65535}})
+    assert cfg.health.timeout_s == 0.5 and cfg.health.expected_gpus == 1024
+    assert cfg.repair.max_drained_fraction == 1.0 and cfg.checkpoint.signal_lead_s == 65535
+
+
+def test_every_number_key_has_a_range_that_holds_its_default() -> None:
+    """A new numeric key must say its bounds: the README's `range` column and the load check come from them."""
+    for section in fields(Config):
+        if section.name in ("state_dir", "source"):
+            continue
+        for f in fields(section.default_factory()):
+            if str(f.type) not in ("int", "float"):
+                continue
+            low, high = f.metadata["range"]
+            assert low is not None and high is not None, f"{section.name}.{f.name} has no range"
+            assert 0 <= low <= f.default <= high, f"{section.name}.{f.name}: default outside its range"
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-nan"])
@@ -373,6 +413,8 @@ def run_cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.C
         ('[health]\ntimeout_s = "soon"\n', "health.timeout_s"),
         ("[health]\nbogus = 1\n", "health.bogus"),
         ('[repair]\nstrategy = "pray"\n', "repair.strategy"),
+        ("[health]\ntimeout_s = 1e308\n", "health.timeout_s"),
+        ("[health]\nexpected_gpus = 100000000000000000000000\n", "health.expected_gpus"),
     ],
 )
 def test_cli_bad_config_exits_2_with_one_line(tmp_path, text: str, key: str) -> None:
