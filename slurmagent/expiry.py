@@ -73,7 +73,7 @@ from .nodes import script_execs_wrapper
 from .slurm import Slurm
 from .timefmt import fmt_time, from_epoch, human, parse_time
 
-SCHEDULING_READER = Callable[[Config, str], Any]  # (cfg, node) -> gcp.compute.SchedulingInfo
+SchedulingReader = Callable[[Config, str], Any]  # (cfg, node) -> gcp.compute.SchedulingInfo
 FLUSH_SIGNAL = "USR1"
 LOOP_WAIT_MIN_S, LOOP_WAIT_MAX_S = 5.0, 60.0  # the loop's metadata long poll, from its interval
 
@@ -118,7 +118,7 @@ class ExpiryWatch:
 
     def __init__(self, cfg: Config, node: str, slurm: Slurm | None = None, *,
                  clock: Callable[[], float] = time.time, boot_id: str | None = None,
-                 scheduling_reader: SCHEDULING_READER = read_scheduling):
+                 scheduling_reader: SchedulingReader = read_scheduling):
         self.cfg = cfg
         self.node = node
         self.slurm = slurm or Slurm.from_config(cfg)

@@ -6,7 +6,6 @@ One reader of each, so every command agrees on who and which boot "this node" is
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -43,6 +42,8 @@ def sd_notify(message: str, env: Mapping[str, str] = os.environ) -> bool:
     addr = env.get("NOTIFY_SOCKET")
     if not addr:
         return False
+    import socket  # only the watch daemon talks to systemd: kept off the hooks' start-up
+
     if addr.startswith("@"):
         addr = "\0" + addr[1:]  # abstract namespace
     try:

@@ -374,7 +374,7 @@ class DmesgSource:
         return [ln for ln in all_lines[start:] if _may_hold_xid(ln)], len(all_lines)
 
 
-def _kmsg_readable(path: str = "/dev/kmsg") -> bool:
+def kmsg_readable(path: str = "/dev/kmsg") -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -392,7 +392,7 @@ def _kmsg_readable(path: str = "/dev/kmsg") -> bool:
 
 def default_source() -> Source:
     """/dev/kmsg when readable, else journalctl when installed, else dmesg."""
-    if _kmsg_readable():
+    if kmsg_readable():
         return KmsgSource()
     journalctl = shutil.which("journalctl")
     if journalctl:

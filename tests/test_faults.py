@@ -159,6 +159,7 @@ class Canned:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.server.daemon_threads = True
+        self.server.handle_error = lambda *a: None  # a client that gave up (BrokenPipe): expected here
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.host = f"127.0.0.1:{self.server.server_address[1]}"
         self.url = f"http://{self.host}"

@@ -416,7 +416,7 @@ def test_kmsg_missing_device_is_an_error(tmp_path: Path) -> None:
         KmsgSource(str(tmp_path / "nope")).read(None)
 
 
-@pytest.mark.skipif(not kernlog._kmsg_readable(), reason="/dev/kmsg is not readable here")
+@pytest.mark.skipif(not kernlog.kmsg_readable(), reason="/dev/kmsg is not readable here")
 def test_real_kmsg_is_read_without_blocking(tmp_path: Path) -> None:
     state = tmp_path / "state"
     read_new(KmsgSource(), state)
@@ -535,9 +535,9 @@ def test_dmesg_source(tmp_path: Path) -> None:
 
 
 def test_default_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernlog, "_kmsg_readable", lambda path="/dev/kmsg": True)
+    monkeypatch.setattr(kernlog, "kmsg_readable", lambda path="/dev/kmsg": True)
     assert isinstance(kernlog.default_source(), KmsgSource)
-    monkeypatch.setattr(kernlog, "_kmsg_readable", lambda path="/dev/kmsg": False)
+    monkeypatch.setattr(kernlog, "kmsg_readable", lambda path="/dev/kmsg": False)
     monkeypatch.setattr(kernlog.shutil, "which", lambda name: "/usr/bin/journalctl")
     src = kernlog.default_source()
     assert isinstance(src, JournalSource) and src.journalctl == "/usr/bin/journalctl"

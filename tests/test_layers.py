@@ -287,3 +287,18 @@ def test_checker_wants_a_reason_for_a_local_import_and_keeps_the_harness_out(tmp
 def test_checker_reads_the_comment(tmp_path, line, ok):
     root = package(tmp_path, {"hooks.py": f"def f():\n{line}", "actions.py": ""})
     assert (not any("without a comment" in v for v in violations(root))) is ok
+
+
+def test_readme_layout_matches_the_tree():
+    """README's "Code layout" table names every module of its layer, and nothing else."""
+    import re
+
+    text = (PACKAGE.parent / "README.md").read_text()
+    section = text.split("## Code layout", 1)[1].split("\n## ", 1)[0]
+    rows = {row.split("|")[1].strip(): row.split("|")[2] for row in section.splitlines()
+            if row.startswith("| ") and not row.startswith("| layer")}
+    for layer, names in LAYERS.items():
+        named = {n.replace("/", ".") for n in re.findall(r"`([a-z_/]+)`", rows[LAYER_NAMES[layer]])}
+        assert named == set(names), (LAYER_NAMES[layer], named ^ set(names))
+    devtools = {module_name(p, PACKAGE) for p in (PACKAGE / DEVTOOLS).glob("*.py") if p.name != "__init__.py"}
+    assert all(f"`{m.split('.')[-1]}`" in section for m in devtools)

@@ -20,6 +20,7 @@ import pynvml
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, write_json
+from fakes import nvml_readers
 from fakes.slurm import FakeSlurm
 from slurmagent import kernlog
 from slurmagent.config import parse
@@ -27,6 +28,7 @@ from slurmagent.decisionlog import read_records
 from slurmagent.slurm import Slurm
 from slurmagent.host import sd_notify, watchdog_interval
 from slurmagent.nvml import NvmlXidEvents
+from slurmagent.nvml_deadline import ThreadSafeReader
 from slurmagent.watch import Watcher
 
 GPU3_PCI = "0000:48:00"  # healthy_gpu(3): 00000000:48:00.0
@@ -255,6 +257,26 @@ def test_kernel_xid_mapped_through_nvml_without_a_replay_snapshot(tmp_path):
         append(h.kern, nvrm(119, pci="0000:88:00", detail="Timeout waiting for RPC from GSP!"))
         (d,) = h.wait_decisions(1)
     assert d["gpu"] == 7 and d["reason"] == "slurmagent: xid 119 on gpu 7 (gsp rpc timeout)"
+
+
+def test_kernel_xid_mapped_through_a_forkserver_read_never_a_fork(tmp_path, monkeypatch):
+    """No NVML events and no replay snapshot: the GPU of a kernel-log XID comes from a snapshot
+    read under a deadline. The daemon runs threads, so that read never forks this process."""
+    forks: list[int] = []
+
+    def no_fork() -> int:
+        forks.append(1)
+        raise AssertionError("os.fork() in the threaded watch daemon")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    nv = FakeEventNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    reader = ThreadSafeReader(nvml_readers.healthy)
+    with Harness(tmp_path, nv, snapshot=False, nvml_retry_s=0.05, snapshot_reader=reader) as h:
+        wait_for(lambda: h.watcher.nvml_state == "unavailable", 5, "NVML unavailable")
+        append(h.kern, nvrm(79, pci="0000:88:00"))
+        (d,) = h.wait_decisions(1)
+    assert d["gpu"] == 7 and d["reason"] == "slurmagent: xid 79 on gpu 7 (fallen off the bus)"
+    assert forks == [] and "cannot map XIDs" not in h.stderr.getvalue()
 
 
 def test_gpu_lost_in_event_wait_is_said_and_retried(tmp_path):
