@@ -125,6 +125,20 @@ class ExpiryConfig:
 
 
 @dataclass(frozen=True)
+class WatchConfig:
+    running_jobs: str = _key(
+        "requeue",
+        "`watch`/`healthcheck` found a GPU unusable (lost, missing, NVML down, an XID asking for a GPU reset or a node "
+        "reboot) under running jobs: `requeue` requeues the unwrapped ones at once (cancels one that is not "
+        "requeueable) and those wrapped jobs that did not leave after their fault flush; `leave` only drains (wrapped "
+        "jobs are still told to flush)",
+        ("requeue", "leave"),
+    )
+    flush_deadline_s: float = _key(
+        60.0, "a wrapped job told to flush for a GPU fault that is still on the node after this long is requeued")
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name)")
 
@@ -139,6 +153,7 @@ class Config:
     repair: RepairConfig = field(default_factory=RepairConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     expiry: ExpiryConfig = field(default_factory=ExpiryConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = field(default="(defaults)", metadata={"internal": True})
 
@@ -159,6 +174,7 @@ _SECTION_CLASSES = {
     "repair": RepairConfig,
     "checkpoint": CheckpointConfig,
     "expiry": ExpiryConfig,
+    "watch": WatchConfig,
     "metrics": MetricsConfig,
 }
 
