@@ -37,7 +37,7 @@ from .timefmt import parse_log_time
 TAIL_BYTES = 64 * 1024
 RECENT_EVENTS = ("prolog", "epilog")
 CONCLUSIVE = ("healthy", "unhealthy")  # an internal error checked nothing: do not skip on it
-FOLLOW_MAX_S = 40.0  # the flushed jobs' deadline here: slurmd stops a health check after 60 s
+FOLLOW_MAX_S = 30.0  # the flushed jobs' deadline here: slurmd kills a health check after 60 s (check + drain first)
 
 HealthFn = Callable[[Config, str, bool], Report]
 

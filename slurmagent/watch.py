@@ -446,14 +446,14 @@ class Watcher:
             judged.append((e, xid_finding(e.xid, e.gpu, e.detail), self._duplicate(e)))
         drains = [f for _, f, _ in judged if f.severity is Severity.DRAIN]
         action = reason = None
+        evict = False
         if drains:
             reason = reason_for(Report(findings=drains))
             outcome = actions.drain_fault(self.cfg, self.slurm, self.node, reason, drains, source="watch")
             if outcome.action.startswith("drain-failed"):
                 raise SlurmError(outcome.action)  # keep the events: retried here, and by the journal
             action = outcome.action
-            if outcome.drained and policy.evicts_jobs(drains):
-                self._evict(reason, min(e.seen for e, f, _ in judged if f.severity is Severity.DRAIN))
+            evict = outcome.drained and policy.evicts_jobs(drains)
         for e, f, dup in judged:
             if dup and (f.severity is not Severity.DRAIN or action != "drained"):
                 continue  # already judged through the other input
@@ -472,6 +472,8 @@ class Watcher:
             self.log.write("watch", **fields)
             if f.severity is Severity.DRAIN:
                 self.say(f"{f.summary}: {action} ({reason})")
+        if evict and reason:  # right after the drain (and its decision line)
+            self._evict(reason, min(e.seen for e, f, _ in judged if f.severity is Severity.DRAIN))
         return action
 
 
