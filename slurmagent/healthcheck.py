@@ -113,12 +113,13 @@ def run_healthcheck(
         slurm = slurm_factory(cfg)
         drain = actions.drain_fault(cfg, slurm, node, reason, report.findings, source="healthcheck")
         action = drain.action
+        moved = None
         if drain.drained and policy.evicts_jobs(report.findings):
-            action += "; " + _evict(cfg, slurm, node, reason, log, started, stderr)
+            moved = _evict(cfg, slurm, node, reason, log, started, stderr)
         metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
         worst = report.worst
         log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
-                  observed=worst.observed, reason=reason, action=action,
+                  observed=worst.observed, reason=reason, action=action, running_jobs=moved,
                   findings=[f.summary for f in report.findings])
         print(f"slurmagent healthcheck: node {node} unhealthy: {reason} ({action})", file=stderr)
         return 1

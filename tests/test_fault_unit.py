@@ -261,8 +261,11 @@ def test_healthcheck_lost_gpu_requeues_the_running_job(tmp_path):
     snap["gpus"][2]["lost"] = True
     assert healthcheck(tmp_path, sc, snap) == 1
     assert sc.jobs["31"]["JobState"] == "PENDING" and "DRAIN" in sc.state
-    (d,) = [d for d in read_records(tmp_path / "state" / "hooks.log") if d["event"] == "fault-evict"]
+    records = read_records(tmp_path / "state" / "hooks.log")
+    (d,) = [d for d in records if d["event"] == "fault-evict"]
     assert (d["source"], d["job"], d["action"]) == ("healthcheck", "31", "requeued")
+    (hc,) = [d for d in records if d["event"] == "healthcheck"]
+    assert (hc["action"], hc["running_jobs"]) == ("drained", "1 running job(s) off the node")
 
 
 def test_healthcheck_pcie_width_drains_but_leaves_the_job(tmp_path):
