@@ -570,8 +570,8 @@ class FaultEviction:
     briefly for the trainer, syncs and requeues; any other job is requeued (cancelled when not
     requeueable) through the journal, per `[watch] running_jobs`. `poll()` follows the flushed
     jobs (one squeue) until they left the node, and past `[watch] flush_deadline_s` requeues
-    those still there. Every job gets one decision line (event `fault-evict`) once it is off
-    the node or given up on, with the time from the fault to then."""
+    those still there. Each job gets a decision line (event `fault-evict`) when it is acted on
+    and, when it was flushed, one more once it is off the node, with the time from the fault."""
 
     cfg: Config
     slurm: Slurm

@@ -62,6 +62,7 @@ DUPLICATE_WINDOW_S = 30.0  # the NVML event and the NVRM line of one XID arrive 
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # after a failed drain or a busy kernlog lock
 EVENT_WAIT_S = 1.0  # loop period when every input wakes it (kmsg fd, NVML pipe): watchdog, retries
 FOLLOW_S = 0.5  # loop period while flushed jobs are followed off a failed GPU
+EVICTED_KEPT = 1000  # jobs remembered as already moved off this node (a repeated XID skips them)
 
 
 # --- change detection for the kernel-log source --------------------------------------------
@@ -221,7 +222,7 @@ class Watcher:
         self.app_xids = 0
         self.drains = 0
         self.evictions: list[actions.FaultEviction] = []  # flushed jobs followed until off the node
-        self.evicted: set[tuple[str, int]] = set()  # (job, restarts) already made to leave
+        self.evicted: dict[tuple[str, int], None] = {}  # (job, restarts) already made to leave, oldest first
         self.judged = 0
         self._stopping = False
         self._stopped = threading.Event()  # set by the main loop on its way out: wakes the NVML thread
@@ -489,7 +490,9 @@ class Watcher:
             self.say(f"cannot make the running jobs leave {self.node}: {_describe(exc)}")
             return
         for leave in leaves:
-            self.evicted.add((leave.job.job_id, leave.job.restarts))
+            self.evicted[(leave.job.job_id, leave.job.restarts)] = None
+            while len(self.evicted) > EVICTED_KEPT:
+                del self.evicted[next(iter(self.evicted))]
             self.say(f"job {leave.job.job_id} on a failed GPU: {leave.action}")
         if not eviction.done:
             self.evictions.append(eviction)
