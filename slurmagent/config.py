@@ -57,8 +57,8 @@ class HooksConfig:
 class SlurmConfig:
     scontrol: str = _key("scontrol", "scontrol binary")
     sbatch: str = _key("sbatch", "sbatch binary")
-    squeue: str = _key("squeue", "squeue binary (the expiry watch lists the jobs running on the node)")
-    scancel: str = _key("scancel", "scancel binary (the expiry watch signals wrapped jobs to flush)")
+    squeue: str = _key("squeue", "squeue binary (the expiry watch and `watch` list the jobs running on the node)")
+    scancel: str = _key("scancel", "scancel binary (wrapped jobs are signalled to flush; `watch` cancels a job it cannot requeue)")
     timeout_s: float = _key(10.0, "deadline of one scontrol/squeue/scancel/sbatch call")
     conf: str = _key("", "slurm.conf path; default `$SLURM_CONF` or /etc/slurm/slurm.conf")
 
