@@ -14,6 +14,9 @@ state before it acts, so a replay is harmless.
 * Adding an action kind: one handler `_do_<kind>` in `Actions.handlers()` and one public
   function that journals it with `Actions.run(kind, ...)`.
 * A signal to a job (`signal_jobs`) is not journaled: a late one would hit a job that moved on.
+* Jobs on a GPU that failed under them (`FaultEviction`, for `watch` and `healthcheck`):
+  wrapped jobs get the fault flush signal, the others a journaled `fault-requeue` that acts
+  once per job and restart count, so every node of a multi-node job may ask.
 
 No google module is imported here: `gcp/compute.py` is imported on the repair path only.
 """
@@ -26,16 +29,16 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from . import hostlist, metrics, policy, reasons
 from .config import Config
-from .decisionlog import warn
+from .decisionlog import DecisionLog, warn
 from .errors import SlurmagentError, SlurmError
 from .host import node_name
 from .journal import Entry, Journal, Retry, StopReplay
-from .nodes import NodeInfo
+from .nodes import FAULT_FLUSH_SIGNAL, NodeInfo, RunningJob
 from .repair_state import drop_marker, has_marker, record_history, write_marker
 from .slurm import Slurm, conf_value, read_conf_lines, slurm_conf_path, unreachable
 
@@ -81,7 +84,8 @@ class Actions:
 
     def handlers(self) -> dict[str, Callable[[Entry], str]]:
         return {"drain": self._do_drain, "requeue": self._do_requeue, "release": self._do_release,
-                "resume": self._do_resume, "repair": self._do_repair}
+                "resume": self._do_resume, "repair": self._do_repair,
+                "fault-requeue": self._do_fault_requeue}
 
     def replay(self, deadline_s: float = REPLAY_DEADLINE_S, lock_wait_s: float = 0.0) -> list[tuple[Entry, str]]:
         return self.journal.replay(self.handlers(), deadline_s, lock_wait_s)
@@ -204,7 +208,12 @@ class Actions:
     def _do_requeue(self, entry: Entry) -> str:
         job_ids = [str(j) for j in entry.payload["job_ids"]]
         if entry.attempts == 0 and entry.payload.get("fresh"):
-            self._slurm(lambda: self.slurm.requeue(job_ids))
+            try:
+                self._slurm(lambda: self.slurm.requeue(job_ids))
+            except Retry as why:
+                if len(job_ids) == 1 and already_requeued(why):  # e.g. by the watch, before this epilog
+                    return "nothing to do (already requeued)"
+                raise
             return "requeued"
         todo = []
         for jid in job_ids:
@@ -243,6 +252,32 @@ class Actions:
         self._update([node], **fields)
         drop_marker(self.cfg.state_path(node))
         return "resumed"
+
+    # --- a job off a failed GPU ---
+
+    def _do_fault_requeue(self, entry: Entry) -> str:
+        """Requeue (or cancel) one job running on a node whose GPU failed, once: the restart
+        count it was seen with tells a repeated request (another node of the job, a replay, the
+        deadline after the wrapper's own requeue) from a first one."""
+        p = entry.payload
+        jid, seen = str(p["job_id"]), int(p.get("restarts", 0))
+        if entry.attempts == 0 and p.get("fresh"):  # squeue saw it running moments ago: no second read
+            try:
+                self.slurm.requeue([jid])
+                return "requeued"
+            except SlurmError as exc:
+                if unreachable(exc):
+                    raise StopReplay(f"slurmctld unreachable: {exc}") from None
+                # e.g. `Job is pending execution`: requeued since it was seen; the read below says so
+        job = self._slurm(lambda: self.slurm.job(jid))
+        decision = policy.decide_fault_requeue(job, seen, cancel=bool(p.get("cancel")))
+        if decision == "requeue":
+            self._slurm(lambda: self.slurm.requeue([jid]))
+            return "requeued"
+        if decision == "cancel":
+            self._slurm(lambda: self.slurm.cancel([jid]))
+            return "cancelled (not requeueable)"
+        return f"nothing to do ({decision})"
 
     # --- repair request (replayed with the same requestId) ---
 
@@ -292,6 +327,11 @@ class Actions:
         if found and found[0].marks.suppressed_at is not None:
             self.slurm.update_nodes([node], Comment="")
         drop_marker(self.cfg.state_path(node))
+
+
+def already_requeued(exc: BaseException) -> bool:
+    """Slurm refused a requeue because the job is requeued already (`Job is pending execution`)."""
+    return "pending execution" in str(exc).lower()
 
 
 def send_repair(compute: Any, p: dict[str, Any], live: dict[str, dict[str, Any]]) -> list:
@@ -501,3 +541,172 @@ def release_when_held(slurm: Slurm, job_id: str, deadline_s: float = RELEASE_WAT
                 return False
         time.sleep(interval_s)
     return False
+
+
+# --- jobs on a GPU that failed under them ---------------------------------------------------
+
+FAULT_CLASSIFY_BUDGET_S = 5.0  # telling wrapped jobs from others: past this, the rest count as unwrapped
+
+
+@dataclass
+class JobLeave:
+    """One job on a node whose GPU failed: what was done and, once it is off the node, when."""
+
+    job: RunningJob
+    wrapped: bool
+    action: str
+    left_after_s: float | None = None  # from the fault seen to the job off the node
+    requeued_by: str = ""  # "slurmagent", "wrapper", or "" (not requeued)
+    signalled_at: float | None = None  # the fault flush was signalled: followed until it left
+    finished: bool = True  # nothing more to follow
+
+
+@dataclass
+class FaultEviction:
+    """The jobs running on a node whose GPU just became unusable leave it at once.
+
+    `start()` (right after the drain stood): one squeue for the node's jobs; a wrapped job gets
+    the fault flush signal on its batch step (one scancel for all): its wrapper waits only
+    briefly for the trainer, syncs and requeues; any other job is requeued (cancelled when not
+    requeueable) through the journal, per `[watch] running_jobs`. `poll()` follows the flushed
+    jobs (one squeue) until they left the node, and past `[watch] flush_deadline_s` requeues
+    those still there. Each job gets a decision line (event `fault-evict`) when it is acted on
+    and, when it was flushed, one more once it is off the node, with the time from the fault."""
+
+    cfg: Config
+    slurm: Slurm
+    node: str
+    fault_at: float  # time.monotonic() when the fault was seen
+    source: str = "watch"
+    reason: str = ""
+    log: DecisionLog | None = None
+    clock: Callable[[], float] = time.monotonic
+    jobs: list[JobLeave] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(j.finished for j in self.jobs)
+
+    def start(self, skip: Iterable[tuple[str, int]] = ()) -> list[JobLeave]:
+        """Flush or requeue every job running on the node (but those in `skip`: (job, restarts)
+        already handled). Raises SlurmError when the jobs cannot be listed."""
+        skipped = set(skip)
+        running = [j for j in self.slurm.running_jobs(self.node) if (j.job_id, j.restarts) not in skipped]
+        wrapped = self._wrapped(running)
+        flush = [j for j in running if j.job_id in wrapped]
+        others = [j for j in running if j.job_id not in wrapped]
+        if flush:
+            try:
+                signal_jobs(self.slurm, [j.job_id for j in flush], str(int(FAULT_FLUSH_SIGNAL)))
+                now = self.clock()
+                self.jobs += [JobLeave(j, True, "fault flush signalled", signalled_at=now, finished=False)
+                              for j in flush]
+            except SlurmError as exc:
+                warn(f"{self.node}: cannot signal the fault flush to job(s) {','.join(j.job_id for j in flush)} "
+                     f"({exc}); requeueing them instead")
+                others += flush
+        for job in others:
+            self.jobs.append(self._leave(job, wrapped=job.job_id in wrapped, fresh=True))
+        self._record(self.jobs)  # a flushed job gets a second line once it is off the node
+        return list(self.jobs)
+
+    def poll(self) -> list[JobLeave]:
+        """Follow the flushed jobs: those off the node, and those requeued past the deadline,
+        are returned (and logged). One squeue while any is outstanding."""
+        waiting = [j for j in self.jobs if not j.finished]
+        if not waiting:
+            return []
+        try:
+            running = {j.job_id: j for j in self.slurm.running_jobs(self.node)}
+        except SlurmError as exc:
+            warn(f"{self.node}: cannot follow the fault flush of job(s) {','.join(j.job.job_id for j in waiting)}: {exc}")
+            running = None
+        finished = []
+        for leave in waiting:
+            now = self.clock()
+            seen = leave.job
+            if running is not None and (seen.job_id not in running or running[seen.job_id].restarts > seen.restarts):
+                self._left(leave, now)
+            elif now - (leave.signalled_at or now) >= float(self.cfg.watch.flush_deadline_s):
+                done = self._leave(seen, wrapped=True, fresh=False)
+                leave.action = "still on the node after the deadline: " + done.action
+                leave.requeued_by, leave.left_after_s = done.requeued_by, done.left_after_s
+            else:
+                continue
+            leave.finished = True
+            finished.append(leave)
+        self._record(finished)
+        return finished
+
+    def wait(self, poll_s: float = 0.5, sleep: Callable[[float], None] = time.sleep) -> list[JobLeave]:
+        """Poll until every flushed job left or was requeued (the deadline bounds it)."""
+        while not self.done:
+            sleep(poll_s)
+            self.poll()
+        return list(self.jobs)
+
+    # --- the steps ---
+
+    def _wrapped(self, jobs: list[RunningJob]) -> set[str]:
+        out: set[str] = set()
+        end = self.clock() + FAULT_CLASSIFY_BUDGET_S
+        for job in jobs:
+            if self.clock() >= end:
+                break  # a slow slurmctld: the rest are requeued, which is what the deadline would do
+            try:
+                if self.slurm.job_is_wrapped(job.job_id):
+                    out.add(job.job_id)
+            except SlurmError:
+                pass
+        return out
+
+    def _leave(self, job: RunningJob, *, wrapped: bool, fresh: bool) -> JobLeave:
+        """Requeue (or cancel) one job through the journal, or leave it per `running_jobs`."""
+        if self.cfg.watch.running_jobs != "requeue":
+            return JobLeave(job, wrapped, "left alone (running_jobs = leave)")
+        try:
+            _, outcome = Actions(self.cfg, self.slurm, self.node).run(
+                "fault-requeue", lock_wait_s=HOOK_LOCK_WAIT_S, node=self.node, job_id=job.job_id,
+                restarts=job.restarts, cancel=True, fresh=fresh and job.requeue, reason=self.reason)
+        except (SlurmagentError, OSError) as exc:
+            outcome = f"pending: {exc}"
+        leave = JobLeave(job, wrapped, _in_journal(outcome))
+        if outcome == "requeued":
+            leave.requeued_by, leave.left_after_s = "slurmagent", self.clock() - self.fault_at
+        elif outcome.startswith("cancelled"):
+            leave.left_after_s = self.clock() - self.fault_at
+        return leave
+
+    def _left(self, leave: JobLeave, now: float) -> None:
+        """A flushed job is off the node: requeued by its wrapper, or ended (e.g. its requeue budget)."""
+        leave.left_after_s = now - self.fault_at
+        try:
+            job = self.slurm.job(leave.job.job_id)
+        except SlurmError:
+            job = None
+        if job is not None and job.restarts > leave.job.restarts:
+            leave.requeued_by, leave.action = "wrapper", "flushed and requeued by its wrapper"
+        else:
+            leave.action = f"flushed, ended without a requeue ({job.state if job else 'gone'})"
+
+    def _record(self, leaves: list[JobLeave]) -> None:
+        add: dict[tuple[str, tuple], float] = {}
+        last = None
+        for leave in leaves:
+            if leave.requeued_by:
+                key = ("slurmagent_jobs_requeued_on_fault_total", (("by", leave.requeued_by),))
+                add[key] = add.get(key, 0) + 1
+            elif leave.action.startswith("cancelled"):
+                key = ("slurmagent_jobs_cancelled_on_fault_total", ())
+                add[key] = add.get(key, 0) + 1
+            if leave.left_after_s is not None:
+                last = leave.left_after_s
+            if self.log is not None:
+                self.log.write("fault-evict", node=self.node, source=self.source, job=leave.job.job_id,
+                               restarts=leave.job.restarts, job_nodes=leave.job.num_nodes, wrapped=leave.wrapped,
+                               action=leave.action, requeued_by=leave.requeued_by or None,
+                               fault_to_leave_s=None if leave.left_after_s is None else round(leave.left_after_s, 3),
+                               reason=self.reason or None)
+        if add or last is not None:
+            gauges = {("slurmagent_fault_to_leave_seconds", ()): last} if last is not None else {}
+            metrics.for_node(self.cfg, self.node).update(set_=gauges, add=add)

@@ -68,8 +68,8 @@ class HooksConfig:
 class SlurmConfig:
     scontrol: str = _key("scontrol", "scontrol binary")
     sbatch: str = _key("sbatch", "sbatch binary")
-    squeue: str = _key("squeue", "squeue binary (the expiry watch lists the jobs running on the node)")
-    scancel: str = _key("scancel", "scancel binary (the expiry watch signals wrapped jobs to flush)")
+    squeue: str = _key("squeue", "squeue binary (the expiry watch and `watch` list the jobs running on the node)")
+    scancel: str = _key("scancel", "scancel binary (wrapped jobs are signalled to flush; `watch` cancels a job it cannot requeue)")
     timeout_s: float = _key(10.0, "deadline of one scontrol/squeue/scancel/sbatch call", low=0.5, high=3600)
     conf: str = _key("", "slurm.conf path; default `$SLURM_CONF` or /etc/slurm/slurm.conf")
 
@@ -163,6 +163,21 @@ class ExpiryConfig:
 
 
 @dataclass(frozen=True)
+class WatchConfig:
+    running_jobs: str = _key(
+        "requeue",
+        "`watch`/`healthcheck` found a GPU unusable (lost, missing, NVML down, an XID asking for a GPU reset or a node "
+        "reboot) under running jobs: `requeue` requeues the unwrapped ones at once (cancels one that is not "
+        "requeueable) and those wrapped jobs that did not leave after their fault flush; `leave` only drains (wrapped "
+        "jobs are still told to flush)",
+        ("requeue", "leave"),
+    )
+    flush_deadline_s: float = _key(
+        60.0, "a wrapped job told to flush for a GPU fault that is still on the node after this long is requeued",
+        low=1, high=3600)
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name)")
 
@@ -177,6 +192,7 @@ class Config:
     repair: RepairConfig = field(default_factory=RepairConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     expiry: ExpiryConfig = field(default_factory=ExpiryConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = field(default="(defaults)", metadata={"internal": True})
 
@@ -197,6 +213,7 @@ _SECTION_CLASSES = {
     "repair": RepairConfig,
     "checkpoint": CheckpointConfig,
     "expiry": ExpiryConfig,
+    "watch": WatchConfig,
     "metrics": MetricsConfig,
 }
 

@@ -69,7 +69,6 @@ from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import ExpiryError, SlurmagentError
 from .gcp.events import EventWatcher, Events, probe_events
 from .host import boot_id as current_boot_id
-from .nodes import script_execs_wrapper
 from .slurm import Slurm
 from .timefmt import fmt_time, from_epoch, human, parse_time
 
@@ -245,12 +244,6 @@ def _job_key(job: str) -> tuple[int, str]:
     return (int(head) if head.isdigit() else 0, job)
 
 
-def is_wrapped(slurm: Slurm, job_id: str) -> bool:
-    """Does the job's batch script exec the slurmagent wrapper (so USR1 means 'flush')?"""
-    script = slurm.job_script(job_id)
-    return script is not None and script_execs_wrapper(script)
-
-
 def flush_jobs(cfg: Config, slurm: Slurm, node: str, done: set[str], unwrapped: str = "requeue",
                classify_budget_s: float = 30.0) -> FlushOutcome:
     """USR1 to the wrapped batch steps running on the node (one scancel), the others per policy.
@@ -267,7 +260,7 @@ def flush_jobs(cfg: Config, slurm: Slurm, node: str, done: set[str], unwrapped: 
     budget_end = time.monotonic() + classify_budget_s
     for job in jobs:
         try:
-            wrapped = unwrapped == "signal" or (time.monotonic() < budget_end and is_wrapped(slurm, job))
+            wrapped = unwrapped == "signal" or (time.monotonic() < budget_end and slurm.job_is_wrapped(job))
         except SlurmagentError:
             wrapped = False
         if wrapped:

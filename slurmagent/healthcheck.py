@@ -6,6 +6,12 @@ runs the same checks as the Prolog and drains the node on failure; it never resu
 this node was logged within the last `skip_recent_s` seconds the node was just checked:
 it exits 0 at once, without touching NVML.
 
+When the verdict leaves a GPU unusable under a running job (``policy.evicts_jobs``: GPU lost or
+missing, NVML down, an XID asking for a GPU reset or a node reboot) and our drain stands, the
+jobs running on the node leave it at once, as with `watch` (``actions.FaultEviction``); the
+check then follows the flushed ones for at most `FOLLOW_MAX_S` (slurmd gives a health check
+a minute) before it requeues those still on the node.
+
 Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said loudly),
 1 unhealthy.
 """
@@ -15,10 +21,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TextIO
 
-from . import actions, metrics
+from . import actions, metrics, policy
 from .checks import Report
 from .config import Config
 from .decisionlog import DecisionLog, path_for as decision_log_path
@@ -30,6 +37,7 @@ from .timefmt import parse_log_time
 TAIL_BYTES = 64 * 1024
 RECENT_EVENTS = ("prolog", "epilog")
 CONCLUSIVE = ("healthy", "unhealthy")  # an internal error checked nothing: do not skip on it
+FOLLOW_MAX_S = 30.0  # the flushed jobs' deadline here: slurmd kills a health check after 60 s (check + drain first)
 
 HealthFn = Callable[[Config, str, bool], Report]
 
@@ -102,17 +110,38 @@ def run_healthcheck(
             metrics.for_node(cfg, node).record_check(report)
             return 0
         reason = reason_for(report)
-        action = actions.drain_fault(cfg, slurm_factory(cfg), node, reason, report.findings,
-                                     source="healthcheck").action
+        slurm = slurm_factory(cfg)
+        drain = actions.drain_fault(cfg, slurm, node, reason, report.findings, source="healthcheck")
+        action = drain.action
+        moved = None
+        if drain.drained and policy.evicts_jobs(report.findings):
+            moved = _evict(cfg, slurm, node, reason, log, started, stderr)
         metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
         worst = report.worst
         log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
-                  observed=worst.observed, reason=reason, action=action,
+                  observed=worst.observed, reason=reason, action=action, running_jobs=moved,
                   findings=[f.summary for f in report.findings])
         print(f"slurmagent healthcheck: node {node} unhealthy: {reason} ({action})", file=stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - say "slurmagent failed", never "GPU unhealthy"
         return _internal_error(node, cfg, log, exc, slurm_factory, stderr)
+
+
+def _evict(cfg: Config, slurm: Slurm, node: str, reason: str, log: DecisionLog, fault_at: float,
+           stderr: TextIO) -> str:
+    """The running jobs leave the node (flushed ones followed for at most FOLLOW_MAX_S)."""
+    follow = min(float(cfg.watch.flush_deadline_s), FOLLOW_MAX_S)
+    if follow != float(cfg.watch.flush_deadline_s):
+        cfg = replace(cfg, watch=replace(cfg.watch, flush_deadline_s=follow))
+    eviction = actions.FaultEviction(cfg, slurm, node, fault_at, source="healthcheck", reason=reason, log=log)
+    try:
+        leaves = eviction.wait() if eviction.start() else []
+    except SlurmagentError as exc:
+        print(f"slurmagent healthcheck: cannot make the running jobs leave {node}: {exc}", file=stderr)
+        return f"running jobs not moved: {exc}"
+    for leave in leaves:
+        print(f"slurmagent healthcheck: job {leave.job.job_id} on a failed GPU: {leave.action}", file=stderr)
+    return f"{len(leaves)} running job(s) off the node" if leaves else "no running jobs"
 
 
 def _internal_error(node, cfg, log, exc, slurm_factory, stderr) -> int:

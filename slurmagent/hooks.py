@@ -228,10 +228,7 @@ def prolog_guard(cfg: Config, ctx: HookContext, slurm_factory: Callable[[Config]
 
 
 def _wrapped(slurm: Slurm, job_id: str) -> bool:
-    from .nodes import script_execs_wrapper  # the guard's slow path only, for start-up speed
-
     try:
-        script = slurm.job_script(job_id)
+        return slurm.job_is_wrapped(job_id)
     except SlurmagentError:
         return False
-    return script is not None and script_execs_wrapper(script)

@@ -28,6 +28,12 @@ HELP = {
     "slurmagent_flush_seconds": ("gauge", "duration of the last checkpoint flush (signal to requeue)"),
     "slurmagent_bytes_synced_total": ("counter", "checkpoint bytes uploaded"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
+    "slurmagent_jobs_requeued_on_fault_total": (
+        "counter", "jobs that left a node whose GPU failed under them, requeued (by: slurmagent, or the job's wrapper)"),
+    "slurmagent_jobs_cancelled_on_fault_total": (
+        "counter", "jobs cancelled on a node whose GPU failed under them (not requeueable)"),
+    "slurmagent_fault_to_leave_seconds": (
+        "gauge", "last job off a failed GPU: seconds from the fault seen to the job off the node"),
 }
 
 

@@ -9,6 +9,7 @@ the breaker's mark (`slurmagent suppressed@<epoch> <summary>`), read by `marks`.
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass, field
 
 from . import reasons
@@ -28,6 +29,13 @@ _REASON_STAMP = re.compile(r" \[(?P<user>[^\]@]*)@(?P<time>[^\]]*)\]$")
 WRAPPED_RE = re.compile(
     r"^[ \t]*exec[ \t]+(?:[^\s#]\S*[ \t]+)*?[^\s#]*slurmagent(?:\.entry|\.cli)?[ \t]+(?:[^\s#]\S*[ \t]+)*?run(?:\s|$)",
     re.M)
+
+# The fault flush: the watch tells a wrapped job's batch step that a GPU under it died with
+# this signal (not USR1/TERM), so the wrapper waits only briefly for the trainer, which may
+# hang on the dead GPU: the last committed checkpoint is what counts. SIGPWR: nothing else
+# sends it to a batch step (Slurm uses TERM, KILL, CONT and the user's --signal), and a job
+# not wrapped by a slurmagent that knows it is never sent it.
+FAULT_FLUSH_SIGNAL = signal.SIGPWR
 
 
 def parse_kv(line: str) -> dict[str, str]:
@@ -225,3 +233,36 @@ def job_from_kv(kv: dict[str, str]) -> JobInfo:
 def script_execs_wrapper(script: str) -> bool:
     """Does a batch script exec the slurmagent wrapper (so USR1 means 'flush')?"""
     return bool(WRAPPED_RE.search(script))
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job running on a node, from one squeue call: enough to requeue it exactly once.
+
+    `restarts` is the job's restart count when it was seen: a later request for the same
+    job with the same count is the same request (a job requeued since then has a higher one)."""
+
+    job_id: str
+    restarts: int = 0
+    requeue: bool = True
+    num_nodes: int = 1
+
+
+RUNNING_JOB_FIELDS = ("JobID", "RestartCnt", "Requeue", "NumNodes")  # squeue -O, `|` after each
+
+
+def running_jobs_from_text(text: str) -> list[RunningJob]:
+    """`squeue -h -O JobID:|,RestartCnt:|,Requeue:|,NumNodes:|` lines, once each, in order."""
+    jobs: dict[str, RunningJob] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) < len(RUNNING_JOB_FIELDS) or not parts[0]:
+            continue
+        job_id, restarts, requeue, num_nodes = parts[: len(RUNNING_JOB_FIELDS)]
+        jobs.setdefault(job_id, RunningJob(
+            job_id=job_id,
+            restarts=int(restarts) if restarts.isdigit() else 0,
+            requeue=requeue not in ("0", "no", "false"),
+            num_nodes=int(num_nodes) if num_nodes.isdigit() else 1,
+        ))
+    return list(jobs.values())

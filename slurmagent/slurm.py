@@ -16,7 +16,8 @@ from typing import Protocol
 
 from . import hostlist
 from .errors import SlurmError
-from .nodes import JobInfo, NodeInfo, job_from_kv, nodes_from_text, parse_kv
+from .nodes import (RUNNING_JOB_FIELDS, JobInfo, NodeInfo, RunningJob, job_from_kv, nodes_from_text, parse_kv,
+                    running_jobs_from_text, script_execs_wrapper)
 from .reasons import clean_reason
 from .timefmt import parse_time_limit
 
@@ -114,6 +115,19 @@ class Slurm:
         proc = self._call(self.squeue, ["-h", "-w", node, "-t", ",".join(states), "-o", "%A"])
         return list(dict.fromkeys(proc.stdout.split()))
 
+    def running_jobs(self, node: str) -> list[RunningJob]:
+        """The jobs running on the node with their restart count, requeue flag and node count, in
+        one call (`squeue -h -w NODE -t RUNNING -O JobID:|,RestartCnt:|,Requeue:|,NumNodes:|`)."""
+        fmt = ",".join(f"{f}:|" for f in RUNNING_JOB_FIELDS)
+        proc = self._call(self.squeue, ["-h", "-w", node, "-t", "RUNNING", "-O", fmt])
+        return running_jobs_from_text(proc.stdout)
+
+    def job_is_wrapped(self, job_id: str) -> bool:
+        """Does the job's batch script exec the slurmagent wrapper (so a signal to its batch step
+        means 'flush')? One `scontrol write batch_script` call."""
+        script = self.job_script(job_id)
+        return script is not None and script_execs_wrapper(script)
+
     def job_script(self, job_id: str) -> str | None:
         """The job's batch script (`scontrol write batch_script JOB -`); None when there is none."""
         proc = self._scontrol("write", "batch_script", job_id, "-", check=False)
@@ -161,6 +175,11 @@ class Slurm:
     def requeue(self, job_ids: list[str]) -> None:
         if job_ids:
             self._scontrol("requeue", ",".join(job_ids))
+
+    def cancel(self, job_ids: list[str]) -> None:
+        """`scancel JOB...` in one call."""
+        if job_ids:
+            self._call(self.scancel, list(job_ids))
 
     def release(self, job_ids: list[str]) -> None:
         if job_ids:

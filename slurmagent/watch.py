@@ -17,6 +17,12 @@ the checks give (``slurmagent: xid 79 on gpu 3 (fallen off the bus)``), never ov
 admin's drain; application-class XIDs are counted and logged. One decision line per event
 (event ``watch``). The same XID on the same GPU seen by both inputs within 30 s is one event.
 
+When the XID leaves a GPU unusable under a running job (``policy.evicts_jobs``: its immediate
+action is a GPU reset or a node reboot) and our drain stands (not held back by the circuit
+breaker, not an admin's drain), the jobs running on the node leave it at once
+(``actions.FaultEviction``: wrapped jobs flush, the others are requeued); the loop follows
+the flushed ones until they are off the node or their deadline passed (event ``fault-evict``).
+
 The daemon runs threads, so it never forks a child itself: a GPU snapshot (to map kernel-log
 XIDs to GPU indices) is read through :class:`slurmagent.nvml_deadline.ThreadSafeReader`,
 whose forkserver starts before the event thread.
@@ -37,7 +43,7 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
-from . import actions, kernlog
+from . import actions, kernlog, policy
 from .checks import Finding, Report, Severity, xid_finding
 from .config import Config
 from .decisionlog import DecisionLog, path_for as decision_log_path
@@ -55,6 +61,8 @@ SLOW_SOURCE_S = 5.0  # journalctl/dmesg cost a process each: poll them this ofte
 DUPLICATE_WINDOW_S = 30.0  # the NVML event and the NVRM line of one XID arrive within this
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # after a failed drain or a busy kernlog lock
 EVENT_WAIT_S = 1.0  # loop period when every input wakes it (kmsg fd, NVML pipe): watchdog, retries
+FOLLOW_S = 0.5  # loop period while flushed jobs are followed off a failed GPU
+EVICTED_KEPT = 1000  # jobs remembered as already moved off this node (a repeated XID skips them)
 
 
 # --- change detection for the kernel-log source --------------------------------------------
@@ -213,6 +221,8 @@ class Watcher:
         self.recent: dict[tuple[int | None, int], tuple[float, str]] = {}
         self.app_xids = 0
         self.drains = 0
+        self.evictions: list[actions.FaultEviction] = []  # flushed jobs followed until off the node
+        self.evicted: dict[tuple[str, int], None] = {}  # (job, restarts) already made to leave, oldest first
         self.judged = 0
         self._stopping = False
         self._stopped = threading.Event()  # set by the main loop on its way out: wakes the NVML thread
@@ -274,6 +284,7 @@ class Watcher:
                     first = False
                 self._wait(detector)
                 self._drain_queue()
+                self._follow_evictions()
                 if ping_every is not None and time.monotonic() >= next_ping:
                     sd_notify("WATCHDOG=1", self.env)
                     next_ping = time.monotonic() + ping_every
@@ -354,6 +365,8 @@ class Watcher:
             self._polled_fd = fd
         event_driven = detector is None or fd is not None
         timeout = EVENT_WAIT_S if event_driven else self.interval
+        if self.evictions:
+            timeout = min(timeout, FOLLOW_S)
         try:
             ready = self._poller.poll(timeout * 1000)
         except InterruptedError:
@@ -434,12 +447,14 @@ class Watcher:
             judged.append((e, xid_finding(e.xid, e.gpu, e.detail), self._duplicate(e)))
         drains = [f for _, f, _ in judged if f.severity is Severity.DRAIN]
         action = reason = None
+        evict = False
         if drains:
             reason = reason_for(Report(findings=drains))
             outcome = actions.drain_fault(self.cfg, self.slurm, self.node, reason, drains, source="watch")
             if outcome.action.startswith("drain-failed"):
                 raise SlurmError(outcome.action)  # keep the events: retried here, and by the journal
             action = outcome.action
+            evict = outcome.drained and policy.evicts_jobs(drains)
         for e, f, dup in judged:
             if dup and (f.severity is not Severity.DRAIN or action != "drained"):
                 continue  # already judged through the other input
@@ -458,7 +473,40 @@ class Watcher:
             self.log.write("watch", **fields)
             if f.severity is Severity.DRAIN:
                 self.say(f"{f.summary}: {action} ({reason})")
+        if evict and reason:  # right after the drain (and its decision line)
+            self._evict(reason, min(e.seen for e, f, _ in judged if f.severity is Severity.DRAIN))
         return action
+
+
+    # --- running jobs on a failed GPU ---------------------------------------------------------
+
+    def _evict(self, reason: str, fault_at: float) -> None:
+        """Right after the drain: the node's running jobs leave it (never raises: the drain stands)."""
+        eviction = actions.FaultEviction(self.cfg, self.slurm, self.node, fault_at, source="watch", reason=reason,
+                                         log=self.log)
+        try:
+            leaves = eviction.start(skip=self.evicted)
+        except Exception as exc:  # noqa: BLE001 - said; the drain keeps new jobs off, Slurm's own timeouts remain
+            self.say(f"cannot make the running jobs leave {self.node}: {_describe(exc)}")
+            return
+        for leave in leaves:
+            self.evicted[(leave.job.job_id, leave.job.restarts)] = None
+            while len(self.evicted) > EVICTED_KEPT:
+                del self.evicted[next(iter(self.evicted))]
+            self.say(f"job {leave.job.job_id} on a failed GPU: {leave.action}")
+        if not eviction.done:
+            self.evictions.append(eviction)
+
+    def _follow_evictions(self) -> None:
+        for eviction in list(self.evictions):
+            try:
+                for leave in eviction.poll():
+                    took = f" ({leave.left_after_s:.1f} s after the fault)" if leave.left_after_s is not None else ""
+                    self.say(f"job {leave.job.job_id}: {leave.action}{took}")
+            except Exception as exc:  # noqa: BLE001 - keep following; said once
+                self.say(f"following the jobs off {self.node}: {_describe(exc)}", "follow-evictions")
+            if eviction.done:
+                self.evictions.remove(eviction)
 
 
 def _describe(exc: BaseException) -> str:

@@ -5,6 +5,12 @@ the VM's expiry lead starts ONE flush: the checkpoint signal to the child's proc
 up to `--grace` for it to write and exit, a final sync to Cloud Storage, `scontrol requeue`
 (capped by our own `--max-requeues` against SLURM_RESTART_COUNT), exit 143. The signal
 handler only records; the main loop acts (submitit style).
+
+A fault flush (`nodes.FAULT_FLUSH_SIGNAL`, SIGPWR, sent by `watch`/`healthcheck` when a GPU
+died under the job) is the same flush with at most FAULT_GRACE_S for the trainer, which may
+hang on the dead GPU: the last committed checkpoint is what counts. A child that does not
+die after SIGKILL (stuck in the kernel on that GPU) is left behind after REAP_WAIT_S, so the
+sync and the requeue still happen.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from typing import Callable, Mapping, Protocol, TextIO
 from .errors import SlurmagentError
 from .expiry_state import termination_time
 from .host import node_name
+from .nodes import FAULT_FLUSH_SIGNAL
 
 EXIT_FLUSHED = 143
-FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, FAULT_FLUSH_SIGNAL)
+FAULT_GRACE_S = 5.0  # a fault flush waits at most this long for the trainer (instead of --grace)
+REAP_WAIT_S = 10.0  # after SIGKILL: a child stuck in uninterruptible sleep is left behind after this
 FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGHUP, signal.SIGINT)
 
 
@@ -248,20 +257,24 @@ class Supervisor:
     def _flush(self, child: subprocess.Popen, cause: str, outcome: Outcome) -> Outcome:
         started = self.clock()
         outcome.flushed, outcome.flush_cause = True, cause
-        self.say(f"{cause}: asking the job to checkpoint ({signal.Signals(self.opts.ckpt_signal).name}, grace {self.opts.grace_s:g} s)")
+        grace = flush_grace(self.opts.grace_s, cause)
+        self.say(f"{cause}: asking the job to checkpoint ({signal.Signals(self.opts.ckpt_signal).name}, grace {grace:g} s"
+                 + (": a GPU failed under the job, the last committed checkpoint counts)" if is_fault(cause) else ")"))
         _killpg(child, self.opts.ckpt_signal)
-        deadline = started + self.opts.grace_s
+        deadline = started + grace
         while child.poll() is None and self.clock() < deadline:
             time.sleep(0.05)  # further signals are recorded but start no second flush
         if child.poll() is None:
             outcome.child_killed = True
-            self.say(f"the job did not exit within {self.opts.grace_s:g} s: stopping it; the last complete checkpoint stays")
+            self.say(f"the job did not exit within {grace:g} s: stopping it; the last complete checkpoint stays")
             _killpg(child, signal.SIGTERM)
             try:
                 child.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 _killpg(child, signal.SIGKILL)
-                child.wait()
+                if not reap(child, REAP_WAIT_S):
+                    self.say(f"the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
+                             "leaving it behind to sync and requeue")
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
         outcome.synced = self.sync(deadline_s=left, final=True)
         self._maybe_requeue(outcome)
@@ -285,6 +298,26 @@ class Supervisor:
             self.say(f"requeued job {self.ident.job_id} (restart {count + 1} of at most {cap})")
         except SlurmagentError as exc:
             self.say(f"requeue of job {self.ident.job_id} failed: {exc}")
+
+
+def is_fault(cause: str) -> bool:
+    """Was the flush started by the fault flush signal (a GPU died under the job)?"""
+    return cause == signal.Signals(FAULT_FLUSH_SIGNAL).name
+
+
+def flush_grace(grace_s: float, cause: str) -> float:
+    """How long the trainer may take to checkpoint: `--grace`, at most FAULT_GRACE_S on a fault."""
+    return min(grace_s, FAULT_GRACE_S) if is_fault(cause) else grace_s
+
+
+def reap(child: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for a killed child at most `timeout_s`; False when it is still there (a process in
+    uninterruptible sleep, e.g. a driver call on a dead GPU, dies only when that call returns)."""
+    try:
+        child.wait(timeout=timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _killpg(child: subprocess.Popen, signum: int) -> None:

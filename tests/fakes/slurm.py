@@ -147,6 +147,8 @@ class FakeSlurm:
                 job = self.jobs[jid]
                 if args[0] == "requeue" and job.get("Requeue") == "0":
                     return _answer(argv, 1, err=f"Requeue of JobId={jid} failed: Job is not requeueable\n")
+                if args[0] == "requeue" and job["JobState"] in ("PENDING", "REQUEUED"):
+                    return _answer(argv, 1, err=f"Job is pending execution for job {jid}\n")  # as Slurm says
                 requeue = args[0] == "requeue"
                 job.update(JobState="PENDING", Reason="BeginTime" if requeue else "None",
                            Restarts=str(int(job.get("Restarts", "0")) + requeue))
@@ -157,9 +159,20 @@ class FakeSlurm:
         node = args[args.index("-w") + 1]
         states = args[args.index("-t") + 1].split(",")
         ids = [j for j, f in self.jobs.items() if f["JobState"] in states and node in hostlist.expand(f["NodeList"])]
+        if "-O" in args:  # JobID:|,RestartCnt:|,Requeue:|,NumNodes:|
+            fields = {"JobID": lambda j, f: j, "RestartCnt": lambda j, f: f.get("Restarts", "0"),
+                      "Requeue": lambda j, f: f.get("Requeue", "1"),
+                      "NumNodes": lambda j, f: str(len(hostlist.expand(f["NodeList"])))}
+            names = [spec.split(":")[0] for spec in args[args.index("-O") + 1].split(",")]
+            return _answer(argv, 0, "".join("".join(f"{fields[n](j, self.jobs[j])}|" for n in names) + "\n"
+                                            for j in ids))
         return _answer(argv, 0, "".join(f"{j}\n" for j in ids))
 
     def _scancel(self, argv: list[str], args: list[str]) -> subprocess.CompletedProcess:
+        if not any(a.startswith("--signal") for a in args):  # a plain scancel ends the jobs
+            for jid in args:
+                if jid in self.jobs:
+                    self.jobs[jid].update(JobState="CANCELLED", Reason="None")
         return _answer(argv, 0)
 
     def _sbatch(self, argv: list[str], args: list[str]) -> subprocess.CompletedProcess:
