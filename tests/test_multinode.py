@@ -1,0 +1,153 @@
+"""Multi-node jobs on the local cluster with node-local directories (one mount namespace per
+slurmd): every node restored, every node flushed, one job-level checkpoint, one requeue."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, wait_for
+from gcs_fault_proxy import GcsFaultProxy
+from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+
+RANKS = str(Path(__file__).with_name("toy_ranks.py"))
+NODES = ["n1", "n2", "n3", "n4"]
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = slurm_available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"local Slurm cluster unavailable in CI: {why}")
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("multinode")
+    root.chmod(0o755)
+    c = LocalSlurmCluster(root / "slurm", nodes=NODES, node_local=root)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def cl(cluster):
+    cluster.reset_nodes()
+    return cluster
+
+
+def write_config(path: Path, **checkpoint) -> Path:
+    keys = {"remote": "gs://ckpt/jobs", "sync_interval_s": 1.0, "grace_s": 20.0, **checkpoint}
+    body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+    path.write_text(f'state_dir = "{path.parent}/state/%n"\n[checkpoint]\n{body}')
+    return path
+
+
+def submit(c: LocalSlurmCluster, tmp_path: Path, emulator_url: str, run_opts: list[str], cmd: list[str]) -> str:
+    env = dict(c.env, SLURMAGENT_CONFIG=str(write_config(tmp_path / "c.toml")), PYTHONPATH=str(REPO),
+               STORAGE_EMULATOR_HOST=emulator_url)
+    sub = subprocess.run(
+        [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-N2", "--ntasks-per-node=1",
+         "-o", str(tmp_path / "out"), "--open-mode=append", "--",
+         "--ckpt-dir", str(c.local_path / "ckpt"), *run_opts, "--", "srun", *cmd],
+        env=env, capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0]
+
+
+def nodes_of(c: LocalSlurmCluster, job_id: str) -> list[str]:
+    return c.run(["scontrol", "show", "hostnames", c.job(job_id)["NodeList"]]).stdout.split()
+
+
+def ledger(tmp_path: Path, rank: int) -> list[str]:
+    path = tmp_path / "ledger" / f"rank{rank}.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def steps(lines: list[str]) -> list[int]:
+    return [int(line.split()[1]) for line in lines if line.startswith("step ")]
+
+
+def starts(lines: list[str]) -> list[dict[str, str]]:
+    out = []
+    for line in lines:
+        if line.startswith("start "):
+            fields = dict(f.split("=", 1) for f in line.split()[2:])
+            out.append({"step": line.split()[1], **fields})
+    return out
+
+
+def wait_end(c: LocalSlurmCluster, job_id: str, timeout: float = 240) -> dict[str, str]:
+    return wait_for(lambda: (lambda j: j if j["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+                             else None)(c.job(job_id)), timeout, f"job {job_id} to end")
+
+
+def bucket():
+    from google.cloud import storage
+
+    return storage.Client(project="test").bucket("ckpt")
+
+
+def committed(job_id: str) -> dict | None:
+    blob = bucket().blob(f"jobs/{job_id}/manifest.json")
+    return json.loads(blob.download_as_bytes()) if blob.exists() else None
+
+
+def committed_file(job_id: str, manifest: dict, rel: str) -> bytes:
+    return bucket().blob(f"jobs/{job_id}/blobs/{manifest['files'][rel]['sha256']}").download_as_bytes()
+
+
+@pytest.fixture
+def emu(gcs_emulator, monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.url)
+    return gcs_emulator
+
+
+def drain(c: LocalSlurmCluster, nodes: list[str]) -> None:
+    for n in nodes:
+        c.run(["scontrol", "update", f"nodename={n}", "state=drain", "reason=test: gone"])
+
+
+def test_two_node_job_sigtermed_is_requeued_once_and_every_node_resumes_the_whole_checkpoint(cl, emu, tmp_path):
+    (tmp_path / "ledger").mkdir()
+    job = submit(cl, tmp_path, emu.url, [], [sys.executable, RANKS, "150", str(tmp_path / "ledger"), "0.05"])
+    cl.wait_job(job, ("RUNNING",), 60)
+    first = nodes_of(cl, job)
+    wait_for(lambda: all(len(steps(ledger(tmp_path, r))) >= 20 for r in (0, 1)), 90, "20 steps on both ranks")
+    cl.run(["scancel", "--batch", "--signal=TERM", job])
+    drain(cl, first)  # the requeued job must land on the two other nodes
+    cl.wait_job(job, ("PENDING",), 60)
+    flushed = committed(job)  # what the first run's flush committed, before the second run starts
+
+    end = wait_end(cl, job)
+    out = (tmp_path / "out").read_text()
+    assert end["JobState"] == "COMPLETED", out
+    assert end["Restarts"] == "1" and out.count("requeued job") == 1, out
+    second = nodes_of(cl, job)
+    assert len(second) == 2 and not set(second) & set(first)
+    whole = {".metadata", "rank0.json", "rank1.json"}
+    for rank in (0, 1):
+        lines = ledger(tmp_path, rank)
+        assert steps(lines) == list(range(1, 151)), f"rank {rank}: a step lost or done twice"
+        ckpt_step = int(next(l for l in lines if l.startswith("ckpt ")).split()[1])
+        first_run, second_run = starts(lines)
+        assert first_run["resumed"] == "0" and first_run["node"] in first
+        # the node this rank resumed on held the whole checkpoint before the rank started
+        assert second_run["node"] in second and second_run["resumed"] == "1" and second_run["restart"] == "1"
+        assert set(second_run["files"].split(",")) == whole
+        assert int(second_run["step"]) == ckpt_step
+        assert json.loads(committed_file(job, flushed, f"rank{rank}.json"))["step"] == ckpt_step
+    for n in first:  # node-local disks: each first node held only what its own rank wrote
+        own = {p.name for p in (cl.node_dir(n) / "ckpt").iterdir()}
+        assert own in ({"rank0.json", ".metadata"}, {"rank1.json"}), (n, own)
+    for n in second:
+        assert {p.name for p in (cl.node_dir(n) / "ckpt").iterdir()} == whole
+    assert flushed["attempt"] == 0 and flushed["node_count"] == 2 and set(flushed["files"]) == whole
+    assert flushed["writers"] == {".metadata": [0], "rank0.json": [0], "rank1.json": [1]}
+    assert committed(job)["attempt"] == 1  # the second run's final sync, from its two nodes
