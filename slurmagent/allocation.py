@@ -112,7 +112,8 @@ class NodeReport:
     error: str = ""
     generation: int = 0  # restore: the manifest generation now in place
     files: dict[str, dict] = field(default_factory=dict)  # sync: relpath -> manifest entry
-    ctimes: dict[str, int] = field(default_factory=dict)  # sync: top-level entry -> newest change (ns)
+    ctimes: dict[str, int] = field(default_factory=dict)  # sync: unit -> newest change (ns)
+    started_ns: int = 0  # sync: when this agent began to look at D (wall clock)
     files_sent: int = 0
     bytes_sent: int = 0
     messages: list[str] = field(default_factory=list)
@@ -135,14 +136,16 @@ class NodeReport:
         return f"{self.node or '?'} (node index {self.index})"
 
 
-def top_of(relpath: str) -> str:
-    return relpath.split("/", 1)[0]
+def unit_of(relpath: str) -> str:
+    """The unit of a consistent cut a file belongs to: its top-level folder, or "" for the
+    files at the top level (taken together: an index and the shards beside it)."""
+    return relpath.split("/", 1)[0] if "/" in relpath else ""
 
 
 def newest_changes(ckpt_dir: Path) -> dict[str, int]:
-    """Top-level entry -> newest inode change time under it (files, folders, names being
-    written): anything created, renamed, rewritten or removed inside bumps it. The key ""
-    is `D` itself: it changes when a top-level entry is added, renamed or removed."""
+    """Unit -> newest inode change time in it (a rename, a rewrite, a name being written, a
+    removal: each bumps one). "" is the top level: its files and `D` itself, whose change
+    time moves when a top-level entry is added, renamed or removed."""
     out: dict[str, int] = {}
     try:
         out[""] = os.stat(ckpt_dir).st_ctime_ns
@@ -154,13 +157,15 @@ def newest_changes(ckpt_dir: Path) -> dict[str, int]:
             newest = entry.stat(follow_symlinks=False).st_ctime_ns
         except FileNotFoundError:
             continue
-        if entry.is_dir(follow_symlinks=False):
-            for dirpath, dirnames, filenames in os.walk(entry.path):
-                for name in (*dirnames, *filenames):
-                    try:
-                        newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_ctime_ns)
-                    except FileNotFoundError:
-                        continue
+        if not entry.is_dir(follow_symlinks=False):
+            out[""] = max(out[""], newest)
+            continue
+        for dirpath, dirnames, filenames in os.walk(entry.path):
+            for name in (*dirnames, *filenames):
+                try:
+                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_ctime_ns)
+                except FileNotFoundError:
+                    continue
         out[entry.name] = newest
     return out
 
@@ -172,8 +177,8 @@ def newest_changes(ckpt_dir: Path) -> dict[str, int]:
 class Merged:
     files: dict[str, dict]
     writers: dict[str, list[int]]
-    warnings: list[str] = field(default_factory=list)
-    held_back: list[str] = field(default_factory=list)  # top-level entries kept as previously committed
+    conflicts: dict[str, str] = field(default_factory=dict)  # relpath -> what was kept and why
+    held_back: list[str] = field(default_factory=list)  # units kept as previously committed ("": top-level files)
 
 
 def merge_reports(
@@ -188,16 +193,15 @@ def merge_reports(
 
     `baseline`: the checkpoint restored at start (decides which copy "changed since the
     restore"). `cut_ns`: None when no trainer runs any more (take everything); else the
-    round's start, for a consistent cut (module doc), with `previous` the last commit and
+    instant T of a consistent cut (module doc), with `previous` the last commit and
     `partial_seen` the folders seen on only some nodes last round (updated in place)."""
-    num_nodes = len(reports)
     copies: dict[str, list[tuple[int, dict]]] = {}
     for r in sorted(reports, key=lambda r: r.index):
         for rel, entry in r.files.items():
             copies.setdefault(rel, []).append((r.index, entry))
     files: dict[str, dict] = {}
     writers: dict[str, list[int]] = {}
-    warnings: list[str] = []
+    conflicts: dict[str, str] = {}
     for rel, cands in copies.items():
         writers[rel] = [i for i, _ in cands]
         if len({e["sha256"] for _, e in cands}) == 1:
@@ -207,45 +211,43 @@ def merge_reports(
         changed = [(i, e) for i, e in cands if e["sha256"] != was]
         index, entry = min(changed or cands, key=lambda c: c[0])
         files[rel] = entry
-        why = "the copy changed since the restore" if len(changed) == 1 else "the lowest node index"
-        warnings.append(f"{rel} differs on node indexes {[i for i, _ in cands]}: kept node {index}'s copy ({why})")
+        why = "the only copy changed since the restore" if len(changed) == 1 else "the lowest node index"
+        conflicts[rel] = f"{rel} differs on node indexes {[i for i, _ in cands]}: kept node {index}'s copy ({why})"
     if cut_ns is None:
-        return Merged(files, writers, warnings)
+        return Merged(files, writers, conflicts)
 
-    by_node = {r.index: r for r in reports}
-    tops = {top_of(rel) for rel in files}
+    # Units of the cut: each top-level folder, and all top-level files together ("").
+    units = {unit_of(rel) for rel in files}
     taken: set[str] = set()
     seen_now: dict[str, tuple[frozenset[int], str]] = {}
-    for top in sorted(tops):
-        holders = frozenset(i for i, r in by_node.items() if top in r.ctimes or any(top_of(f) == top for f in r.files))
-        settled = all(by_node[i].ctimes.get(top, cut_ns + 1) <= cut_ns for i in holders)
-        is_folder = any("/" in rel and top_of(rel) == top for rel in files)
-        if settled and is_folder and len(holders) < num_nodes:
-            digest = _digest({rel: e for rel, e in files.items() if top_of(rel) == top})
-            seen_now[top] = (holders, digest)
-            settled = partial_seen is not None and partial_seen.get(top) == (holders, digest)
+    for unit in units:
+        holders = [r for r in reports if unit == "" or unit in r.ctimes or any(unit_of(f) == unit for f in r.files)]
+        settled = all(r.ctimes.get(unit, cut_ns + 1) <= cut_ns for r in holders)
+        if settled and unit and len(holders) < len(reports):  # a folder that some nodes do not hold
+            key = (frozenset(r.index for r in holders), _digest({k: e for k, e in files.items() if unit_of(k) == unit}))
+            seen_now[unit] = key
+            settled = partial_seen is not None and partial_seen.get(unit) == key
         if settled:
-            taken.add(top)
+            taken.add(unit)
     if partial_seen is not None:
         partial_seen.clear()
         partial_seen.update(seen_now)
-    cut_files = {rel: e for rel, e in files.items() if top_of(rel) in taken}
-    cut_writers = {rel: w for rel, w in writers.items() if top_of(rel) in taken}
-    held = sorted(tops - taken)
-    # Gone from every node: removed before T (drop it), unless a top-level entry of some node
-    # changed after T (then it may have existed at T: keep it as previously committed).
-    top_level_changed = any(r.ctimes.get("", 0) > cut_ns for r in reports)
+    cut_files = {rel: e for rel, e in files.items() if unit_of(rel) in taken}
+    cut_writers = {rel: w for rel, w in writers.items() if unit_of(rel) in taken}
+    held = units - taken
+    # A unit gone from every node was removed before T (dropped), unless the top level of
+    # some node changed after T (it may have existed at T: kept as previously committed).
+    top_changed = any(r.ctimes.get("", cut_ns + 1) > cut_ns for r in reports)
     if previous is not None:
         for rel, e in previous.files.items():
-            top = top_of(rel)
-            if top in taken or (top not in tops and not top_level_changed):
+            unit = unit_of(rel)
+            if unit in taken or (unit not in units and not top_changed):
                 continue
             cut_files[rel] = e
             if rel in previous.writers:
                 cut_writers[rel] = previous.writers[rel]
-            if top not in held:
-                held.append(top)
-    return Merged(cut_files, cut_writers, warnings, sorted(held))
+            held.add(unit)
+    return Merged(cut_files, cut_writers, conflicts, sorted(held))
 
 
 def _digest(files: Mapping[str, dict]) -> str:
@@ -344,7 +346,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
 def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attempt: int, state_file: Path,
                deadline_s: float) -> NodeReport:
     """Upload this node's `D` (blobs only) and report its files and their change times."""
-    report = NodeReport(index=index, node=node, ok=False)
+    report = NodeReport(index=index, node=node, ok=False, started_ns=time.time_ns())
     try:
         result = store.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, commit=False)
         report.files = result.files
@@ -462,7 +464,7 @@ class AllocationStore:
     through the agents; the batch step alone reads and commits the job-level manifest."""
 
     def __init__(self, alloc: Allocation, committer: Committer | None, launcher: AgentLauncher, *,
-                 scope: str = "all", err: TextIO = sys.stderr, wall_ns: Callable[[], int] = time.time_ns):
+                 scope: str = "all", err: TextIO = sys.stderr):
         if scope not in SCOPES:
             raise AllocationError(f"--restore-scope must be one of {', '.join(SCOPES)}, not {scope!r}")
         self.alloc = alloc
@@ -470,7 +472,6 @@ class AllocationStore:
         self.launcher = launcher
         self.scope = scope
         self.err = err
-        self.wall_ns = wall_ns
         self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
@@ -502,7 +503,7 @@ class AllocationStore:
 
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0) -> AllocationSyncResult:
         with self._lock:
-            cut_ns = self.wall_ns() if self.trainer_running() else None
+            running = self.trainer_running()
             args = ["sync", "--ckpt-dir", str(ckpt_dir), "--remote", self.committer.url if self.committer else "",
                     "--state-file", str(state_file), "--attempt", str(attempt),
                     "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
@@ -510,13 +511,15 @@ class AllocationStore:
             failed = self._failures(reports)
             if failed:
                 raise CheckpointError(f"upload failed on {failed}; the last complete checkpoint stays")
+            # While the trainer runs: a cut at the instant the first agent began (every node
+            # looked at its D after it).
+            cut_ns = min(r.started_ns for r in reports) if running else None
             merged = merge_reports(reports, baseline=self.baseline, previous=self.last_committed, cut_ns=cut_ns,
                                    partial_seen=self.partial_seen)
-            for warning in merged.warnings:  # once per file and job, not every round
-                rel = warning.split(" differs on ", 1)[0]
+            for rel, why in merged.conflicts.items():  # once per file and job, not every round
                 if rel not in self._warned:
                     self._warned.add(rel)
-                    self.say(f"WARNING: {warning}")
+                    self.say(f"WARNING: {why}")
             sent = sum(r.files_sent for r in reports), sum(r.bytes_sent for r in reports)
             if self.committer is None or not merged.files:
                 return AllocationSyncResult(*sent, None, len(merged.files), len(reports))

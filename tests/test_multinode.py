@@ -151,3 +151,46 @@ def test_two_node_job_sigtermed_is_requeued_once_and_every_node_resumes_the_whol
     assert flushed["attempt"] == 0 and flushed["node_count"] == 2 and set(flushed["files"]) == whole
     assert flushed["writers"] == {".metadata": [0], "rank0.json": [0], "rank1.json": [1]}
     assert committed(job)["attempt"] == 1  # the second run's final sync, from its two nodes
+
+
+def test_a_node_whose_upload_fails_at_the_flush_leaves_the_previous_checkpoint_and_the_job_is_requeued(
+        cl, emu, tmp_path, monkeypatch):
+    """The flush comes from a maintenance notice on the second node only: its expiry watch
+    signals the batch step (on the first node), which flushes the whole job."""
+    from slurmagent.expiry import flush_jobs
+    from slurmagent.slurm import Slurm
+
+    (tmp_path / "ledger").mkdir()
+    with GcsFaultProxy(emu.url, b"POISON-UPLOAD") as proxy:
+        job = submit(cl, tmp_path, proxy.url, [],
+                     [sys.executable, RANKS, "400", str(tmp_path / "ledger"), "0.05", "every-30", "poison-rank-1"])
+        cl.wait_job(job, ("RUNNING",), 60)
+        first = nodes_of(cl, job)
+        wait_for(lambda: all(len(steps(ledger(tmp_path, r))) >= 20 for r in (0, 1))
+                 and len((committed(job) or {}).get("files", {})) == 3, 90, "a committed checkpoint of both ranks")
+
+        monkeypatch.setenv("SLURM_CONF", str(cl.conf))
+        notice = flush_jobs(Slurm("scontrol", 10.0), first[1], set())  # the expiry watch of node index 1
+        assert notice.signaled == [job], notice
+        drain(cl, first)
+        cl.wait_job(job, ("PENDING",), 60)
+        kept = committed(job)
+        end = wait_end(cl, job)
+    out = (tmp_path / "out").read_text()
+    assert end["JobState"] == "COMPLETED", out
+    assert end["Restarts"] == "1" and out.count("requeued job") == 1, out
+    assert proxy.refused >= 1
+    assert f"final sync failed: upload failed on {first[1]} (node index 1)" in out, out
+    assert kept["attempt"] == 0
+    rank1 = json.loads(committed_file(job, kept, "rank1.json"))
+    assert "marker" not in rank1
+    for rank in (0, 1):
+        lines = ledger(tmp_path, rank)
+        ckpt_step = int(next(l for l in lines if l.startswith("ckpt ")).split()[1])
+        resumed = starts(lines)[1]
+        restored_step = json.loads(committed_file(job, kept, f"rank{rank}.json"))["step"]
+        assert resumed["resumed"] == "1" and int(resumed["step"]) == restored_step
+        assert set(resumed["files"].split(",")) == {".metadata", "rank0.json", "rank1.json"}
+        if rank == 1:
+            assert restored_step < ckpt_step  # the failed flush was not committed
+        assert steps(lines)[-1] == 400

@@ -1,11 +1,12 @@
 """A toy multi-rank trainer for the multi-node tests: one rank per node, node-local checkpoints.
 
-argv: TOTAL_STEPS LEDGER_DIR STEP_SECONDS [poison-rank-N]
+argv: TOTAL_STEPS LEDGER_DIR STEP_SECONDS [every-N] [poison-rank-N]
 Rank r (SLURM_PROCID) writes `rank<r>.json` into SLURMAGENT_CKPT_DIR; rank 0 also writes the
 index `.metadata` (DCP's name) naming every rank's step, after its own file. Every finished
 step goes to LEDGER_DIR/rank<r>.log (outside the checkpoint), so a test can check that no step
 is lost and none is done twice. At start a rank logs the files its node holds. With
-`poison-rank-N`, rank N's checkpoint at the flush carries the marker `POISON-UPLOAD`.
+`every-N` the periodic checkpoint is every N steps (default 5); with `poison-rank-N`, rank N's
+checkpoint at the flush carries the marker `POISON-UPLOAD`.
 """
 
 import json
@@ -16,6 +17,7 @@ import time
 from slurmagent import trainer
 
 total, ledger_dir, step_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+every = next((int(a.split("-")[-1]) for a in sys.argv[4:] if a.startswith("every-")), 5)
 poison = next((int(a.split("-")[-1]) for a in sys.argv[4:] if a.startswith("poison-rank-")), None)
 rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
 node = os.environ.get("SLURMD_NODENAME", "?")
@@ -46,7 +48,7 @@ with trainer.checkpoint_handler():
         time.sleep(step_s)
         step += 1
         log(f"step {step}")
-        if step % 5 == 0:
+        if step % every == 0:
             save(step)
         if trainer.checkpoint_requested():
             save(step, final=True)
