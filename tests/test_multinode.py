@@ -13,9 +13,10 @@ import pytest
 
 from conftest import REPO, wait_for
 from gcs_fault_proxy import GcsFaultProxy
-from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+from slurmagent.localcluster import LocalSlurmCluster, free_ports, slurm_available
 
 RANKS = str(Path(__file__).with_name("toy_ranks.py"))
+DDP_DCP = str(REPO / "examples" / "ddp_dcp_train.py")
 NODES = ["n1", "n2", "n3", "n4"]
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -49,9 +50,10 @@ def write_config(path: Path, **checkpoint) -> Path:
     return path
 
 
-def submit(c: LocalSlurmCluster, tmp_path: Path, emulator_url: str, run_opts: list[str], cmd: list[str]) -> str:
+def submit(c: LocalSlurmCluster, tmp_path: Path, emulator_url: str, run_opts: list[str], cmd: list[str],
+           **extra_env: str) -> str:
     env = dict(c.env, SLURMAGENT_CONFIG=str(write_config(tmp_path / "c.toml")), PYTHONPATH=str(REPO),
-               STORAGE_EMULATOR_HOST=emulator_url)
+               STORAGE_EMULATOR_HOST=emulator_url, **extra_env)
     sub = subprocess.run(
         [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-N2", "--ntasks-per-node=1",
          "-o", str(tmp_path / "out"), "--open-mode=append", "--",
@@ -194,3 +196,49 @@ def test_a_node_whose_upload_fails_at_the_flush_leaves_the_previous_checkpoint_a
         if rank == 1:
             assert restored_step < ckpt_step  # the failed flush was not committed
         assert steps(lines)[-1] == 400
+
+
+def run_uninterrupted(tmp_path: Path, total: int) -> Path:
+    """The same 2-rank DDP training without Slurm or any interruption: the reference."""
+    out, port = tmp_path / "reference", free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SLURMAGENT"))}
+    procs = [subprocess.Popen([sys.executable, DDP_DCP, str(total), str(out), "0"],
+                              env=dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       PYTHONPATH=str(REPO), SLURMAGENT_CKPT_DIR=str(tmp_path / f"ref-ckpt{r}")))
+             for r in (0, 1)]
+    assert [p.wait(300) for p in procs] == [0, 0]
+    return out / "final.pt"
+
+
+def test_ddp_dcp_two_ranks_on_two_nodes_resume_bit_identical_to_an_uninterrupted_run(cl, emu, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("numpy")  # torch.distributed's object collectives (DCP's planning) need it
+    total = 200
+    reference = torch.load(run_uninterrupted(tmp_path, total))
+    out = tmp_path / "train"
+    job = submit(cl, tmp_path, emu.url, [], [sys.executable, DDP_DCP, str(total), str(out), "0.05"],
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]))
+    cl.wait_job(job, ("RUNNING",), 60)
+    first = nodes_of(cl, job)
+    log = lambda r: (out / f"rank{r}.log").read_text().splitlines() if (out / f"rank{r}.log").exists() else []  # noqa: E731
+    wait_for(lambda: all(len(steps(log(r))) >= 30 for r in (0, 1)), 120, "30 steps on both ranks")
+    cl.run(["scancel", "--batch", "--signal=TERM", job])
+    drain(cl, first)
+    end = wait_end(cl, job, 300)
+    text = (tmp_path / "out").read_text()
+    assert end["JobState"] == "COMPLETED", text
+    assert end["Restarts"] == "1" and text.count("requeued job") == 1, text
+    second = nodes_of(cl, job)
+    assert not set(second) & set(first)
+    for r in (0, 1):
+        lines = log(r)
+        assert steps(lines) == list(range(1, total + 1)), f"rank {r}: a step lost or done twice"
+        ckpt_step = next(l for l in lines if l.startswith("ckpt ")).split()[1]
+        resumed = [l for l in lines if l.startswith("start ")][1].split()
+        assert resumed[1] == ckpt_step and "resumed=1" in resumed
+    for n in first:  # each node wrote only its own rank's shard; the index is on rank 0's node
+        shards = {p.name for p in (cl.node_dir(n) / "ckpt").glob("step_*/*")}
+        assert shards <= {".metadata", "__0_0.distcp", "__1_0.distcp"} and len(shards & {"__0_0.distcp", "__1_0.distcp"}) == 1
+    final = torch.load(out / "final.pt")
+    assert final.keys() == reference.keys()
+    assert all(torch.equal(final[k], reference[k]) for k in reference), "the resumed model differs"
