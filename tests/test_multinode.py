@@ -116,6 +116,35 @@ def drain(c: LocalSlurmCluster, nodes: list[str]) -> None:
         c.run(["scontrol", "update", f"nodename={n}", "state=drain", "reason=test: gone"])
 
 
+NODE_LOCAL_JOB = """#!{python}
+import os, subprocess, sys
+local = sys.argv[1]
+def mark(tag):  # each process of the job writes where it is into the node-local path
+    return [sys.executable, "-c", "import os, sys; open(os.path.join(sys.argv[1], sys.argv[2] + '-' + "
+            "os.environ['SLURMD_NODENAME']), 'w').close()", local, tag]
+open(os.path.join(local, "batch-" + os.environ["SLURMD_NODENAME"]), "w").close()
+trainer = subprocess.Popen(["srun", "--ntasks-per-node=1", sys.executable, "-c",
+                            "import time; time.sleep(4)"])
+subprocess.run(["srun", "--overlap", "--ntasks-per-node=1", *mark("overlap")], check=True, timeout=60)
+trainer.wait(60)
+subprocess.run(["srun", "--ntasks-per-node=1", *mark("step")], check=True, timeout=60)
+"""
+
+
+def test_every_process_of_a_job_sees_its_own_nodes_local_directory(cl, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(NODE_LOCAL_JOB.format(python=sys.executable))
+    script.chmod(0o755)
+    job = cl.sbatch("-N2", "--ntasks-per-node=1", "-o", str(tmp_path / "out"), str(script), str(cl.local_path))
+    end = cl.wait_job(job, ("COMPLETED", "FAILED"), 120)
+    assert end["JobState"] == "COMPLETED", (tmp_path / "out").read_text()
+    first, second = nodes_of(cl, job)
+    assert {p.name for p in cl.node_dir(first).iterdir()} >= {f"batch-{first}", f"overlap-{first}", f"step-{first}"}
+    assert {p.name for p in cl.node_dir(second).iterdir()} >= {f"overlap-{second}", f"step-{second}"}
+    assert not any(p.name.endswith(first) for p in cl.node_dir(second).iterdir())
+    assert not list(cl.local_path.iterdir())  # the host's own path stays empty
+
+
 def test_two_node_job_sigtermed_is_requeued_once_and_every_node_resumes_the_whole_checkpoint(cl, emu, tmp_path):
     (tmp_path / "ledger").mkdir()
     job = submit(cl, tmp_path, emu.url, [], [sys.executable, RANKS, "150", str(tmp_path / "ledger"), "0.05"])
