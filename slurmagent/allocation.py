@@ -19,13 +19,14 @@ nodes' disks, so a small agent of ours runs on every node, one task per node, in
 
 Merging. A name present on several nodes with different content: the copy changed since the
 restore wins, else the lowest node index, with a warning. While the command still runs, a
-commit is a consistent cut at the instant T the round started: a top-level entry (a step
-folder, or a file) is taken as it is when no node changed anything in it after T (inode
-change times, which a rename updates), and, for a folder, when every node holds it or the same
-nodes held it unchanged in the previous round too (a folder that only rank 0 writes joins one
-interval later); otherwise it stays as it was in the previous commit. So rank 0's new
-`.metadata` never lands beside rank 1's older shard. Node clocks must agree (NTP), as Slurm's
-own credentials require.
+commit is a consistent cut at the instant T the first agent began (every node looked at its
+`D` after T). Its units are the top-level folders (step folders) and the top-level files taken
+together; a unit is taken as it is when no node changed anything in it after T (inode change
+times, which a write, a rename and a removal all move), and, for a folder that only some nodes
+hold (rank 0's `torch.save`), when it was the same in the previous round too; any other unit
+stays as it was in the previous commit. So rank 0's new `.metadata` never lands beside rank 1's
+older shard. Node clocks must agree (NTP), as Slurm's own credentials require. After the
+command ended, the final sync takes every node's files as they are.
 """
 
 from __future__ import annotations
@@ -146,12 +147,11 @@ def newest_changes(ckpt_dir: Path) -> dict[str, int]:
     """Unit -> newest inode change time in it (a rename, a rewrite, a name being written, a
     removal: each bumps one). "" is the top level: its files and `D` itself, whose change
     time moves when a top-level entry is added, renamed or removed."""
-    out: dict[str, int] = {}
     try:
-        out[""] = os.stat(ckpt_dir).st_ctime_ns
+        out = {"": os.stat(ckpt_dir).st_ctime_ns}
         entries = list(os.scandir(ckpt_dir))
     except FileNotFoundError:
-        return out
+        return {"": 0}  # no directory: nothing in it changed
     for entry in entries:
         try:
             newest = entry.stat(follow_symlinks=False).st_ctime_ns
