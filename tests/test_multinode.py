@@ -147,7 +147,7 @@ def test_every_process_of_a_job_sees_its_own_nodes_local_directory(cl, tmp_path)
 
 def test_two_node_job_sigtermed_is_requeued_once_and_every_node_resumes_the_whole_checkpoint(cl, emu, tmp_path):
     (tmp_path / "ledger").mkdir()
-    job = submit(cl, tmp_path, emu.url, [], [sys.executable, RANKS, "150", str(tmp_path / "ledger"), "0.05"])
+    job = submit(cl, tmp_path, emu.url, [], [sys.executable, RANKS, "600", str(tmp_path / "ledger"), "0.05"])
     cl.wait_job(job, ("RUNNING",), 60)
     first = nodes_of(cl, job)
     wait_for(lambda: all(len(steps(ledger(tmp_path, r))) >= 20 for r in (0, 1)), 90, "20 steps on both ranks")
@@ -165,7 +165,7 @@ def test_two_node_job_sigtermed_is_requeued_once_and_every_node_resumes_the_whol
     whole = {".metadata", "rank0.json", "rank1.json"}
     for rank in (0, 1):
         lines = ledger(tmp_path, rank)
-        assert steps(lines) == list(range(1, 151)), f"rank {rank}: a step lost or done twice"
+        assert steps(lines) == list(range(1, 601)), f"rank {rank}: a step lost or done twice"
         ckpt_step = int(next(l for l in lines if l.startswith("ckpt ")).split()[1])
         first_run, second_run = starts(lines)
         assert first_run["resumed"] == "0" and first_run["node"] in first
@@ -194,11 +194,11 @@ def test_a_node_whose_upload_fails_at_the_flush_leaves_the_previous_checkpoint_a
     (tmp_path / "ledger").mkdir()
     with GcsFaultProxy(emu.url, b"POISON-UPLOAD") as proxy:
         job = submit(cl, tmp_path, proxy.url, [],
-                     [sys.executable, RANKS, "400", str(tmp_path / "ledger"), "0.05", "every-30", "poison-rank-1"])
+                     [sys.executable, RANKS, "3000", str(tmp_path / "ledger"), "0.05", "every-30", "poison-rank-1"])
         cl.wait_job(job, ("RUNNING",), 60)
         first = nodes_of(cl, job)
         wait_for(lambda: all(len(steps(ledger(tmp_path, r))) >= 20 for r in (0, 1))
-                 and len((committed(job) or {}).get("files", {})) == 3, 90, "a committed checkpoint of both ranks")
+                 and len((committed(job) or {}).get("files", {})) == 3, 120, "a committed checkpoint of both ranks")
 
         monkeypatch.setenv("SLURM_CONF", str(cl.conf))
         notice = flush_jobs(Slurm("scontrol", 10.0), first[1], set())  # the expiry watch of node index 1
@@ -224,7 +224,7 @@ def test_a_node_whose_upload_fails_at_the_flush_leaves_the_previous_checkpoint_a
         assert set(resumed["files"].split(",")) == {".metadata", "rank0.json", "rank1.json"}
         if rank == 1:
             assert restored_step < ckpt_step  # the failed flush was not committed
-        assert steps(lines)[-1] == 400
+        assert steps(lines)[-1] == 3000
 
 
 def run_uninterrupted(tmp_path: Path, total: int) -> Path:
@@ -242,7 +242,7 @@ def run_uninterrupted(tmp_path: Path, total: int) -> Path:
 def test_ddp_dcp_two_ranks_on_two_nodes_resume_bit_identical_to_an_uninterrupted_run(cl, emu, tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("numpy")  # torch.distributed's object collectives (DCP's planning) need it
-    total = 200
+    total = 300
     reference = torch.load(run_uninterrupted(tmp_path, total))
     out = tmp_path / "train"
     job = submit(cl, tmp_path, emu.url, [], [sys.executable, DDP_DCP, str(total), str(out), "0.05"],
