@@ -293,9 +293,8 @@ def set_aside_uncommitted(ckpt_dir: Path, keep: Iterable[str]) -> list[str]:
     aside = Path(str(ckpt_dir).rstrip("/") + UNCOMMITTED_SUFFIX)
     moved: list[str] = []
     for dirpath, dirnames, filenames in os.walk(ckpt_dir, topdown=True):
-        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
-        links = [d for d in os.listdir(dirpath) if os.path.islink(os.path.join(dirpath, d))
-                 and os.path.isdir(os.path.join(dirpath, d))]
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]  # moved, never followed
+        dirnames[:] = [d for d in dirnames if d not in links]
         for name in (*filenames, *links):
             path = Path(dirpath, name)
             rel = path.relative_to(ckpt_dir).as_posix()
@@ -393,9 +392,6 @@ class AgentLauncher(Protocol):
     def run(self, args: list[str], deadline_s: float) -> list[NodeReport]: ...
 
 
-Runner = Callable[..., subprocess.CompletedProcess]
-
-
 class SrunLauncher:
     """Runs `slurmagent node-agent ARGS` once per node of the job: `srun --overlap`, one task
     per node, inside the allocation (so Slurm tracks, signals and ends it), with a deadline."""
@@ -416,8 +412,12 @@ class SrunLauncher:
 
     def run(self, args: list[str], deadline_s: float) -> list[NodeReport]:
         argv = self.argv(args)
-        proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except OSError as exc:
+            return [NodeReport(index=i, node="", ok=False, error=f"cannot run {self.srun}: {exc.strerror or exc}")
+                    for i in range(self.alloc.num_nodes)]
         try:
             stdout, stderr = proc.communicate(timeout=deadline_s + 20.0)  # + the step's start
         except subprocess.TimeoutExpired:

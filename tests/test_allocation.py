@@ -356,3 +356,10 @@ def test_a_periodic_commit_while_ranks_write_is_never_a_new_index_beside_an_old_
     store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
     now = nodes.store.latest_manifest().files
     assert now.keys() == old.keys() and all(now[k] != old[k] for k in old)
+
+
+def test_no_srun_is_a_failed_round_on_every_node_not_a_crash(tmp_path):
+    launcher = SrunLauncher(Allocation("7", 2), {}, srun=str(tmp_path / "no-srun"))
+    reports = launcher.run(["sync", "--ckpt-dir", "/d"], deadline_s=5)
+    assert [(r.index, r.ok) for r in reports] == [(0, False), (1, False)]
+    assert "cannot run" in reports[0].error
