@@ -204,11 +204,11 @@ def merge_reports(
     conflicts: dict[str, str] = {}
     for rel, cands in copies.items():
         writers[rel] = [i for i, _ in cands]
-        if len({e["sha256"] for _, e in cands}) == 1:
+        if len({_same(e) for _, e in cands}) == 1:
             files[rel] = cands[0][1]
             continue
-        was = (baseline.files.get(rel) or {}).get("sha256") if baseline else None
-        changed = [(i, e) for i, e in cands if e["sha256"] != was]
+        was = _same(baseline.files[rel]) if baseline and rel in baseline.files else None
+        changed = [(i, e) for i, e in cands if _same(e) != was]
         index, entry = min(changed or cands, key=lambda c: c[0])
         files[rel] = entry
         why = "the only copy changed since the restore" if len(changed) == 1 else "the lowest node index"
@@ -250,8 +250,13 @@ def merge_reports(
     return Merged(cut_files, cut_writers, conflicts, sorted(held))
 
 
+def _same(entry: dict) -> str:
+    """What makes two manifest entries the same file (whatever kind of entry it is)."""
+    return json.dumps(entry, sort_keys=True)
+
+
 def _digest(files: Mapping[str, dict]) -> str:
-    return hashlib.sha256(json.dumps(sorted((k, v["sha256"]) for k, v in files.items())).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(sorted((k, _same(v)) for k, v in files.items())).encode()).hexdigest()
 
 
 def select_for_node(manifest: Manifest, index: int, num_nodes: int, scope: str) -> Manifest:
