@@ -11,7 +11,8 @@ The directory is scanned recursively.  A path is *skipped* when any of its
 components (a directory on the way or the file name itself)
 
 * starts with ``.`` (dotfiles and dot-directories, e.g. ``.step100.pt`` or
-  ``.staging/``; the restore staging directory is one of these),
+  ``.staging/``; the restore staging directory is one of these), except
+  ``.metadata`` (the index of a torch.distributed.checkpoint folder),
 * ends with ``.tmp``, ``.part``, ``.partial`` or ``~`` (case-insensitive), or
 * contains ``.tmp.`` (e.g. ``model.tmp.1234``, as written by many "write to a
   temporary name then rename" helpers).
@@ -120,9 +121,15 @@ class LocalChangedError(CheckpointError):
 _PARTIAL_SUFFIXES = (".tmp", ".part", ".partial", "~")
 
 
+# Dotfiles that frameworks write as part of a checkpoint (DCP's index, written last by rank 0).
+_CHECKPOINT_DOTFILES = frozenset({".metadata"})
+
+
 def is_in_progress_name(name: str) -> bool:
     """True if one path component names something still being written (see module doc)."""
     low = name.lower()
+    if low in _CHECKPOINT_DOTFILES:
+        return False
     return low.startswith(".") or low.endswith(_PARTIAL_SUFFIXES) or ".tmp." in low
 
 
@@ -425,22 +432,27 @@ class Manifest:
     ``attempt`` is the restart count of the job that wrote it (fencing: a lower
     attempt never overwrites a higher one); ``crc32c`` is base64 of the
     big-endian CRC32C as Cloud Storage reports it.  Unknown keys are ignored.
+
+    A multi-node job's manifest also says how many nodes wrote it and which node
+    indexes held each file (``"node_count": 2, "writers": {"rank1.pt": [1]}``), so a
+    restore can give each node only its own files (``--restore-scope node``).
     """
 
     attempt: int
     created: str = field(default_factory=utc_now_rfc3339)
     files: dict[str, dict] = field(default_factory=dict)
+    node_count: int = 0  # 0: a single-node checkpoint (no writers recorded)
+    writers: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(e["size"] for e in self.files.values())
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"schema": MANIFEST_SCHEMA, "attempt": self.attempt, "created": self.created, "files": self.files},
-            sort_keys=True,
-            indent=1,
-        )
+        body: dict = {"schema": MANIFEST_SCHEMA, "attempt": self.attempt, "created": self.created, "files": self.files}
+        if self.node_count:
+            body.update(node_count=self.node_count, writers=self.writers)
+        return json.dumps(body, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest") -> "Manifest":
@@ -487,7 +499,21 @@ class Manifest:
             if not _valid_crc32c(e.get("crc32c")):
                 raise bad(f"files[{rel!r}].crc32c is not base64 of 4 bytes")
             clean[rel] = {"sha256": e["sha256"], "size": size, "crc32c": e["crc32c"]}
-        return cls(attempt=attempt, created=created, files=clean)
+        node_count = raw.get("node_count", 0)
+        if not isinstance(node_count, int) or isinstance(node_count, bool) or node_count < 0:
+            raise bad(f"node_count {node_count!r} is not an integer >= 0")
+        writers = raw.get("writers", {}) if node_count else {}
+        if not isinstance(writers, dict):
+            raise bad("writers is not an object")
+        for rel, nodes in writers.items():
+            if rel not in clean:
+                raise bad(f"writers names {rel!r}, which is not in files")
+            if not isinstance(nodes, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < node_count for i in nodes
+            ):
+                raise bad(f"writers[{rel!r}] is not a list of node indexes below node_count {node_count}")
+        return cls(attempt=attempt, created=created, files=clean, node_count=node_count,
+                   writers={rel: sorted(set(nodes)) for rel, nodes in writers.items()})
 
 
 # ------------------------------------------------------------------------ remote URL

@@ -149,9 +149,11 @@ def doctor(state: State) -> None:
 @click.option("--grace", type=float, metavar="SECONDS", help="how long the job may take to checkpoint [checkpoint.grace_s]")
 @click.option("--max-requeues", type=int, metavar="N", help="requeue at most N times [checkpoint.max_requeues]")
 @click.option("--sync-interval", type=float, metavar="SECONDS", help="background sync period [checkpoint.sync_interval_s]")
+@click.option("--restore-scope", type=click.Choice(["all", "node"]), default="all", show_default=True,
+              help="multi-node jobs: restore the whole checkpoint on every node, or only the files each node wrote")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, cmd) -> None:
+def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, restore_scope, cmd) -> None:
     """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
     from .runner import run_command  # start-up speed
 
@@ -162,7 +164,25 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
             raise SlurmagentError(f"run: {option} {value} is out of range ({allowed})")
 
     sys.exit(run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
-                         grace=grace, max_requeues=max_requeues, sync_interval=sync_interval))
+                         grace=grace, max_requeues=max_requeues, sync_interval=sync_interval,
+                         restore_scope=restore_scope))
+
+
+@cli.command("node-agent", hidden=True)
+@click.argument("action", type=click.Choice(["restore", "sync"]))
+@click.option("--ckpt-dir", required=True)
+@click.option("--remote", default="")
+@click.option("--state-file", default=None)
+@click.option("--attempt", type=click.IntRange(0), default=0)
+@click.option("--generation", type=click.IntRange(0), default=0)
+@click.option("--scope", type=click.Choice(["all", "node"]), default="all")
+@click.option("--deadline", type=click.FloatRange(1.0), default=600.0)
+def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline) -> None:
+    """Internal: one node's part of a multi-node job's restore or sync (run by the wrapper via srun)."""
+    from .allocation import node_agent_main
+
+    sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,
+                             generation=generation, scope=scope, deadline_s=deadline, env=os.environ))
 
 
 class PassThrough(click.Command):

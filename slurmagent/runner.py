@@ -48,7 +48,7 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     )
 
 
-def run_command(cfg: Config, cmd: list[str], **opts) -> int:
+def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts) -> int:
     env = dict(os.environ)
     ident = JobIdentity.from_env(env)
     options = build_options(cfg, cmd, env, ident, **opts)
@@ -57,8 +57,14 @@ def run_command(cfg: Config, cmd: list[str], **opts) -> int:
         from .gcp.storage import GcsCheckpointStore  # google only with a remote: start-up speed
 
         store = GcsCheckpointStore(options.remote)
+    # A multi-node job's batch step covers every node's --ckpt-dir through node agents.
+    from .allocation import allocation_store
+
+    whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope)
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
-    sup = Supervisor(options, ident, store, (lambda job: slurm.requeue([job])) if slurm else None, env)
+    sup = Supervisor(options, ident, whole_job or store, (lambda job: slurm.requeue([job])) if slurm else None, env)
+    if whole_job is not None:
+        whole_job.trainer_running = sup.child_running
     if slurm is not None:
         warn_if_not_requeueable(sup, slurm, ident.job_id)
     if store is None:

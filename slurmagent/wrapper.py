@@ -151,6 +151,11 @@ class Supervisor:
         self.state_file = Path(str(opts.ckpt_dir).rstrip("/") + ".sync-state.json")
         self.last_sync_error = ""
         self.bytes_synced = 0
+        self.child: subprocess.Popen | None = None
+
+    def child_running(self) -> bool:
+        """True while the command runs (a multi-node store then commits consistent cuts only)."""
+        return self.child is not None and self.child.poll() is None
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
@@ -213,6 +218,7 @@ class Supervisor:
                 child = subprocess.Popen(self.opts.cmd, env=child_env, start_new_session=True)
             except OSError as exc:
                 raise WrapperError(f"cannot start {self.opts.cmd[0]}: {exc.strerror or exc}") from None
+            self.child = child
             syncer = threading.Thread(target=self._background_sync, name="ckpt-sync", daemon=True)
             if self.store is not None:
                 syncer.start()

@@ -3,6 +3,12 @@
 Used by the test suite, the benchmarks and `make demo`. It writes a private slurm.conf,
 starts the daemons in the foreground under its own supervision and stops exactly the
 processes it started (plus the slurmstepd of jobs still running on its nodes).
+
+Node-local disks (`node_local=ROOT`, opt-in): every slurmd runs in its own mount namespace
+where `ROOT/localssd` is `ROOT/nodes/<node>`, so every process of a job on that node (batch
+script, srun tasks, `srun --overlap` helpers) sees its own node's directory at the same path,
+as on VMs with a local SSD each; the host sees each node's files under `ROOT/nodes/<node>`.
+Without it every slurmd shares the host's file systems, which hides multi-node bugs.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -55,8 +62,22 @@ class LocalSlurmCluster:
     extra_conf: list[str] = field(default_factory=list)
     node_extra: str = ""
     cred_expire: int = 20
+    node_local: Path | None = None  # ROOT: per-node ROOT/localssd (see the module doc)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     munged: subprocess.Popen | None = None
+
+    @property
+    def local_path(self) -> Path:
+        """The node-local path as jobs see it (the same on every node)."""
+        if self.node_local is None:
+            raise RuntimeError("this cluster has no node-local directories (node_local=None)")
+        return self.node_local / "localssd"
+
+    def node_dir(self, name: str) -> Path:
+        """Where the host sees node `name`'s node-local directory."""
+        if self.node_local is None:
+            raise RuntimeError("this cluster has no node-local directories (node_local=None)")
+        return self.node_local / "nodes" / name
 
     @property
     def conf(self) -> Path:
@@ -168,8 +189,14 @@ class LocalSlurmCluster:
         return self
 
     def start_node(self, name: str) -> None:
+        argv = [_sbin("slurmd"), "-D", "-N", name, "-f", str(self.conf)]
+        if self.node_local is not None:
+            self.local_path.mkdir(parents=True, exist_ok=True)
+            self.node_dir(name).mkdir(parents=True, exist_ok=True)
+            argv = ["unshare", "-m", "--propagation", "private", sys.executable, "-c", _BIND_AND_EXEC,
+                    str(self.node_dir(name)), str(self.local_path), *argv]
         self.procs[name] = subprocess.Popen(
-            [_sbin("slurmd"), "-D", "-N", name, "-f", str(self.conf)],
+            argv,
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=open(self.base / f"d-{name}.err", "wb"),
@@ -274,6 +301,15 @@ class LocalSlurmCluster:
             if "DRAIN" in state or "DOWN" in state or "FAIL" in state:
                 self.resume(name)
         self.wait_nodes_idle(self.nodes)
+
+
+# Runs inside the new mount namespace: bind the node's own directory, then become slurmd.
+_BIND_AND_EXEC = """
+import os, subprocess, sys
+source, target, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+subprocess.run(["mount", "--bind", source, target], check=True, timeout=30)
+os.execv(argv[0], argv)
+"""
 
 
 def _kv(line: str) -> dict[str, str]:

@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -214,6 +214,7 @@ class SyncResult:
     manifest_generation: int | None  # generation of the manifest now in place (None: none written yet)
     skipped_unchanged: int  # files of the manifest whose content was already stored remotely
     files_total: int  # files in the manifest
+    files: dict[str, dict] = field(default_factory=dict)  # the manifest entries of this sync, by relpath
 
 
 def _crc32c_factory() -> Callable[[], Any]:
@@ -429,6 +430,24 @@ class GcsCheckpointStore:
         """The last complete checkpoint's manifest, or None when there is none."""
         return self._read_manifest(_Deadline(deadline_s))[0]
 
+    def read_manifest(self, *, deadline_s: float = 60.0) -> tuple[Manifest | None, int]:
+        """(manifest, generation) of the last complete checkpoint; (None, 0) when there is none."""
+        return self._read_manifest(_Deadline(deadline_s))
+
+    def commit(self, manifest: Manifest, *, deadline_s: float = 60.0) -> int:
+        """Write ``manifest`` as the complete checkpoint, fenced as :meth:`sync` does (a newer
+        attempt's manifest is never overwritten; ``if_generation_match`` on the one read).
+        Every blob it names must already be stored. Returns the manifest's generation; an
+        identical manifest of the same attempt already in place is kept as it is."""
+        dl = _Deadline(deadline_s)
+        current, generation = self._read_manifest(dl)
+        if current is not None and current.attempt > manifest.attempt:
+            raise self._stale(current, manifest.attempt)
+        if (current is not None and current.attempt == manifest.attempt and current.files == manifest.files
+                and current.writers == manifest.writers and current.node_count == manifest.node_count):
+            return generation
+        return self._commit_manifest(manifest, current, generation, dl)
+
     def _stale(self, current: Manifest, attempt: int) -> StaleAttemptError:
         return StaleAttemptError(
             f"checkpoint {self.manifest_url} belongs to attempt {current.attempt}, newer than ours "
@@ -562,8 +581,14 @@ class GcsCheckpointStore:
         attempt: int,
         state_file: str | os.PathLike,
         deadline_s: float = 600.0,
+        *,
+        commit: bool = True,
     ) -> SyncResult:
         """Upload new/changed files of ``ckpt_dir``, then write the manifest (last).
+
+        ``commit=False`` uploads the blobs and returns their entries (``SyncResult.files``)
+        without writing the manifest: one node's part of a multi-node checkpoint, which the
+        job commits once with :meth:`commit` after every node's upload.
 
         ``attempt``: this job's restart count (fencing).  ``state_file``: the hash
         cache, outside ``ckpt_dir``.  ``deadline_s``: overall time budget.
@@ -630,18 +655,28 @@ class GcsCheckpointStore:
             new_files = {
                 f.relpath: {"sha256": d.sha256, "size": d.size, "crc32c": d.crc32c} for f, d, _ in included
             }
+            sent = [(f, d) for f, d, s in included if s]
+            if not commit:
+                return SyncResult(
+                    files_sent=len(sent),
+                    bytes_sent=sum(d.size for _, d in sent),
+                    manifest_generation=generation or None,
+                    skipped_unchanged=len(included) - len(sent),
+                    files_total=len(included),
+                    files=new_files,
+                )
             if current is not None and current.attempt == attempt and current.files == new_files:
                 new_generation = generation  # nothing changed: keep the manifest as it is
             else:
                 manifest = Manifest(attempt=attempt, files=new_files)
                 new_generation = self._commit_manifest(manifest, current, generation, dl)
-            sent = [(f, d) for f, d, s in included if s]
             return SyncResult(
                 files_sent=len(sent),
                 bytes_sent=sum(d.size for _, d in sent),
                 manifest_generation=new_generation,
                 skipped_unchanged=len(included) - len(sent),
                 files_total=len(included),
+                files=new_files,
             )
         finally:
             state.add_known_blobs(self.url, confirmed)
@@ -715,6 +750,15 @@ class GcsCheckpointStore:
         manifest, _ = self._read_manifest(dl)
         if manifest is None:
             return None
+        self._restore_files(ckpt_dir, manifest, dl)
+        return manifest
+
+    def restore_manifest(self, ckpt_dir: str | os.PathLike, manifest: Manifest, *, deadline_s: float = 1800.0) -> None:
+        """Put exactly the files of ``manifest`` (one already read, possibly a part of one)
+        into ``ckpt_dir``, all or none, as :meth:`restore` does."""
+        self._restore_files(ckpt_dir, manifest, _Deadline(deadline_s))
+
+    def _restore_files(self, ckpt_dir: str | os.PathLike, manifest: Manifest, dl: _Deadline) -> None:
         root = Path(ckpt_dir)
         root.mkdir(parents=True, exist_ok=True)
         items = sorted(manifest.files.items())
@@ -746,4 +790,3 @@ class GcsCheckpointStore:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info("restored %d files (%d bytes) from %s", len(items), manifest.total_bytes, self.manifest_url)
-        return manifest
