@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.size_mib <= 0 or args.shards < 2 or args.shards % 2:
         ap.error("--size-mib must be > 0 and --shards even and >= 2")
 
-    from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+    from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
     from slurmagent.localgcs import GcsEmulator
 
     why = slurm_available()

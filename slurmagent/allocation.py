@@ -371,7 +371,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
     store = None
     if remote:
-        from .gcp.storage import GcsCheckpointStore
+        from .gcp.storage import GcsCheckpointStore  # start-up speed: google libraries only where used
 
         store = GcsCheckpointStore(remote)
     path = Path(ckpt_dir)

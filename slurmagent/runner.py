@@ -58,7 +58,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
 
         store = GcsCheckpointStore(options.remote)
     # A multi-node job's batch step covers every node's --ckpt-dir through node agents.
-    from .allocation import allocation_store
+    from .allocation import allocation_store  # start-up speed: single-node runs never load it
 
     whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope)
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None

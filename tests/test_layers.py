@@ -31,12 +31,12 @@ LAYERS = {
             "checkpoint"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage"],
     ACTIONS: ["actions"],
-    RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "runner", "trainer",
+    RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "runner", "allocation", "trainer",
                "doctor", "install"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
-RUNTIME_GROUPS = {"runner": "run", "wrapper": "run"}  # one runtime in two modules
+RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "allocation": "run"}  # one runtime in three modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, wait_for
 from gcs_fault_proxy import GcsFaultProxy
-from slurmagent.localcluster import LocalSlurmCluster, free_ports, slurm_available
+from slurmagent.devtools.localcluster import LocalSlurmCluster, free_ports, slurm_available
 
 RANKS = str(Path(__file__).with_name("toy_ranks.py"))
 DDP_DCP = str(REPO / "examples" / "ddp_dcp_train.py")
