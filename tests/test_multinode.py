@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO, wait_for
 from gcs_fault_proxy import GcsFaultProxy
+from slurmagent import config as config_mod
 from slurmagent.devtools.localcluster import LocalSlurmCluster, free_ports, slurm_available
 
 RANKS = str(Path(__file__).with_name("toy_ranks.py"))
@@ -201,7 +202,9 @@ def test_a_node_whose_upload_fails_at_the_flush_leaves_the_previous_checkpoint_a
                  and len((committed(job) or {}).get("files", {})) == 3, 120, "a committed checkpoint of both ranks")
 
         monkeypatch.setenv("SLURM_CONF", str(cl.conf))
-        notice = flush_jobs(Slurm("scontrol", 10.0), first[1], set())  # the expiry watch of node index 1
+        (tmp_path / "expiry").mkdir()
+        expiry_cfg = config_mod.load(str(write_config(tmp_path / "expiry" / "c.toml")))
+        notice = flush_jobs(expiry_cfg, Slurm("scontrol", 10.0), first[1], set())  # the expiry watch of node index 1
         assert notice.signaled == [job], notice
         drain(cl, first)
         cl.wait_job(job, ("PENDING",), 60)
