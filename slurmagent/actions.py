@@ -209,7 +209,7 @@ class Actions:
         todo = []
         for jid in job_ids:
             job = self._slurm(lambda jid=jid: self.slurm.job(jid))
-            if job is not None and job.state in REQUEUE_STATES:
+            if job is not None and (job.state in REQUEUE_STATES or job.ambiguous):  # Slurm refuses what does not apply
                 todo.append(jid)
         if not todo:
             return "nothing to do (jobs already requeued, running or gone)"
@@ -221,6 +221,8 @@ class Actions:
         job = self._slurm(lambda: self.slurm.job(jid))
         if job is None:
             return "nothing to do (job gone)"
+        if job.ambiguous:
+            return "nothing to do (the job's record is ambiguous: its own text imitates Slurm's fields)"
         if job.held:
             self._slurm(lambda: self.slurm.release([jid]))
             return "released"
@@ -491,7 +493,7 @@ def release_when_held(slurm: Slurm, job_id: str, deadline_s: float = RELEASE_WAT
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         job = slurm.job(job_id)
-        if job is None:
+        if job is None or job.ambiguous:  # never act on fields the job's own text may have written
             return False
         if job.held:
             slurm.release([job_id])

@@ -85,7 +85,7 @@ def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
     except SlurmagentError as exc:
         sup.say(f"cannot read job {job_id} from Slurm ({exc}); requeue may fail")
         return
-    if job is not None and not job.requeue:
+    if job is not None and not job.ambiguous and not job.requeue:
         sup.say(f"WARNING: job {job_id} is not requeueable (Requeue=0): submit with --requeue "
                 "(slurmagent sbatch does) or it will end instead of restarting")
 
