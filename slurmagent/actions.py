@@ -20,6 +20,7 @@ No google module is imported here: `gcp/compute.py` is imported on the repair pa
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import subprocess
@@ -91,6 +92,9 @@ class Actions:
         When the journal cannot be written (state dir full or read-only) the action is still
         tried once, unjournaled: a broken state dir must not let a job onto a bad GPU."""
         try:
+            untrusted = self.journal.untrusted()  # a user could plant entries there: never replayed by root
+            if untrusted:
+                raise OSError(errno.EPERM, untrusted)
             entry = self.journal.add(kind, **payload)
         except OSError as exc:
             warn(f"cannot journal {kind} in {self.journal.dir}: {exc.strerror or exc}; trying it unjournaled")
