@@ -34,7 +34,7 @@ from . import hostlist, metrics, policy, reasons
 from .config import Config
 from .decisionlog import warn
 from .errors import SlurmagentError, SlurmError
-from .host import node_name
+from .host import node_name, slurmagent_argv
 from .journal import Entry, Journal, Retry, StopReplay
 from .nodes import NodeInfo
 from .repair_state import drop_marker, has_marker, record_history, write_marker
@@ -474,7 +474,7 @@ def nohold_configured(cfg: Config) -> bool:
 def spawn_release_watch(job_id: str, cfg: Config) -> None:
     """Without nohold_on_prolog_fail Slurm requeues the job held: a detached process releases
     it once it is (`slurmagent release-held JOB`), so the prolog need not wait."""
-    argv = [sys.executable, "-m", "slurmagent.cli", "release-held", job_id]
+    argv = [*slurmagent_argv("slurmagent.cli"), "release-held", job_id]
     subprocess.Popen(argv, env=dict(os.environ), start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
 

@@ -121,7 +121,8 @@ class ExpiryConfig:
     metadata_timeout_s: float = _key(2.0, "deadline of one metadata server read (a long poll waits this much longer)")
     publish_run_file: bool = _key(
         True, "also write a world-readable copy of the expiry state (`run_file`) for wrappers running as the job's user")
-    run_file: str = _key("/run/slurmagent/expiry.json", "where that world-readable copy goes (`%n` = node name)")
+    run_file: str = _key("/run/slurmagent/%n/expiry.json",
+                         "where that world-readable copy goes (`%n` = node name: a wrapper reads its own node's)")
 
 
 @dataclass(frozen=True)
