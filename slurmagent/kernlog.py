@@ -467,7 +467,7 @@ def locked(state_dir: str | os.PathLike[str], timeout: float) -> Iterator[None]:
     path = Path(state_dir) / LOCK_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise KernlogError(f"cannot open {path}: {e.strerror}") from e
     try:

@@ -51,7 +51,7 @@ class Metrics:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, float]]:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.state_dir / "metrics.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        fd = os.open(self.state_dir / "metrics.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             values = read_values(self.state_dir)

@@ -324,6 +324,24 @@ def test_state_files_a_user_could_have_written_are_ignored_by_root(node, open_di
         assert metrics.read_values(state) == {"slurmagent_drains_total": 1.0}
 
 
+@needs_root
+def test_lock_files_a_user_pointed_elsewhere_create_nothing_and_the_verdict_stands(node):
+    """Root's lock files in a user-made state dir: a dangling link there never makes root create
+    the file it points at (an empty /etc/nologin would lock users out), and the XID still counts."""
+    node.set_snapshot(healthy_snapshot_dict(hostname="n1"))
+    node.kern.write_text("[ 12.0] NVRM: Xid (PCI:0000:48:00): 79, pid=1, name=x, GPU has fallen off the bus.\n")
+    state = node.state("n1")
+    state.mkdir(parents=True)
+    targets = {name: node.tmp / f"created-by-root-{name}" for name in ("kernlog.lock", "metrics.lock")}
+    for name, target in targets.items():
+        (state / name).symlink_to(target)
+        os.lchown(state / name, NOBODY, NOBODY)
+    os.chown(state, NOBODY, NOBODY)
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 1 and node.calls()[-1] == DRAIN_N1, proc.stderr
+    assert [t for t in targets.values() if os.path.lexists(t)] == []
+
+
 # --- another node's expiry state --------------------------------------------------------------
 
 
