@@ -23,6 +23,7 @@ No google module is imported here: `gcp/compute.py` is imported on the repair pa
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import subprocess
@@ -36,7 +37,7 @@ from . import hostlist, metrics, policy, reasons
 from .config import Config
 from .decisionlog import DecisionLog, warn
 from .errors import SlurmagentError, SlurmError
-from .host import node_name
+from .host import node_name, slurmagent_argv
 from .journal import Entry, Journal, Retry, StopReplay
 from .nodes import FAULT_FLUSH_SIGNAL, NodeInfo, RunningJob
 from .repair_state import drop_marker, has_marker, record_history, write_marker
@@ -95,6 +96,9 @@ class Actions:
         When the journal cannot be written (state dir full or read-only) the action is still
         tried once, unjournaled: a broken state dir must not let a job onto a bad GPU."""
         try:
+            untrusted = self.journal.untrusted()  # a user could plant entries there: never replayed by root
+            if untrusted:
+                raise OSError(errno.EPERM, untrusted)
             entry = self.journal.add(kind, **payload)
         except OSError as exc:
             warn(f"cannot journal {kind} in {self.journal.dir}: {exc.strerror or exc}; trying it unjournaled")
@@ -218,7 +222,7 @@ class Actions:
         todo = []
         for jid in job_ids:
             job = self._slurm(lambda jid=jid: self.slurm.job(jid))
-            if job is not None and job.state in REQUEUE_STATES:
+            if job is not None and (job.state in REQUEUE_STATES or job.ambiguous):  # Slurm refuses what does not apply
                 todo.append(jid)
         if not todo:
             return "nothing to do (jobs already requeued, running or gone)"
@@ -230,6 +234,8 @@ class Actions:
         job = self._slurm(lambda: self.slurm.job(jid))
         if job is None:
             return "nothing to do (job gone)"
+        if job.ambiguous:
+            return "nothing to do (the job's record is ambiguous: its own text imitates Slurm's fields)"
         if job.held:
             self._slurm(lambda: self.slurm.release([jid]))
             return "released"
@@ -508,7 +514,7 @@ def nohold_configured(cfg: Config) -> bool:
 def spawn_release_watch(job_id: str, cfg: Config) -> None:
     """Without nohold_on_prolog_fail Slurm requeues the job held: a detached process releases
     it once it is (`slurmagent release-held JOB`), so the prolog need not wait."""
-    argv = [sys.executable, "-m", "slurmagent.cli", "release-held", job_id]
+    argv = [*slurmagent_argv("slurmagent.cli"), "release-held", job_id]
     subprocess.Popen(argv, env=dict(os.environ), start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
 
@@ -531,7 +537,7 @@ def release_when_held(slurm: Slurm, job_id: str, deadline_s: float = RELEASE_WAT
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         job = slurm.job(job_id)
-        if job is None:
+        if job is None or job.ambiguous:  # never act on fields the job's own text may have written
             return False
         if job.held:
             slurm.release([job_id])

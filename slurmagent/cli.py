@@ -22,8 +22,11 @@ class State:
         self.config_path = config_path
         self.debug = debug
 
-    def config(self, for_root_hook: bool = False) -> config_mod.Config:
-        return config_mod.load(self.config_path, for_root_hook=for_root_hook)
+    def config(self, for_root_hook: bool | None = None) -> config_mod.Config:
+        """The config; as root only one that only root could have written (every root command
+        may run its `[slurm]` binaries), unless `for_root_hook` says otherwise."""
+        root = os.geteuid() == 0 if for_root_hook is None else for_root_hook
+        return config_mod.load(self.config_path, for_root_hook=root)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

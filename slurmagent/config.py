@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .fsutil import UntrustedFile, read_trusted, untrusted_reason
 
 DEFAULT_PATH = "/etc/slurmagent/config.toml"
 ENV_VAR = "SLURMAGENT_CONFIG"
@@ -159,7 +159,8 @@ class ExpiryConfig:
     )
     publish_run_file: bool = _key(
         True, "also write a world-readable copy of the expiry state (`run_file`) for wrappers running as the job's user")
-    run_file: str = _key("/run/slurmagent/expiry.json", "where that world-readable copy goes (`%n` = node name)")
+    run_file: str = _key("/run/slurmagent/%n/expiry.json",
+                         "where that world-readable copy goes (`%n` = node name: a wrapper reads its own node's)")
 
 
 @dataclass(frozen=True)
@@ -229,17 +230,18 @@ def config_path(explicit: str | None = None) -> tuple[Path, bool]:
 
 
 def load(explicit: str | None = None, *, for_root_hook: bool = False) -> Config:
+    """The config; `for_root_hook`: only from a file only root could have written (ConfigError)."""
     path, required = config_path(explicit)
     try:
-        raw_bytes = path.read_bytes()
+        raw_bytes = read_trusted(path, follow_final=True) if for_root_hook else path.read_bytes()
+    except UntrustedFile as exc:
+        raise ConfigError(f"config {path}: refused: {exc.strerror}") from None
     except FileNotFoundError:
         if required:
             raise ConfigError(f"config {path}: file not found") from None
         return Config()
     except OSError as exc:
         raise ConfigError(f"config {path}: cannot read: {exc.strerror or exc}") from None
-    if for_root_hook:
-        check_safe_permissions(path)
     try:
         data = tomllib.loads(raw_bytes.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -248,20 +250,14 @@ def load(explicit: str | None = None, *, for_root_hook: bool = False) -> Config:
 
 
 def check_safe_permissions(path: Path) -> None:
-    """A root hook must not read a file (or a directory above it) that a non-root user can change."""
-    for p in [path, *path.resolve().parents]:
-        try:
-            st = p.stat()
-        except OSError as exc:
-            raise ConfigError(f"config {path}: cannot stat {p}: {exc.strerror}") from None
-        sticky = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
-        if st.st_uid != 0 or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky):
-            raise ConfigError(
-                f"config {path}: refused: {p} is writable by non-root users or not owned by root "
-                f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
-            )
-        if p == p.parent:
-            break
+    """A root hook must not read a file that a non-root user can change or re-point: the file,
+    every directory above the path as written and every symlink on the way (read_trusted is
+    the reading half of this, on one open file)."""
+    if not os.path.lexists(path):
+        raise ConfigError(f"config {path}: cannot stat {path}: No such file or directory")
+    why = untrusted_reason(path, follow_final=True)
+    if why:
+        raise ConfigError(f"config {path}: refused: {why}")
 
 
 def parse(data: dict[str, Any], source: str = "config") -> Config:

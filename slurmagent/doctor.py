@@ -25,6 +25,7 @@ from typing import Callable
 
 from . import config as config_mod
 from .errors import SlurmagentError
+from .fsutil import untrusted_reason
 from .checkpoint import parse_remote
 from .gcp import metadata
 from .gcp.compute import Compute, ComputeError
@@ -140,9 +141,14 @@ def _state_dir_result(state_dir: Path) -> Result:
         state_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=state_dir, prefix=".doctor."):
             pass
-        return Result("state dir", True, f"{state_dir} writable")
     except OSError as exc:
         return Result("state dir", False, f"{state_dir}: {exc.strerror}", f"mkdir -p {state_dir} (as root)")
+    why = untrusted_reason(state_dir)  # root ignores every file in it: expiry, journal, cursor, decision log
+    if why:
+        return Result("state dir", False, f"{why}: root would ignore the files in {state_dir}",
+                      f"rm -r {state_dir} and let root create it, or set state_dir to a path under a root-only "
+                      "directory (a `%n` path in a world-writable directory can be created by any user first)")
+    return Result("state dir", True, f"{state_dir} writable, only by root")
 
 
 # --- external checks: bounded, side by side ------------------------------------------------

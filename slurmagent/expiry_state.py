@@ -17,7 +17,8 @@ from typing import Any
 from . import host
 from .config import Config
 from .errors import ExpiryError
-from .fsutil import atomic_write_text
+from .decisionlog import warn
+from .fsutil import UntrustedFile, atomic_write_text, read_state_file
 from .timefmt import parse_time
 
 STATE_NAME = "expiry.json"
@@ -42,9 +43,13 @@ def files_for(cfg: Config, node: str | None) -> tuple[Path, ...]:
 
 
 def read(path: Path) -> dict[str, Any] | None:
-    """The state in one read; None when absent, unreadable or not a JSON object."""
+    """The state in one read; None when absent, unreadable or not a JSON object, and, read by
+    root, when a user could have written it (a planted termination time would drain the node)."""
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(read_state_file(path))
+    except UntrustedFile as exc:
+        warn(f"ignoring {path}: {exc.why()}")
+        return None
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

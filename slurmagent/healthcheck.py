@@ -19,6 +19,7 @@ Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +31,7 @@ from .checks import Report
 from .config import Config
 from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError
+from .fsutil import UntrustedFile, open_state_file
 from .reasons import reason_for
 from .slurm import Slurm
 from .timefmt import parse_log_time
@@ -54,14 +56,21 @@ def recent_decision(log_path: Path, node: str, within_s: float, now: float | Non
         return None
     now = time.time() if now is None else now
     try:
-        st = log_path.stat()
-        if now - st.st_mtime > within_s:
-            return None
-        with open(log_path, "rb") as fh:
-            fh.seek(max(0, st.st_size - TAIL_BYTES))
-            tail = fh.read()
+        fd = open_state_file(log_path)  # as root: a log a user could have forged never skips a check
+    except UntrustedFile as exc:
+        print(f"slurmagent healthcheck: not skipping on {log_path}: {exc.why()}", file=sys.stderr)
+        return None
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if now - st.st_mtime > within_s:
+            return None
+        tail = os.pread(fd, TAIL_BYTES, max(0, st.st_size - TAIL_BYTES))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     for raw in reversed(tail.splitlines()):
         try:
             record = json.loads(raw)

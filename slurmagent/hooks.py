@@ -200,7 +200,8 @@ def prolog_guard(cfg: Config, ctx: HookContext, slurm_factory: Callable[[Config]
     latest = end.timestamp() - float(cfg.expiry.flush_lead_s)
     if limit_s is not None and now + limit_s <= latest:
         return None
-    limit = job.time_limit or "UNLIMITED"
+    # a record whose own text imitates its fields has no time limit we may believe: the long case
+    limit = "unknown (the job's text imitates Slurm's fields)" if job.ambiguous else job.time_limit or "UNLIMITED"
     detail = (f"job {ctx.job_id}: time limit {limit} ends after the VM's termination at {fmt_time(end)} "
               f"(in {human(end.timestamp() - now)}, flush lead {float(cfg.expiry.flush_lead_s):g} s)")
     if mode == "requeue" and _wrapped(slurm, ctx.job_id):

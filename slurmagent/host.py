@@ -1,4 +1,5 @@
-"""This machine: its Slurm node name, boot id, boot time, and systemd's notify socket.
+"""This machine: its Slurm node name, boot id, boot time, systemd's notify socket, and how to
+start slurmagent on it again.
 
 One reader of each, so every command agrees on who and which boot "this node" is.
 """
@@ -6,6 +7,7 @@ One reader of each, so every command agrees on who and which boot "this node" is
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,6 +18,13 @@ PROC_STAT_PATH = "/proc/stat"
 def node_name(explicit: str | None = None, env: Mapping[str, str] = os.environ) -> str:
     """The node name: given, else `$SLURMD_NODENAME` (slurmd sets it), else the short host name."""
     return explicit or env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+
+
+def slurmagent_argv(module: str = "slurmagent.entry") -> list[str]:
+    """How to start slurmagent again (a detached helper, a batch script): this interpreter
+    with `-P`, so the current directory (a user's, holding a `slurmagent/` of their own) is
+    never put first on the module path."""
+    return [sys.executable, "-P", "-m", module]
 
 
 def boot_id(path: str | os.PathLike[str] = BOOT_ID_PATH) -> str:

@@ -245,9 +245,9 @@ class Journal:
         """Why a root process must not replay this journal: a non-root user could have put
         actions in it (drain any node, requeue any job, recreate VMs). None when it is safe."""
         for d in (self.dir, self.pending_dir):
-            why = unsafe_for_root(d)
+            why = unsafe_for_root(d)  # names the file, link or directory at fault
             if why:
-                return f"{d} is {why}"
+                return why
         return None
 
     def pending(self) -> list[Entry]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from . import host
-from .fsutil import atomic_write_text, unsafe_for_root
+from .fsutil import UntrustedFile, atomic_write_text, read_state_file
 from .errors import SlurmagentError
 
 CURSOR_FILE = "kernlog.cursor"
@@ -440,15 +440,14 @@ def load_cursor(state_dir: str | os.PathLike[str]) -> Cursor | None:
 
     As root, a cursor file a non-root user could have written is ignored (said on stderr):
     moving it past an XID would hide the fault, and starting over can only judge more."""
-    why = unsafe_for_root(cursor_path(state_dir))
-    if why:
+    try:
+        data = json.loads(read_state_file(cursor_path(state_dir)).decode("utf-8"))
+    except UntrustedFile as exc:
         import sys
 
-        print(f"slurmagent: ignoring kernel-log cursor {cursor_path(state_dir)}: {why}; reading this boot's log "
-              "from its start", file=sys.stderr)
+        print(f"slurmagent: ignoring kernel-log cursor {cursor_path(state_dir)}: {exc.why()}; reading this "
+              "boot's log from its start", file=sys.stderr)
         return None
-    try:
-        data = json.loads(cursor_path(state_dir).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
@@ -468,7 +467,7 @@ def locked(state_dir: str | os.PathLike[str], timeout: float) -> Iterator[None]:
     path = Path(state_dir) / LOCK_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise KernlogError(f"cannot open {path}: {e.strerror}") from e
     try:

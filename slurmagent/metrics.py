@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, read_state_file
 
 HELP = {
     "slurmagent_gpu_healthy": ("gauge", "1 when the GPU passed the last check, 0 when it has a drain finding"),
@@ -57,15 +57,10 @@ class Metrics:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, float]]:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.state_dir / "metrics.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        fd = os.open(self.state_dir / "metrics.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                values = json.loads(self.store.read_text())
-                if not isinstance(values, dict):
-                    values = {}
-            except (OSError, ValueError):
-                values = {}
+            values = read_values(self.state_dir)
             yield values
             atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
             atomic_write_text(self.textfile, render(values), 0o644, durable=False)
@@ -115,8 +110,9 @@ def render(values: dict[str, float]) -> str:
 
 
 def read_values(state_dir: Path) -> dict[str, float]:
+    """The stored values; as root none that a user could have written (they start afresh)."""
     try:
-        values = json.loads((Path(state_dir) / "metrics.json").read_text())
+        values = json.loads(read_state_file(Path(state_dir) / "metrics.json"))
         return values if isinstance(values, dict) else {}
     except (OSError, ValueError):
         return {}

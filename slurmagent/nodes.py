@@ -25,10 +25,26 @@ _BASE_STATES = frozenset({"IDLE", "ALLOCATED", "MIXED", "DOWN", "UNKNOWN", "FUTU
 # scontrol appends `[user@time]` to a node's Reason: stripped, and the time kept when it is one.
 _REASON_STAMP = re.compile(r" \[(?P<user>[^\]@]*)@(?P<time>[^\]]*)\]$")
 
-# `exec [ENV=.. python -m] .../slurmagent[.entry] [--opts] run ...` on one line, outside a comment
-WRAPPED_RE = re.compile(
-    r"^[ \t]*exec[ \t]+(?:[^\s#]\S*[ \t]+)*?[^\s#]*slurmagent(?:\.entry|\.cli)?[ \t]+(?:[^\s#]\S*[ \t]+)*?run(?:\s|$)",
-    re.M)
+# A field starts at a `Key=` token whose key is spelled as Slurm spells its keys (CamelCase).
+_KEY = re.compile(r"[A-Z][A-Za-z0-9_:/]*")
+
+
+def _fields(record: str) -> tuple[dict[str, str], dict[str, int]]:
+    """Split one record on single spaces into fields; also count every `Key=` token seen."""
+    out: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    key = None
+    for token in record.strip(" \n").split(" "):
+        name, eq, value = token.partition("=")
+        if eq and _KEY.fullmatch(name):
+            seen[name] = seen.get(name, 0) + 1
+            if name not in out:
+                key = name
+                out[key] = value
+                continue
+        if key is not None:
+            out[key] += " " + token
+    return out, seen
 
 # The fault flush: the watch tells a wrapped job's batch step that a GPU under it died with
 # this signal (not USR1/TERM), so the wrapper waits only briefly for the trainer, which may
@@ -39,17 +55,12 @@ FAULT_FLUSH_SIGNAL = signal.SIGPWR
 
 
 def parse_kv(line: str) -> dict[str, str]:
-    """`scontrol -o` output: Key=Value tokens; Reason/Comment values may contain spaces."""
-    out: dict[str, str] = {}
-    key = None
-    for token in line.strip().split(" "):
-        name, eq, value = token.partition("=")
-        if eq and re.fullmatch(r"[A-Za-z][A-Za-z0-9_:/]*", name):
-            key = name
-            out[key] = value
-        elif key is not None:
-            out[key] += " " + token
-    return out
+    """`scontrol -o` output: Key=Value tokens; Reason/Comment values may contain spaces.
+
+    The first occurrence of a key wins and a repeated `Key=` is text of the field it appears
+    in: a comment, path or reason that imitates fields neither overrides nor splits them.
+    (A job's name comes before its state: `job_from_text` refuses a record where that matters.)"""
+    return _fields(line)[0]
 
 
 @dataclass(frozen=True)
@@ -207,6 +218,7 @@ class JobInfo:
     time_limit: str = ""
     end_time: str = ""
     raw: dict | None = None
+    ambiguous: tuple[str, ...] = ()  # fields the job's own text imitates: their values are unknown
 
     @property
     def held(self) -> bool:
@@ -230,9 +242,61 @@ def job_from_kv(kv: dict[str, str]) -> JobInfo:
     )
 
 
+# What slurmagent reads from a job record; a job's free text (name, comment, paths) can imitate each.
+JOB_KEYS = ("JobId", "JobState", "Reason", "Restarts", "Requeue", "NodeList", "BatchFlag", "TimeLimit", "EndTime")
+
+
+def job_from_text(text: str, job_id: str) -> JobInfo | None:
+    """Job `job_id` in a `scontrol -o show job` answer; None when the answer has no record.
+
+    A job's name, comment, work dir and output paths are free text that may hold spaces,
+    `Key=` tokens and newlines, and the name comes before the state: `JobName=x JobState=RUNNING`
+    cannot be told from the real field by its text alone. So the answer is only believed when
+    every field slurmagent reads appears exactly once per record and exactly one record is the
+    job's; otherwise the JobInfo comes back with `ambiguous` naming those fields and their values
+    blank (unknown), for the caller to ask a listing without free text (`Slurm.job` does)."""
+    records = re.split(r"\n(?=JobId=)", text.strip("\n"))
+    parsed = [_fields(r) for r in records if r.startswith("JobId=")]
+    if not parsed:
+        return None
+    mine = [(kv, seen) for kv, seen in parsed if _is_job(kv, job_id)] or (parsed if len(parsed) == 1 else [])
+    if len(mine) != 1:
+        return JobInfo(job_id=job_id, state="", ambiguous=("JobId",))
+    kv, seen = mine[0]
+    present = {k for _, s in parsed for k in s if k in JOB_KEYS}
+    ambiguous = tuple(k for k in JOB_KEYS if k in present and (
+        seen.get(k, 0) != 1 or sum(s.get(k, 0) for _, s in parsed) != len(parsed)))
+    if ambiguous:
+        return JobInfo(job_id=job_id, state="", ambiguous=ambiguous)
+    return job_from_kv(kv)
+
+
+def _is_job(kv: dict[str, str], job_id: str) -> bool:
+    return kv.get("JobId") == job_id or f"{kv.get('ArrayJobId')}_{kv.get('ArrayTaskId')}" == job_id
+
+
 def script_execs_wrapper(script: str) -> bool:
-    """Does a batch script exec the slurmagent wrapper (so USR1 means 'flush')?"""
-    return bool(WRAPPED_RE.search(script))
+    """Does a batch script exec the slurmagent wrapper (so USR1 means 'flush')?
+
+    `exec [ENV=.. python -m] .../slurmagent[.entry|.cli] [--opts] run ...` on one line, before
+    any `#` comment. One pass over the script's words (it is the user's text, up to Slurm's
+    4 MB, read as root): no backtracking, linear time."""
+    for line in script.split("\n"):
+        words = line.split()
+        if len(words) < 3 or words[0] != "exec":
+            continue
+        named = False
+        for word in words[1:]:
+            if word.startswith("#"):
+                break
+            if named and word == "run":
+                return True
+            if not named and "#" not in word and word.endswith(_WRAPPER_NAMES):
+                named = True
+    return False
+
+
+_WRAPPER_NAMES = ("slurmagent", "slurmagent.entry", "slurmagent.cli")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .decisionlog import warn
-from .fsutil import atomic_write_text, unsafe_for_root
+from .fsutil import UntrustedFile, atomic_write_text, read_state_file, unsafe_for_root
 
 STATE_NAME = "repair-state.json"
 SUPPRESSED_MARKER = "breaker-suppressed"  # in the state dir: the breaker kept this node from draining
@@ -26,13 +26,12 @@ def state_file(state_dir: Path) -> Path:
 
 def load_state(state_dir: Path) -> dict[str, Any]:
     path = state_file(state_dir)
-    why = unsafe_for_root(path)
-    if why:
-        warn(f"ignoring {path}: {why}")
-        return {}
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_state_file(path))
         return data if isinstance(data, dict) else {}
+    except UntrustedFile as exc:
+        warn(f"ignoring {path}: {exc.why()}")
+        return {}
     except (OSError, ValueError):
         return {}
 
@@ -72,7 +71,9 @@ def marker_path(state_dir: Path) -> Path:
 
 
 def has_marker(state_dir: Path) -> bool:
-    return marker_path(state_dir).exists()
+    """Root believes only its own mark (a user's would make a healthy hook clear a breaker mark)."""
+    path = marker_path(state_dir)
+    return path.exists() and unsafe_for_root(path) is None
 
 
 def write_marker(state_dir: Path, now: float) -> None:

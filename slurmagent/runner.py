@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 from . import expiry_state
 from .config import Config
 from .errors import SlurmagentError
+from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .wrapper import (
     JobIdentity,
@@ -34,7 +36,7 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     for name, value in (("--grace", grace), ("--max-requeues", max_requeues), ("--sync-interval", sync_interval)):
         if value is not None and value < 0:
             raise WrapperError(f"{name} must not be negative")
-    node = env.get("SLURMD_NODENAME")
+    node = node_name(None, env)  # this node's expiry state, never another slurmd's on the same host
     return RunOptions(
         cmd=cmd,
         ckpt_dir=Path(expand_node(ckpt_dir, env)) if ckpt_dir else default_ckpt_dir(env, ident),
@@ -91,7 +93,7 @@ def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
     except SlurmagentError as exc:
         sup.say(f"cannot read job {job_id} from Slurm ({exc}); requeue may fail")
         return
-    if job is not None and not job.requeue:
+    if job is not None and not job.ambiguous and not job.requeue:
         sup.say(f"WARNING: job {job_id} is not requeueable (Requeue=0): submit with --requeue "
                 "(slurmagent sbatch does) or it will end instead of restarting")
 
@@ -99,7 +101,7 @@ def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
 WRAPPER_SCRIPT = """#!/bin/sh
 # Written by `slurmagent sbatch`: the batch step IS the wrapper, so the end-of-time
 # signal (--signal=B:USR1@LEAD) and `scancel --batch` reach it. Arguments come from argv.
-exec {python} -m slurmagent.entry run "$@"
+exec {slurmagent} run "$@"
 """
 
 
@@ -122,7 +124,7 @@ def submit(cfg: Config, args: list[str]) -> int:
     fd, script = tempfile.mkstemp(prefix="slurmagent-sbatch-", suffix=".sh")
     try:
         with os.fdopen(fd, "w") as fh:
-            fh.write(WRAPPER_SCRIPT.format(python=sys.executable))
+            fh.write(WRAPPER_SCRIPT.format(slurmagent=" ".join(shlex.quote(a) for a in slurmagent_argv())))
         os.chmod(script, 0o755)
         proc = Slurm.from_config(cfg).sbatch([*sbatch_opts, *extra, script, *run_args])
     finally:

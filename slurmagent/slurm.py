@@ -16,8 +16,8 @@ from typing import Protocol
 
 from . import hostlist
 from .errors import SlurmError
-from .nodes import (RUNNING_JOB_FIELDS, JobInfo, NodeInfo, RunningJob, job_from_kv, nodes_from_text, parse_kv,
-                    running_jobs_from_text, script_execs_wrapper)
+from .nodes import (RUNNING_JOB_FIELDS, JobInfo, NodeInfo, RunningJob, job_from_text, nodes_from_text,
+                    parse_kv, running_jobs_from_text, script_execs_wrapper)
 from .reasons import clean_reason
 from .timefmt import parse_time_limit
 
@@ -107,8 +107,30 @@ class Slurm:
             if "Invalid job id" in proc.stderr:
                 return None
             raise SlurmError(f"scontrol show job {job_id}: {proc.stderr.strip() or 'failed'}")
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("JobId=")]
-        return job_from_kv(parse_kv(lines[0])) if lines else None
+        job = job_from_text(proc.stdout, job_id)
+        if job is not None and job.ambiguous:
+            return self._job_without_free_text(job)
+        return job
+
+    # squeue's fields that hold no text a job chose; Reason (it may hold spaces) last
+    _SQUEUE_JOB_FIELDS = "JobID:0|,State:0|,RestartCnt:0|,Requeue:0|,BatchFlag:0|,TimeLimit:0|,EndTime:0|,NodeList:0|,Reason:0"
+
+    def _job_without_free_text(self, job: JobInfo) -> JobInfo:
+        """The fields of a job whose own text imitates scontrol's (see `job_from_text`), from a
+        squeue listing that prints none of its free text; the unknown JobInfo when that fails."""
+        try:
+            proc = self._call(self.squeue, ["-h", "-j", job.job_id, "-t", "all", "-O", self._SQUEUE_JOB_FIELDS],
+                              check=False)
+        except SlurmError:
+            return job
+        lines = proc.stdout.splitlines() if proc.returncode == 0 else []
+        parts = lines[0].split("|", 8) if len(lines) == 1 else []
+        if len(parts) != 9 or not parts[2].isdigit():
+            return job
+        _, state, restarts, requeue, batch, limit, end, nodes, reason = parts
+        return JobInfo(job_id=job.job_id, state=state, reason=reason.strip(), restarts=int(restarts),
+                       requeue=requeue == "1", node_list=nodes, batch_flag=batch == "1", time_limit=limit,
+                       end_time=end, raw={})
 
     def jobs_on_node(self, node: str, states: tuple[str, ...] = ("RUNNING",)) -> list[str]:
         """Ids of the jobs in these states on the node (`squeue -h -w NODE -t ... -o %A`), in order, once each."""

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
 from fakes.slurm import FakeSlurm
-from slurmagent import expiry, host, reasons
+from slurmagent import expiry, expiry_state, host, reasons
 from slurmagent.config import parse
 from slurmagent.decisionlog import DecisionLog, read_records
 from slurmagent.errors import ExpiryError
@@ -412,8 +412,8 @@ class GuardHarness:
 def test_guard_fast_path_no_file_or_no_time_makes_no_slurm_call(tmp_path, monkeypatch):
     h = GuardHarness(tmp_path)
     reads = []
-    real = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or real(self))
+    real = expiry_state.read_state_file
+    monkeypatch.setattr(expiry_state, "read_state_file", lambda path: reads.append(path) or real(path))
     assert h.run() is None and h.cli.argvs == []
     h.write_state(None)
     assert h.run() is None and h.cli.argvs == []
