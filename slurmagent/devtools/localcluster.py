@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..nodes import parse_kv
+
 SLURM_BINARIES = ("slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo", "munge", "unmunge")
 
 
@@ -231,7 +233,7 @@ class LocalSlurmCluster:
         for attempt in range(5):
             proc = self.run(["scontrol", "-o", "show", what, name], check=False)
             if proc.returncode == 0:
-                return _kv(proc.stdout)
+                return parse_kv(proc.stdout)  # the product's parser: a job's comment never wins
             time.sleep(0.3 * (attempt + 1))
         raise RuntimeError(f"scontrol show {what} {name}: {proc.stderr.strip() or proc.returncode}")
 
@@ -274,19 +276,6 @@ class LocalSlurmCluster:
             if "DRAIN" in state or "DOWN" in state or "FAIL" in state:
                 self.resume(name)
         self.wait_nodes_idle(self.nodes)
-
-
-def _kv(line: str) -> dict[str, str]:
-    """Parse `scontrol -o` Key=Value output (values may hold spaces only in Reason/Comment)."""
-    out: dict[str, str] = {}
-    key = None
-    for token in line.strip().split(" "):
-        if "=" in token and token.split("=", 1)[0].replace("/", "").replace(":", "").isalnum():
-            key, value = token.split("=", 1)
-            out[key] = value
-        elif key is not None:
-            out[key] += " " + token
-    return out
 
 
 def _munge_works(socket_path: Path) -> bool:
