@@ -65,7 +65,7 @@ def _walk(path: str | os.PathLike[str], follow_final: bool) -> tuple[str | None,
         nxt = os.path.join(cur, name)
         try:
             st = os.lstat(nxt)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # absent: nothing to trust or distrust
             return None, os.path.join(nxt, *todo[::-1]), None
         except OSError as exc:
             return f"{nxt}: cannot stat it ({exc.strerror})", nxt, None
@@ -115,13 +115,16 @@ def open_trusted(path: str | os.PathLike[str], *, follow_final: bool = False) ->
     if why:
         raise UntrustedFile(errno.EPERM, why, os.fspath(path))
     fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    why = _unsafe_stat(st) or ("not a regular file" if not stat.S_ISREG(st.st_mode) else None)
-    if not why and walked is not None and (walked.st_dev, walked.st_ino) != (st.st_dev, st.st_ino):
-        why = "replaced while it was opened"
-    if why:
+    try:
+        st = os.fstat(fd)
+        why = _unsafe_stat(st) or ("not a regular file" if not stat.S_ISREG(st.st_mode) else None)
+        if not why and walked is not None and (walked.st_dev, walked.st_ino) != (st.st_dev, st.st_ino):
+            why = "replaced while it was opened"
+        if why:
+            raise UntrustedFile(errno.EPERM, f"{resolved} is {why}", os.fspath(path))
+    except BaseException:
         os.close(fd)
-        raise UntrustedFile(errno.EPERM, f"{resolved} is {why}", os.fspath(path))
+        raise
     return fd
 
 

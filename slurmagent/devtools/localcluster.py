@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..nodes import parse_kv
+
 SLURM_BINARIES = ("slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo", "munge", "unmunge")
 
 
@@ -258,7 +260,7 @@ class LocalSlurmCluster:
         for attempt in range(5):
             proc = self.run(["scontrol", "-o", "show", what, name], check=False)
             if proc.returncode == 0:
-                return _kv(proc.stdout)
+                return parse_kv(proc.stdout)  # the product's parser: a job's comment never wins
             time.sleep(0.3 * (attempt + 1))
         raise RuntimeError(f"scontrol show {what} {name}: {proc.stderr.strip() or proc.returncode}")
 
@@ -310,19 +312,6 @@ source, target, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 subprocess.run(["mount", "--bind", source, target], check=True, timeout=30)
 os.execv(argv[0], argv)
 """
-
-
-def _kv(line: str) -> dict[str, str]:
-    """Parse `scontrol -o` Key=Value output (values may hold spaces only in Reason/Comment)."""
-    out: dict[str, str] = {}
-    key = None
-    for token in line.strip().split(" "):
-        if "=" in token and token.split("=", 1)[0].replace("/", "").replace(":", "").isalnum():
-            key, value = token.split("=", 1)
-            out[key] = value
-        elif key is not None:
-            out[key] += " " + token
-    return out
 
 
 def _munge_works(socket_path: Path) -> bool:
