@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Iterable
 
-from . import reasons
-from .nodes import NodeInfo
+from . import hostlist, reasons
+from .nodes import OPT_OUT_FEATURE, NodeInfo
 from .timefmt import fmt_time, from_epoch, parse_time
 
 ESTABLISHED_S = 5.0  # a drain older than this (relative to ours) is not part of the same burst
@@ -42,15 +42,26 @@ ESTABLISHED_S = 5.0  # a drain older than this (relative to ours) is not part of
 JOB_BLOCKING_RULES = frozenset({"nvml-error", "nvml-timeout", "gpu-lost", "gpu-count"})
 JOB_BLOCKING_XIDS = frozenset({79})  # GPU has fallen off the bus
 
-# reportHostAsFaulty fault behaviour per rule (everything else: UNRECOVERABLE_GPU_ERROR).
+# reportHostAsFaulty fault reason per rule (InstancesReportHostAsFaultyRequestFaultReason.behavior).
 PERFORMANCE_RULES = frozenset({"hw-slowdown", "pcie-width", "nvlink-down", "nvml-timeout"})
+SDC_RULES = frozenset({"sdc", "silent-data-corruption"})  # e.g. an admin's `slurmagent: sdc: loss spike on rank 3`
+GPU_LOSS_RULES = frozenset({"gpu-lost", "gpu-count", "nvml-error", "ecc-uncorrectable", "row-remap-failure",
+                            "row-remap-pending", "retired-pages-pending", "recovery-action"})
 
 # --- reasons -> repair calls ----------------------------------------------------------
 
 
 def fault_behavior(rule: str) -> str:
-    """Fault behaviour for reportHostAsFaulty (InstancesReportHostAsFaultyRequestFaultReason)."""
-    return "PERFORMANCE" if rule in PERFORMANCE_RULES else "UNRECOVERABLE_GPU_ERROR"
+    """The fault reason reportHostAsFaulty gets for a drain rule: UNRECOVERABLE_GPU_ERROR for a
+    lost/unusable GPU and drain-class XIDs, PERFORMANCE for slowdowns, SILENT_DATA_CORRUPTION
+    for a reported wrong-result fault, BEHAVIOR_UNSPECIFIED for anything else."""
+    if rule in PERFORMANCE_RULES:
+        return "PERFORMANCE"
+    if rule in SDC_RULES:
+        return "SILENT_DATA_CORRUPTION"
+    if rule in GPU_LOSS_RULES or rule.startswith("xid "):
+        return "UNRECOVERABLE_GPU_ERROR"
+    return "BEHAVIOR_UNSPECIFIED"
 
 
 def blocks_job(findings: Iterable[Any]) -> bool:
@@ -147,6 +158,21 @@ def decide_drain(nodes: list[NodeInfo], node: str, reason: str, fraction: float,
     if me.planned_drain:  # drained ahead of its end; the fault makes it count for the breaker
         return "suppress" if full else "update-reason"
     return "suppress" if full else "drain"
+
+
+def opted_out(node: NodeInfo | None, name: str, exclude: tuple[str, ...]) -> str:
+    """Why slurmagent must not drain, requeue on, or repair this node ("" when it may): the
+    node feature `slurmagent_off`, or `[repair] exclude_nodes` (names or hostlists)."""
+    if node is not None and node.opted_out:
+        return f"node feature {OPT_OUT_FEATURE}"
+    for pattern in exclude:
+        try:
+            names = hostlist.expand(pattern)
+        except ValueError:
+            names = [pattern]
+        if name in names:
+            return "[repair] exclude_nodes"
+    return ""
 
 
 def decide_planned_drain(node: NodeInfo | None, reason: str) -> str:
@@ -252,23 +278,33 @@ def mig_short(mig: dict[str, str] | None) -> str:
 
 
 def known_target(strategy: str, cached: dict[str, Any] | None, zone: str) -> dict[str, Any] | None:
-    """Where a node's repair goes when that is known without asking the API (the MIG cache
-    for `recreate`; the zone for `report-faulty`); None: look the VM up."""
+    """Where a node's repair goes when that is known without asking the API (the cache: its
+    MIG for `recreate`, its VM's facts for `auto`; the zone for `report-faulty`); None: look the VM up."""
     if strategy == "recreate" and cached and cached.get("mig"):
+        return cached
+    if strategy == "auto" and cached and cached.get("vm"):
         return cached
     if strategy == "report-faulty":
         return {"zone": cached.get("zone", zone) if cached else zone}
     return None
 
 
-def dry_run_line(name: str, strategy: str, cached: dict[str, Any] | None, needs_drain: bool, reason: str) -> str:
-    verb = "recreate via" if strategy == "recreate" else "report host as faulty"
-    target = ""
-    if strategy == "recreate":
+def dry_run_line(name: str, action: str, cached: dict[str, Any] | None, needs_drain: bool, reason: str,
+                 why: str = "") -> str:
+    """`repair --dry-run`: what would happen to the node, and why (auto's choice)."""
+    if action == "recreate":
         where = (cached or {}).get("mig")
-        target = f"MIG {mig_short(where)}" if where else "its MIG (looked up at run time)"
-    return (f"{name}: would {'drain and ' if needs_drain else ''}{verb} {target}".rstrip()
-            + f" ({reasons.fault_text(reason) or 'suppressed fault'})")
+        verb = "recreate via " + (f"MIG {mig_short(where)}" if where else "its MIG (looked up at run time)")
+    elif action == "report-faulty":
+        verb = f"report host as faulty [{fault_behavior(reasons.rule_of(reason))}]"
+    elif action == "power-down":
+        verb = "power down (POWER_DOWN_ASAP)"
+    elif action == "fail":
+        verb = "fail"
+    else:
+        verb = "leave it drained"
+    return (f"{name}: would {'drain and ' if needs_drain else ''}{verb}"
+            + f" ({reasons.fault_text(reason) or 'suppressed fault'})" + (f": {why}" if why else ""))
 
 
 def repair_requests(targets: dict[str, dict[str, Any]], strategy: str, reason_of: dict[str, str], project: str,
@@ -285,6 +321,135 @@ def repair_requests(targets: dict[str, dict[str, Any]], strategy: str, reason_of
         requests.append({"strategy": strategy, "project": project, "mig": targets[members[0]].get("mig"),
                          "nodes": live, "request_id": new_id(), "deadline_s": deadline_s})
     return requests
+
+
+# --- which repair each VM gets ([repair] strategy) -----------------------------------------
+
+# Machine types whose host Google takes back through reportHostAsFaulty: A3 Ultra, A4, A4X (and,
+# per Google's troubleshooting page for the API, A3 Mega and A3 High with 8 GPUs); only for a
+# RUNNING VM on the reservation-bound provisioning model. A refusal falls back to recreate anyway.
+REPORTABLE_MACHINE_TYPES = ("a3-ultragpu-", "a4-highgpu-", "a4x-highgpu-", "a3-megagpu-8g", "a3-highgpu-8g")
+GPU_MACHINE_FAMILIES = ("a2-", "a3-", "a4-", "a4x-", "g2-", "g4-")
+
+
+@dataclass(frozen=True)
+class VmFacts:
+    """What `repair` needs to know about a node's VM (one instances.get, or a list entry)."""
+
+    zone: str
+    status: str = ""  # RUNNING, TERMINATED, ...
+    machine_type: str = ""  # the last segment: a3-ultragpu-8g
+    provisioning_model: str = ""  # STANDARD | SPOT | FLEX_START | RESERVATION_BOUND | "" (STANDARD)
+    reservation: str = ""  # reservationAffinity.consumeReservationType
+    mig: dict[str, str] | None = None  # the MIG of `created-by` (MigRef.to_dict), None: in no MIG
+    gpus: int = 0  # guestAccelerators, summed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"zone": self.zone, "status": self.status, "machine_type": self.machine_type,
+                "provisioning_model": self.provisioning_model, "reservation": self.reservation, "mig": self.mig,
+                "gpus": self.gpus}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VmFacts:
+        return cls(str(d.get("zone", "")), str(d.get("status", "")), str(d.get("machine_type", "")),
+                   str(d.get("provisioning_model", "")), str(d.get("reservation", "")), d.get("mig"),
+                   int(d.get("gpus", 0) or 0))
+
+    @property
+    def reservation_bound(self) -> bool:
+        """Created through a reservation: the reservation-bound model (or a standard VM that
+        consumes a specific reservation)."""
+        return self.provisioning_model == "RESERVATION_BOUND" or (
+            self.provisioning_model in ("", "STANDARD") and self.reservation == "SPECIFIC_RESERVATION")
+
+    @property
+    def gpu_vm(self) -> bool:
+        return self.gpus > 0 or self.machine_type.startswith(GPU_MACHINE_FAMILIES)
+
+
+def report_refusal(vm: VmFacts) -> str:
+    """Why Google would refuse reportHostAsFaulty for this VM; "" when it takes it."""
+    if not vm.machine_type.startswith(REPORTABLE_MACHINE_TYPES):
+        return f"machine type {vm.machine_type or 'unknown'} is not A3 Ultra/A4/A4X: no reportHostAsFaulty"
+    if not vm.reservation_bound:
+        model = {"FLEX_START": "flex-start", "SPOT": "spot", "": "standard"}.get(vm.provisioning_model,
+                                                                                vm.provisioning_model.lower())
+        return f"{model} VM: Google takes reportHostAsFaulty only for reservation-bound VMs"
+    if vm.status and vm.status != "RUNNING":
+        return f"VM is {vm.status}, not RUNNING: no reportHostAsFaulty"
+    return ""
+
+
+@dataclass(frozen=True)
+class RepairChoice:
+    """What `repair` does with one node: recreate | report-faulty | power-down | leave | fail."""
+
+    action: str
+    why: str = ""
+
+
+def choose_repair(strategy: str, node: NodeInfo, vm: VmFacts | None, refused: str = "") -> RepairChoice:
+    """The repair a drained node gets. `vm`: its VM's facts (None when not looked up: the
+    strategy needs none, or the lookup failed); `refused`: Google refused reportHostAsFaulty
+    for this VM before (then a MIG recreate, or it stays drained). Never a deletion."""
+    if strategy == "power-down":
+        return RepairChoice("power-down", "[repair] strategy power-down")
+    if strategy == "auto" and node.dynamic:
+        return RepairChoice("power-down", "dynamic node: Slurm gives the next job a fresh VM")
+    if strategy == "report-faulty" and not refused:
+        return RepairChoice("report-faulty", "[repair] strategy report-faulty")
+    if vm is None:
+        return RepairChoice("fail", "its VM was not found")
+    if strategy in ("recreate", "report-faulty"):
+        if vm.mig:
+            return RepairChoice("recreate", f"reportHostAsFaulty refused ({refused})" if refused else "")
+        return RepairChoice("fail", "not created by a managed instance group: cannot recreate it")
+    why_not = f"reportHostAsFaulty refused ({refused})" if refused else report_refusal(vm)
+    if not why_not:
+        model = "reservation-bound" if vm.provisioning_model == "RESERVATION_BOUND" else "reservation"
+        return RepairChoice("report-faulty", f"running {model} {vm.machine_type}")
+    if vm.mig:
+        return RepairChoice("recreate", why_not)
+    return RepairChoice("leave", f"in no MIG and {why_not}: left drained for an admin (never deleted)")
+
+
+def needs_vm(strategy: str, node: NodeInfo) -> bool:
+    """Does choose_repair need the VM's facts for this node (an instances.get, unless cached)?"""
+    if strategy in ("power-down", "none", "report-faulty"):
+        return False
+    return not (strategy == "auto" and node.dynamic)
+
+
+def dynamic_cleanup(nodes: list[NodeInfo]) -> tuple[list[str], list[str]]:
+    """Dynamic nodes slurmagent must not leave DOWN: (power down: drained by us ahead of the VM's
+    end and now down, the VM gone), (resume: powered down by us but still DOWN in Slurm, so
+    Slurm may power them up again for the next job)."""
+    power_down, resume = [], []
+    for n in nodes:
+        if not n.dynamic or not reasons.is_ours(n.reason):
+            continue
+        gone = n.down or "NOT_RESPONDING" in n.flags
+        if n.planned_drain and gone and not n.flags & {"POWERED_DOWN", "POWERING_DOWN", "POWER_DOWN"}:
+            power_down.append(n.name)
+        elif n.down and "POWERED_DOWN" in n.flags and not n.flags & {"POWERING_DOWN", "POWERING_UP"}:
+            resume.append(n.name)
+    return sorted(power_down), sorted(resume)
+
+
+def cancelled_repairs(nodes: list[NodeInfo], requested: dict[str, float]) -> list[str]:
+    """Nodes with a repair we asked for that an admin resumed by hand meanwhile: in Slurm,
+    no longer drained nor down, and slurmd not restarted since the request (a recreated or
+    moved VM comes back with a new slurmd: that is the repair done, not cancelled)."""
+    out = []
+    by_name = {n.name: n for n in nodes}
+    for name, at in requested.items():
+        n = by_name.get(name)
+        if n is None or n.drained or n.down or not n.registered:
+            continue
+        if n.slurmd_start is not None and n.slurmd_start > at:
+            continue
+        out.append(name)
+    return sorted(out)
 
 
 # --- expiry: drain ahead of the VM's end, flush its jobs in time ----------------------------

@@ -65,11 +65,11 @@ class FakeGcpExpiry(FakeGcp):
 
     # --- overrides -------------------------------------------------------------------------
 
-    def _instance_get(self, query, body, zone: str, instance: str):
-        status, payload = super()._instance_get(query, body, zone=zone, instance=instance)
-        if status == 200 and instance in self.scheduling:
-            payload = {**payload, **self.scheduling[instance]}
-        return status, payload
+    def _instance_json(self, inst) -> dict:
+        payload = super()._instance_json(inst)
+        for key, value in self.scheduling.get(inst.name, {}).items():
+            payload[key] = {**payload[key], **value} if isinstance(payload.get(key), dict) else value
+        return payload
 
     def _metadata(self, h: BaseHTTPRequestHandler, path: str) -> None:
         key = path.strip("/")
