@@ -67,9 +67,12 @@ class FakeInstance:
     reservation: str = ""  # reservationAffinity.consumeReservationType
     gpus: int = 8
     extra: dict = field(default_factory=dict)  # more instance JSON (resourceStatus, scheduling keys, ...)
+    refuse: str | None = None  # refuse reportHostAsFaulty with this code whatever the VM (e.g. RATE_LIMIT...)
 
     def refusal(self) -> str | None:
         """Why reportHostAsFaulty is refused for this VM (Google's error code), None: accepted."""
+        if self.refuse:
+            return self.refuse
         if self.status != "RUNNING":
             return "INSTANCE_SHOULD_BE_RUNNING"
         if not self.machine_type.startswith(REPORTABLE_TYPES):

@@ -204,6 +204,8 @@ def test_instance_lookup_404_is_reported(env, gcp, tmp_path, cli):
 
 def test_report_faulty_strategy(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path, strategy="report-faulty")
+    for n in ("n1", "n2"):  # reservation-bound: Google takes the reports
+        gcp.instances[(ZONE, n)].provisioning_model = "RESERVATION_BOUND"
     drain(env, "n1", XID79)
     drain(env, "n2", "slurmagent: hw-slowdown: gpu 0 clocks slowed by hw_power_brake_slowdown")
 
@@ -215,6 +217,39 @@ def test_report_faulty_strategy(env, gcp, tmp_path, cli):
     assert calls["n1"]["faultReasons"][0]["behavior"] == "UNRECOVERABLE_GPU_ERROR"
     assert calls["n2"]["faultReasons"][0]["behavior"] == "PERFORMANCE"
     assert gcp.calls_of("instances.get") == []  # report-faulty needs no MIG
+    assert [m.kind for m in gcp.mutations] == ["instances.reportHostAsFaulty"] * 2
+
+
+def test_auto_flex_vms_recreated_per_mig_reserved_a3_ultra_reported_refusal_falls_back(env, gcp, tmp_path, cli):
+    """One run, real Slurm: two flex-start VMs of one MIG get ONE recreateInstances, a
+    reservation-bound A3 Ultra VM gets reportHostAsFaulty; a refused report is recreated instead."""
+    for n, facts in (("n1", {"provisioning_model": "FLEX_START"}), ("n2", {"provisioning_model": "FLEX_START"}),
+                     ("n3", {"provisioning_model": "RESERVATION_BOUND", "reservation": "SPECIFIC_RESERVATION"})):
+        for key, value in {"machine_type": "a3-ultragpu-8g", **facts}.items():
+            setattr(gcp.instances[(ZONE, n)], key, value)
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n[1-3]", XID79)
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    [rec] = gcp.calls_of(RECREATE)
+    assert rec.path.endswith("/mig-a/recreateInstances")
+    assert rec.body["instances"] == [f"zones/{ZONE}/instances/n1", f"zones/{ZONE}/instances/n2"]
+    [rep] = gcp.calls_of("instances.reportHostAsFaulty")
+    assert rep.path.split("/")[-2] == "n3" and rep.body["faultReasons"][0]["behavior"] == "UNRECOVERABLE_GPU_ERROR"
+    assert "n3: reported host as faulty (UNRECOVERABLE_GPU_ERROR)" in out
+    assert all(reason(env, n).startswith("slurmagent: repairing:") for n in ("n1", "n2", "n3"))
+
+    # the next fault on n3: Google refuses the report now; the run recreates it instead
+    env.cluster.resume("n3")
+    gcp.instances[(ZONE, "n3")].refuse = "INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED"
+    drain(env, "n3", XID79)
+    code, out, err = cli(cfg, "repair", "n3")
+    assert code == 0, err
+    assert [c.path.rsplit("/", 2)[-2] for c in gcp.calls_of(RECREATE)] == ["mig-a", "mig-b"]
+    assert "n3: reportHostAsFaulty refused" in out and "recreate requested via MIG" in out
+    assert reason(env, "n3").startswith("slurmagent: repairing:")
 
 
 def test_strategy_none_drains_only(env, gcp, tmp_path, cli):
