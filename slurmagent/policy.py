@@ -458,6 +458,7 @@ EXPIRY_SCHEMA = 1
 STALE_RECHECK_S = 300.0  # the time passed but we live: ask the API again at most this often
 UNDRAIN_MARGIN_S = 60.0  # the end moved out of the drain window by more than this: undo our drain
 NOTICE_GRACE_S = 300.0  # alive this long after a notice's stop time, and no notice now: it is over
+GPU_MAINTENANCE_NOTICE_S = 3600.0  # a GPU VM's TERMINATE_ON_HOST_MAINTENANCE comes about an hour ahead
 EXPIRY_DRAIN_KEYS = ("drained", "drain", "drain_reason", "drained_at")
 EXPIRY_CARRIED_KEYS = (*EXPIRY_DRAIN_KEYS, "flushed", "flushed_at", "flush_cause", "flushed_jobs", "requeued_jobs",
                        "left_jobs")
@@ -468,14 +469,19 @@ def refresh_jitter(node: str) -> float:
     return 0.9 + (zlib.crc32(node.encode()) % 2001) / 10000.0
 
 
-def api_answer_fresh(cached: dict[str, Any] | None, now: float, refresh_s: float, node: str) -> bool:
-    """Is the cached Compute API answer still good? Not when old, nor when the VM outlived it."""
-    if not cached:
+def api_answer_fresh(cached: dict[str, Any] | None, now: float, refresh_s: float, node: str, *,
+                     event_changed: bool = False, window_soon_s: float = 0.0) -> bool:
+    """Is the cached Compute API answer still good? Not when old, nor when the VM outlived it,
+    nor when the metadata `maintenance-event` changed since (the window is read again), nor
+    older than STALE_RECHECK_S while a maintenance window is within `window_soon_s` (it may move)."""
+    if not cached or event_changed:
         return False
     age = now - float(cached.get("checked_at_epoch", 0))
     t = cached.get("scheduling", {}).get("termination_time")
     outlived = t is not None and now > parse_time(t).timestamp() + UNDRAIN_MARGIN_S
-    return age < refresh_s * refresh_jitter(node) and not (outlived and age > STALE_RECHECK_S)
+    w = cached.get("scheduling", {}).get("maintenance_window_start")
+    window_near = w is not None and parse_time(w).timestamp() - now < window_soon_s
+    return age < refresh_s * refresh_jitter(node) and not ((outlived or window_near) and age > STALE_RECHECK_S)
 
 
 @dataclass
@@ -524,18 +530,38 @@ def decide_expiry(*, now: float, node: str, boot_id: str, old: dict[str, Any], o
             termination = parse_time(t) if t else None
             model = str(api["scheduling"].get("provisioning_model") or "")
 
-    # 2. a short notice wins when it is sooner; it is remembered until the VM outlives it
+    # 2. host maintenance and preemption. T for a maintenance notice: the API's
+    # upcomingMaintenance.windowStartTime when known, else about an hour ahead on a GPU VM, else
+    # 60 s; a preemption: 30 s. A notice is remembered until the VM outlives it, or dropped when
+    # withdrawn well before its T (the window was rescheduled or cancelled).
+    sched = api["scheduling"] if api and override is None else {}
+    window_text = sched.get("maintenance_window_start")
+    window = parse_time(window_text) if window_text else None
+    terminates = sched.get("on_host_maintenance") == "TERMINATE"
     notice = old.get("notice")
-    if notice and events is not None and not events.error and events.notice is None and \
-            now > parse_time(notice["termination_time"]).timestamp() + NOTICE_GRACE_S:
-        if _our_drain_stands(old):
-            d.release = f"the {notice['kind']} notice of {notice['seen_at']} passed and the VM lives on"
-        notice = None
+    withdrawn = events is not None and not events.error and events.notice is None
+    if notice and withdrawn:
+        t_old = parse_time(notice["termination_time"]).timestamp()
+        if now < t_old - UNDRAIN_MARGIN_S:
+            d.notes.append(f"the {notice['kind']} notice of {notice['seen_at']} was withdrawn (rescheduled or cancelled)")
+            notice = None
+        elif now > t_old + NOTICE_GRACE_S:
+            if _our_drain_stands(old):
+                d.release = f"the {notice['kind']} notice of {notice['seen_at']} passed and the VM lives on"
+            notice = None
     if events is not None and events.notice and not notice:
         kind, lead = events.notice
-        notice = {"kind": kind, "seen_at": fmt_time(from_epoch(now)), "termination_time": fmt_time(from_epoch(now + lead)),
+        when = now + lead
+        if kind == "maintenance":
+            when = window.timestamp() if window is not None else now + (
+                GPU_MAINTENANCE_NOTICE_S if sched.get("gpu_vm") else lead)
+        notice = {"kind": kind, "seen_at": fmt_time(from_epoch(now)), "termination_time": fmt_time(from_epoch(when)),
                   "value": events.maintenance if kind == "maintenance" else events.preempted}
         d.notes.append(f"{'preemption' if kind == 'preempt' else events.maintenance} notice")
+    elif notice and notice["kind"] == "maintenance" and window is not None and \
+            fmt_time(window) != notice["termination_time"]:
+        d.notes.append(f"maintenance window moved to {fmt_time(window)}")
+        notice = {**notice, "termination_time": fmt_time(window)}
     elif events is not None and events.migrating and old.get("last_maintenance_event") != events.maintenance:
         d.notes.append(f"{events.maintenance}: live migration, nothing to do")
     if events is not None and not events.error:
@@ -547,29 +573,36 @@ def decide_expiry(*, now: float, node: str, boot_id: str, old: dict[str, Any], o
         if termination is None or t_notice < termination:
             kind = notice["kind"]
             termination, source = t_notice, "maintenance-event" if kind == "maintenance" else "preempted"
+    elif window is not None and terminates and (termination is None or window < termination):
+        kind, termination, source = "maintenance", window, "upcoming-maintenance"  # scheduled, no notice yet
 
     state.update({k: old[k] for k in EXPIRY_CARRIED_KEYS if k in old})  # this boot's drain/flush flags
     d.termination, d.source = termination, source
     if termination is None:
-        if not lookup_failed and d.release is None and not old.get("notice") and _our_drain_stands(old):
+        if not lookup_failed and d.release is None and not notice and _our_drain_stands(old):
             d.release = "the termination time moved"
         return d
     remaining = termination.timestamp() - now
     d.remaining_s = remaining
     state.update(termination_time=fmt_time(termination), source=source, remaining_s=round(remaining))
 
-    # 3. drain ahead (or undo our drain when the end moved out of the window)
+    # 3. drain at T - drain lead (at once when the notice is shorter), or undo our drain when the
+    # end moved out of the window (a later flex end, a rescheduled or cancelled maintenance)
     drain_at = max(drain_lead_s, max_time_s() if max_time_s is not None else 0.0)
-    if notice or remaining <= drain_at:
+    if remaining <= drain_at:
         d.drain_reason = reasons.expiry_reason(termination, kind, model)
-    elif d.release is None and not old.get("notice") and remaining > drain_lead_s + UNDRAIN_MARGIN_S \
+    elif d.release is None and not lookup_failed and remaining > drain_lead_s + UNDRAIN_MARGIN_S \
             and _our_drain_stands(old):
         d.release = "the termination time moved"
 
-    # 4. flush at the lead (or at once on a notice)
-    if notice or remaining <= flush_lead_s:
-        d.flush_cause = (f"{notice['value']} notice" if notice and kind != "expiry"
-                         else f"VM expiry in {max(remaining, 0):.0f} s")
+    # 4. flush at T - flush lead (at once when the notice is shorter)
+    if remaining <= flush_lead_s:
+        if notice and kind != "expiry":
+            d.flush_cause = f"{notice['value']} notice"
+        elif kind == "maintenance":
+            d.flush_cause = f"host maintenance in {max(remaining, 0):.0f} s"
+        else:
+            d.flush_cause = f"VM expiry in {max(remaining, 0):.0f} s"
     ahead = [remaining - x for x in (drain_at, flush_lead_s) if remaining - x > 0]
     d.next_check_s = min(ahead) if ahead else None
     return d
