@@ -221,7 +221,9 @@ class RepairPlan:
 
 def plan_repair(nodes: list[NodeInfo], requested: list[str], *, force: bool, breaker_state: Breaker, now: float,
                 retry_after_s: float = 3600.0, history: dict[str, list[float]] | None = None,
-                max_per_day: int = 3) -> RepairPlan:
+                max_per_day: int = 3, strategy: str = "") -> RepairPlan:
+    """What to repair now, skip or refuse. A busy node waits for its jobs to end, except one
+    that is powered down (`strategy`): POWER_DOWN_ASAP lets its jobs finish first by itself."""
     plan = RepairPlan()
     by_name = {n.name: n for n in nodes}
     history = history or {}
@@ -253,7 +255,7 @@ def plan_repair(nodes: list[NodeInfo], requested: list[str], *, force: bool, bre
             plan.skipped[n.name] = "repair already requested" + (
                 f" {now - n.reason_time:.0f} s ago" if n.reason_time is not None else "")
             continue
-        if n.busy and not force:
+        if n.busy and not force and not powers_down(strategy, n):
             plan.skipped[n.name] = "jobs still running on it: repaired once they end (or --force)"
             continue
         recent = [t for t in history.get(n.name, []) if now - t < 86400]
@@ -392,10 +394,9 @@ def choose_repair(strategy: str, node: NodeInfo, vm: VmFacts | None, refused: st
     """The repair a drained node gets. `vm`: its VM's facts (None when not looked up: the
     strategy needs none, or the lookup failed); `refused`: Google refused reportHostAsFaulty
     for this VM before (then a MIG recreate, or it stays drained). Never a deletion."""
-    if strategy == "power-down":
-        return RepairChoice("power-down", "[repair] strategy power-down")
-    if strategy == "auto" and node.dynamic:
-        return RepairChoice("power-down", "dynamic node: Slurm gives the next job a fresh VM")
+    if powers_down(strategy, node):
+        return RepairChoice("power-down", "dynamic node: Slurm gives the next job a fresh VM" if node.dynamic
+                            else "[repair] strategy power-down")
     if strategy == "report-faulty" and not refused:
         return RepairChoice("report-faulty", "[repair] strategy report-faulty")
     if vm is None:
@@ -413,11 +414,14 @@ def choose_repair(strategy: str, node: NodeInfo, vm: VmFacts | None, refused: st
     return RepairChoice("leave", f"in no MIG and {why_not}: left drained for an admin (never deleted)")
 
 
+def powers_down(strategy: str, node: NodeInfo) -> bool:
+    """Is this node's repair a power-down (a dynamic node under `auto`, or `power-down`)?"""
+    return strategy == "power-down" or (strategy == "auto" and node.dynamic)
+
+
 def needs_vm(strategy: str, node: NodeInfo) -> bool:
     """Does choose_repair need the VM's facts for this node (an instances.get, unless cached)?"""
-    if strategy in ("power-down", "none", "report-faulty"):
-        return False
-    return not (strategy == "auto" and node.dynamic)
+    return strategy not in ("none", "report-faulty") and not powers_down(strategy, node)
 
 
 def dynamic_cleanup(nodes: list[NodeInfo]) -> tuple[list[str], list[str]]:

@@ -89,7 +89,8 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     b = policy.breaker(nodes, rt.fraction, now, float(cfg.repair.suppressed_ttl_s))
     plan = policy.plan_repair(nodes, names, force=force, breaker_state=b, now=now,
                               retry_after_s=float(cfg.repair.retry_after_s),
-                              history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day))
+                              history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day),
+                              strategy=cfg.repair.strategy)
     by_name = {n.name: n for n in nodes}
     for name in [n for n in plan.todo if rt.opted_out(by_name[n], n)]:
         plan.todo.remove(name)

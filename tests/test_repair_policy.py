@@ -326,3 +326,13 @@ def test_opt_out_by_feature_or_config_list():
     assert plain.features == frozenset() and policy.opted_out(plain, "n2", ()) == ""
     assert policy.opted_out(plain, "n2", ("n[1-3]",)) == "[repair] exclude_nodes"
     assert policy.opted_out(None, "n9", ("n1", "n9")) == "[repair] exclude_nodes"
+
+
+def test_a_busy_dynamic_node_is_powered_down_asap_a_busy_static_one_waits():
+    b = policy.breaker([], 1.0)
+    nodes = [view("c1", "MIXED+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3"),
+             view("n1", "MIXED+DRAIN", "slurmagent: xid 79 on gpu 3")]
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="auto")
+    assert plan.todo == ["c1"] and "jobs still running" in plan.skipped["n1"]
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="recreate")
+    assert plan.todo == [] and set(plan.skipped) == {"c1", "n1"}
