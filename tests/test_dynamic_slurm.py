@@ -101,3 +101,34 @@ def test_a_dynamic_node_drained_by_the_prolog_is_powered_down_not_recreated(clou
         assert cluster.power_log().count("resume c1") >= 2 and "DRAIN" not in state(cluster, "c1")
     finally:
         gcp.stop()
+
+
+def test_a_dynamic_node_whose_vm_went_away_is_not_left_down(cloud, tmp_path, monkeypatch, capsys):
+    """c2 drained ahead of its flex end by the expiry watch, then its VM deleted: Slurm holds it
+    DOWN. `repair` powers it down, and once powered down (still DOWN) resumes it: a job asking
+    for c2 powers up a fresh VM and runs."""
+    from slurmagent.cli import main
+
+    cluster, root, config = cloud
+    first = cluster.sbatch("-w", "c2", "-o", "/dev/null", "--wrap", "true")
+    assert cluster.wait_job(first, ("COMPLETED", "FAILED"), 180)["JobState"] == "COMPLETED"
+    expiry = "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
+    cluster.run(["scontrol", "update", "nodename=c2", "state=drain", f"reason={expiry}"])
+    cluster.run(["sh", "-c", f"kill -9 $(cat {cluster.base}/cloud-c2.pid)"])  # the flex VM is deleted
+    # what slurmctld does after SlurmdTimeout (the reason stays ours), without waiting for it
+    cluster.run(["scontrol", "update", "nodename=c2", "state=down", f"reason={expiry}"])
+    assert "DOWN" in state(cluster, "c2")
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    capsys.readouterr()
+    assert main(["--config", str(config), "repair"]) == 0
+    assert "c2: dynamic node down after expiry" in capsys.readouterr().out
+    wait_for(lambda: "POWERED_DOWN" in state(cluster, "c2") and "POWERING_DOWN" not in state(cluster, "c2"), 60,
+             "c2 powered down")
+    assert main(["--config", str(config), "repair"]) == 0
+    assert "c2: powered down but DOWN in Slurm: resumed" in capsys.readouterr().out
+    wait_for(lambda: "DOWN" not in state(cluster, "c2"), 10, "c2 no longer DOWN")
+
+    again = cluster.sbatch("-w", "c2", "-o", "/dev/null", "--wrap", "true")
+    done = cluster.wait_job(again, ("COMPLETED", "FAILED", "CANCELLED"), 180)
+    assert done["JobState"] == "COMPLETED" and done["NodeList"] == "c2"

@@ -294,6 +294,28 @@ def test_resume_if_healthy(env, gcp, tmp_path, cli):
     assert code == 0 and "nothing to do" in out
 
 
+def test_a_static_node_recreated_after_its_flex_expiry_resumes_by_itself(env, gcp, tmp_path, cli):
+    """The expiry watch drained n1 ahead of its flex end; the VM went away and the MIG made a new
+    one: slurmd of the new boot registers and resume-if-healthy (at boot) resumes it."""
+    cfg = write_config(env, gcp, tmp_path)
+    expiry = "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
+    drain(env, "n1", expiry)
+    state = env.root / "state" / "n1" / "expiry.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"schema": 1, "boot_id": "the-old-vm", "termination_time": "2026-11-30T10:00:00Z",
+                                 "drained": True, "drain_reason": expiry}))
+    c = env.cluster
+    c.stop_node("n1")  # the flex VM is gone ...
+    c.start_node("n1")  # ... and the MIG's new VM boots
+
+    code, out, err = cli(cfg, "resume-if-healthy", "--node", "n1", "--wait", "60")
+
+    assert code == 0, err
+    assert f"n1: healthy; resumed (was: {expiry})" in out
+    wait_for(lambda: "DRAIN" not in c.node("n1")["State"], 10, "n1 resumed")
+    assert gcp.calls == []  # nothing recreated by slurmagent: the expiry drain is never repaired
+
+
 def test_resume_if_healthy_unhealthy_stays_drained_with_new_reason(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
     drain(env, "n1", reasons.repairing_reason(XID79))
