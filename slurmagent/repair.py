@@ -221,6 +221,12 @@ class RepairRun:
         self.res.failed[name] = why
         print(f"{name}: FAILED: {why}", file=self.err)
 
+    def fail_all(self, names: list[str], exc: Exception) -> None:
+        """One cause for every node (no project/zone, no credentials): said once."""
+        for name in names:
+            self.res.failed[name] = str(exc)
+        print(f"repair: {exc}", file=self.err)
+
     # --- choose -------------------------------------------------------------------------
 
     def choose(self, todo: list[str], by_name: dict[str, NodeInfo]) -> dict[str, Choice]:
@@ -266,8 +272,7 @@ class RepairRun:
             _, zone = self.where()
             compute = self.compute()
         except SlurmagentError as exc:
-            for name in names:
-                self.fail(name, str(exc))
+            self.fail_all(names, exc)
             return {}
         found: dict[str, policy.VmFacts] = {}
         missing: dict[str, str] = {}
@@ -321,8 +326,7 @@ class RepairRun:
                 project, zone = self.where()
                 compute = self.compute()
             except SlurmagentError as exc:
-                for n in [*reports, *recreate]:
-                    self.fail(n, str(exc))
+                self.fail_all([*reports, *recreate], exc)
                 return
             deadline = float(self.cfg.repair.operation_timeout_s)
             targets = {n: {"zone": t.get("zone") or zone} for n, t in reports.items()}

@@ -233,8 +233,12 @@ class Compute:
         return instance_mig_of(self.instance(zone, instance, deadline_s))
 
     def vm(self, zone: str, instance: str, deadline_s: float | None = None) -> VmFacts:
-        """`instances.get` -> the facts `repair` decides by."""
-        return vm_facts(self.instance(zone, instance, deadline_s), zone)
+        """`instances.get` -> the facts `repair` decides by. An answer that is not this instance
+        (no name: a proxy's `[]` or `{}`) is a malformed response, not a VM without facts."""
+        inst = self.instance(zone, instance, deadline_s)
+        if getattr(inst, "name", "") != instance:
+            raise ComputeError(f"instances.get: malformed response (not instance {instance!r})", None)
+        return vm_facts(inst, zone)
 
     def find_vms(self, names: list[str], zones: list[str] | None = None,
                  deadline_s: float | None = None) -> dict[str, VmFacts]:
