@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -53,7 +54,7 @@ RELEASE_WAIT_S = 300.0  # a journaled release waits this long for Slurm to reque
 REQUEUE_STATES = frozenset({"FAILED", "NODE_FAIL", "COMPLETING", "BOOT_FAIL", "TIMEOUT", "OUT_OF_MEMORY"})
 RELEASE_POLL_S, RELEASE_WATCH_DEADLINE_S = 0.5, 60.0  # the release watch: poll period, deadline
 VIEW_REUSE_S = 5.0  # a node read this recently by this process answers the opt-out check of a requeue
-_recent_views: dict[int, tuple[float, dict[str, NodeInfo]]] = {}  # id(Slurm adapter) -> (when, nodes read)
+_recent_views: weakref.WeakKeyDictionary[Slurm, tuple[float, dict[str, NodeInfo]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -130,12 +131,12 @@ class Actions:
 
     def _nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
         found = self._slurm(lambda: self.slurm.nodes(names))
-        _recent_views[id(self.slurm)] = (time.monotonic(), {n.name: n for n in found})
+        _recent_views[self.slurm] = (time.monotonic(), {n.name: n for n in found})
         return found
 
     def _view(self, name: str) -> NodeInfo | None:
         """The node as this process read it a moment ago (the drain before a requeue), else read now."""
-        at, views = _recent_views.get(id(self.slurm), (0.0, {}))
+        at, views = _recent_views.get(self.slurm, (0.0, {}))
         if name in views and time.monotonic() - at < VIEW_REUSE_S:
             return views[name]
         return next((n for n in self._nodes([name]) if n.name == name), None)
