@@ -39,6 +39,8 @@ from .repair_state import forget_requested, load_state, remember_drained_at, rem
 from .timefmt import fmt_time, from_epoch
 from .slurm import Slurm
 
+# reportHostAsFaulty refusals that hold for the VM's life: remembered, the next fault goes to recreate
+LASTING_REFUSALS = frozenset({"INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED", "MACHINE_TYPE_NOT_SUPPORTED"})
 RESUME_POLL_S = 2.0  # resume-if-healthy: how often to ask whether slurmd has registered
 BOOT_SLACK_S = 60.0  # slurmd registered this long before our boot time still counts as this boot
 
@@ -375,7 +377,9 @@ class RepairRun:
 
         def instead(exc: Any) -> str:
             cached = self.migs.setdefault(name, {"zone": entry.payload["nodes"][name]["zone"]})
-            cached["report_refused"] = _refusal_code(exc)
+            code = _refusal_code(exc)
+            if code in LASTING_REFUSALS or exc.status == 403:  # not e.g. INSTANCE_SHOULD_BE_RUNNING
+                cached["report_refused"] = code
             mig = choices[name][1].get("mig") or cached.get("mig")
             if not mig and self.strategy == "report-faulty":
                 vm = self.lookup([name]).get(name)

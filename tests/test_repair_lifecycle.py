@@ -257,3 +257,15 @@ def test_opted_out_nodes_are_neither_drained_requeued_nor_repaired(tmp_path, gcp
     res, out, _ = repair(cfg, sc)
     assert "n2: skipped: opted out ([repair] exclude_nodes)" in out and gcp.calls == []
     assert actions.resume(cfg, slurm, "n2", XID79).startswith("excluded")
+
+
+def test_a_passing_refusal_is_not_remembered(tmp_path, gcp):
+    sc = FakeSlurm.cluster(2)
+    gcp.add_instance("n1", ZONE, mig="mig-a", **ULTRA, refuse="INSTANCE_SHOULD_BE_RUNNING")
+    drain(sc, ["n1"])
+    cfg = cfg_for(tmp_path, gcp)
+    res, out, err = repair(cfg, sc)
+    assert res.exit_code == 0 and len(gcp.calls_of(RECREATE)) == 1  # fell back this time
+    sc.nodes["n1"].update(State="IDLE+DRAIN", Reason=XID79)  # the next fault, on the running VM
+    _, out, _ = repair(cfg, sc, "n1", dry_run=True)
+    assert "n1: would report host as faulty" in out
