@@ -448,8 +448,8 @@ def cancelled_repairs(nodes: list[NodeInfo], requested: dict[str, float]) -> lis
     by_name = {n.name: n for n in nodes}
     for name, at in requested.items():
         n = by_name.get(name)
-        if n is None or n.drained or n.down or not n.registered:
-            continue
+        if n is None or n.drained or n.down or n.flags & {"POWERED_DOWN", "POWERING_DOWN", "POWER_DOWN", "POWERING_UP"}:
+            continue  # still ours, being recreated, or powered down by us
         if n.slurmd_start is not None and n.slurmd_start > at:
             continue
         out.append(name)

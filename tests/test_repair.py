@@ -133,6 +133,53 @@ def test_regional_mig(env, gcp, tmp_path, cli):
     assert "regions/us-central1/instanceGroupManagers/mig-r" in out
 
 
+def test_regional_mig_in_two_zones_repaired_in_one_run(env, gcp, tmp_path, cli):
+    gcp.add_instance("n1", ZONE, mig="mig-r", region="us-central1")
+    gcp.add_instance("n2", "us-central1-b", mig="mig-r", region="us-central1")
+    del gcp.instances[(ZONE, "n2")]
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n[1-2]", XID79)
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    [call] = gcp.calls_of(RRECREATE)
+    assert call.body == {"instances": [f"zones/{ZONE}/instances/n1", "zones/us-central1-b/instances/n2"]}
+    assert len(gcp.calls_of("instances.aggregatedList")) == 1
+    assert all(reason(env, n).startswith("slurmagent: repairing:") for n in ("n1", "n2"))
+
+
+def test_an_admins_resume_cancels_our_pending_repair(env, gcp, tmp_path, cli):
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n1", XID79)
+    code, out, err = cli(cfg, "repair")
+    assert code == 0 and len(gcp.mutations) == 1, err
+    env.cluster.resume("n1")  # the admin: `scontrol update nodename=n1 state=resume`
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    assert "n1: repair cancelled: n1 resumed by hand" in out and len(gcp.mutations) == 1
+    done = [json.loads(p.read_text()) for p in (env.root / "state").glob("*/journal/done/*.json")]
+    assert [d["payload"]["node"] for d in done if d["kind"] == "repair_cancelled"] == ["n1"]
+
+
+def test_opt_out_feature_keeps_slurmagent_off_the_node(env, gcp, tmp_path, cli):
+    c = env.cluster
+    c.run(["scontrol", "update", "nodename=n2", "availablefeatures=slurmagent_off", "activefeatures=slurmagent_off"])
+    try:
+        env.set_snapshot("n2", xid_snapshot_dict(79, gpu=3))
+        out = tmp_path / "out"
+        job = c.sbatch("-w", "n2", "-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
+        assert c.wait_job(job, ("COMPLETED", "FAILED"), 60)["JobState"] == "COMPLETED"  # hands off: the job ran
+        assert "DRAIN" not in c.node("n2")["State"]
+        decision = [d for d in env.decisions("n2") if d.get("job") == job][-1]
+        assert decision["action"].startswith("excluded (node feature slurmagent_off)")
+    finally:
+        c.run(["scontrol", "update", "nodename=n2", "availablefeatures=", "activefeatures="], check=False)
+    assert "slurmagent_off" not in c.node("n2").get("AvailableFeatures", "")
+
+
 def test_admin_drain_untouched(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
     drain(env, "n1", "admin: swap PSU")

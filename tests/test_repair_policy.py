@@ -313,8 +313,11 @@ def test_an_admins_resume_cancels_the_repair_we_asked_for():
     nodes = [node("n1", "IDLE", T0 - 3600),  # resumed by hand, same slurmd: cancelled
              node("n2", "IDLE", T0 + 300),  # the VM came back (new slurmd): done
              view("n3", "IDLE+DRAIN", "slurmagent: repairing: xid 79 on gpu 3"),  # still ours
-             node("n4", "DOWN")]  # being recreated
-    assert policy.cancelled_repairs(nodes, requested) == ["n1"]
+             node("n4", "DOWN"),  # being recreated
+             node("n5", "IDLE+NOT_RESPONDING", T0 - 3600),  # resumed by hand, not pinged yet: cancelled
+             node("n6", "IDLE+CLOUD+POWERED_DOWN", T0 - 3600)]  # powered down by us
+    requested.update(n5=T0, n6=T0)
+    assert policy.cancelled_repairs(nodes, requested) == ["n1", "n5"]
 
 
 def test_opt_out_by_feature_or_config_list():
