@@ -17,6 +17,11 @@ state before it acts, so a replay is harmless.
 * Jobs on a GPU that failed under them (`FaultEviction`, for `watch` and `healthcheck`):
   wrapped jobs get the fault flush signal, the others a journaled `fault-requeue` that acts
   once per job and restart count, so every node of a multi-node job may ask.
+* Opt-out: a node with the Slurm feature `slurmagent_off`, or named in `[repair]
+  exclude_nodes`, is never drained, requeued on, resumed, repaired or powered down here,
+  whoever asks (`policy.opted_out`); a hook on it lets the job run.
+* A dynamic node (CLOUD / power saving) is powered down (`power_down`: `State=POWER_DOWN_ASAP`
+  with our reason; running jobs finish first), never recreated: Slurm gives the next job a fresh VM.
 
 No google module is imported here: `gcp/compute.py` is imported on the repair path only.
 """
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -51,6 +57,8 @@ REPLAY_DEADLINE_S = 30.0  # one replay (and the action that started it) stops tr
 RELEASE_WAIT_S = 300.0  # a journaled release waits this long for Slurm to requeue the job (held)
 REQUEUE_STATES = frozenset({"FAILED", "NODE_FAIL", "COMPLETING", "BOOT_FAIL", "TIMEOUT", "OUT_OF_MEMORY"})
 RELEASE_POLL_S, RELEASE_WATCH_DEADLINE_S = 0.5, 60.0  # the release watch: poll period, deadline
+VIEW_REUSE_S = 5.0  # a node read this recently by this process answers the opt-out check of a requeue
+_recent_views: weakref.WeakKeyDictionary[Slurm, tuple[float, dict[str, NodeInfo]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -85,8 +93,8 @@ class Actions:
 
     def handlers(self) -> dict[str, Callable[[Entry], str]]:
         return {"drain": self._do_drain, "requeue": self._do_requeue, "release": self._do_release,
-                "resume": self._do_resume, "repair": self._do_repair,
-                "fault-requeue": self._do_fault_requeue}
+                "resume": self._do_resume, "repair": self._do_repair, "power_down": self._do_power_down,
+                "repair_cancelled": self._do_note, "fault-requeue": self._do_fault_requeue}
 
     def replay(self, deadline_s: float = REPLAY_DEADLINE_S, lock_wait_s: float = 0.0) -> list[tuple[Entry, str]]:
         return self.journal.replay(self.handlers(), deadline_s, lock_wait_s)
@@ -129,10 +137,23 @@ class Actions:
             raise Retry(str(exc)) from None
 
     def _nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
-        return self._slurm(lambda: self.slurm.nodes(names))
+        found = self._slurm(lambda: self.slurm.nodes(names))
+        _recent_views[self.slurm] = (time.monotonic(), {n.name: n for n in found})
+        return found
+
+    def _view(self, name: str) -> NodeInfo | None:
+        """The node as this process read it a moment ago (the drain before a requeue), else read now."""
+        at, views = _recent_views.get(self.slurm, (0.0, {}))
+        if name in views and time.monotonic() - at < VIEW_REUSE_S:
+            return views[name]
+        return next((n for n in self._nodes([name]) if n.name == name), None)
 
     def _update(self, nodes: list[str], **fields: str) -> None:
         self._slurm(lambda: self.slurm.update_nodes(nodes, **fields))
+
+    def opted_out(self, node: NodeInfo | None, name: str) -> str:
+        """Why this node is off limits to slurmagent ("" when it is not)."""
+        return policy.opted_out(node, name, tuple(self.cfg.repair.exclude_nodes))
 
     def _breaker_gauge(self, is_open: bool) -> None:
         metrics.for_node(self.cfg, self.local_node).update(set_={("slurmagent_breaker_open", ()): int(is_open)})
@@ -147,6 +168,9 @@ class Actions:
 
     def _drain_planned(self, node: str, reason: str) -> str:
         found = [n for n in self._nodes([node]) if n.name == node]
+        why = self.opted_out(found[0] if found else None, node)
+        if why:
+            return f"excluded ({why}): not drained"
         decision = policy.decide_planned_drain(found[0] if found else None, reason)
         if decision == "drain":
             self._update([node], State="DRAIN", Reason=reason)
@@ -159,6 +183,9 @@ class Actions:
         takeover = PROLOG_FAILURE_REASONS if p.get("takeover_prolog_error") else ()
         decision = policy.decide_drain(nodes, node, reason, self.fraction, takeover_reasons=takeover)
         me = next((n for n in nodes if n.name == node), None)
+        why = self.opted_out(me, node)
+        if why:
+            return f"excluded ({why}): not drained"
         if decision in ("no-such-node", "kept-admin-drain", "already-drained"):
             return decision
         if decision == "update-reason":
@@ -211,6 +238,11 @@ class Actions:
 
     def _do_requeue(self, entry: Entry) -> str:
         job_ids = [str(j) for j in entry.payload["job_ids"]]
+        node = entry.payload.get("node")
+        if node:
+            why = self.opted_out(None, node) or self.opted_out(self._view(node), node)
+            if why:
+                return f"excluded ({why}): job(s) {','.join(job_ids)} not requeued"
         if entry.attempts == 0 and entry.payload.get("fresh"):
             try:
                 self._slurm(lambda: self.slurm.requeue(job_ids))
@@ -248,7 +280,11 @@ class Actions:
         p = entry.payload
         node = p["node"]
         found = [n for n in self._nodes([node]) if n.name == node]
-        if not found or not found[0].ours:
+        why = self.opted_out(found[0] if found else None, node)
+        if why:
+            return f"excluded ({why}): not resumed"
+        powered_down = bool(found) and p.get("powered_down") and policy.dynamic_cleanup(found)[1] == [node]
+        if not found or not (found[0].ours or powered_down):
             return "nothing to do (not drained by slurmagent)"
         if p.get("only_reason") and found[0].reason != p["only_reason"]:
             return "nothing to do (drained for another reason now)"
@@ -290,9 +326,10 @@ class Actions:
     def _do_repair(self, entry: Entry) -> str:
         p = entry.payload
         nodes = {n.name: n for n in self._nodes()}
-        live = {name: info for name, info in p["nodes"].items() if name in nodes and nodes[name].ours}
+        live = {name: info for name, info in p["nodes"].items()
+                if name in nodes and nodes[name].ours and not self.opted_out(nodes[name], name)}
         if not live:
-            return "moot: nodes no longer drained by slurmagent"
+            return "moot: nodes no longer drained by slurmagent (resumed by an admin?) or opted out"
         marking = {n: reasons.repairing_reason(i["reason"]) for n, i in live.items() if not nodes[n].repairing}
         if marking:
             self._slurm(lambda: self.slurm.set_reasons(marking))
@@ -308,6 +345,34 @@ class Actions:
             return f"failed: {exc}"
         self.repaired(list(live))
         return "requested: " + ", ".join(str(o) for o in ops)
+
+    def _do_power_down(self, entry: Entry) -> str:
+        """A dynamic node: `State=POWER_DOWN_ASAP` with our reason (jobs on it finish first; Slurm's
+        SuspendProgram deletes the VM and the next job gets a fresh one). Only nodes still
+        drained by us (or down with our reason: the VM is gone), not powered down already."""
+        wanted: dict[str, str] = entry.payload["nodes"]
+        found = {n.name: n for n in self._nodes(list(wanted))}
+        groups: dict[str, list[str]] = {}
+        for name, reason in sorted(wanted.items()):
+            n = found.get(name)
+            if n is None or self.opted_out(n, name):
+                continue
+            if not (n.ours or (n.down and reasons.is_ours(n.reason))):
+                continue
+            if n.flags & {"POWERED_DOWN", "POWERING_DOWN", "POWER_DOWN"}:
+                continue
+            reason = reasons.clean_reason(reason)
+            new = reason if reasons.is_planned(reason) else reasons.repairing_reason(reason)
+            groups.setdefault(new, []).append(name)
+        if not groups:
+            return "nothing to do (not drained by slurmagent, opted out, or powered down already)"
+        for reason, names in groups.items():
+            self._update(names, State="POWER_DOWN_ASAP", Reason=reason)
+        return "powered down (POWER_DOWN_ASAP): " + hostlist.compress([n for g in groups.values() for n in g])
+
+    def _do_note(self, entry: Entry) -> str:
+        """A journaled fact, nothing to do (e.g. an admin's resume cancelled our repair)."""
+        return str(entry.payload.get("note", "noted"))
 
     def repaired(self, nodes: list[str]) -> None:
         record_history(self.state_dir, nodes, self.clock())
@@ -385,6 +450,8 @@ def drain_fault(cfg: Config, slurm: Slurm, node: str, reason: str, findings: Ite
         return DrainOutcome("drain-failed: " + _in_journal(outcome), True)
     if outcome.startswith("suppressed"):  # breaker open: no drain; a dead GPU still keeps the job off
         return DrainOutcome(outcome, policy.blocks_job(findings))
+    if outcome.startswith("excluded"):  # opted out: slurmagent keeps its hands off, the job may run
+        return DrainOutcome(outcome, False)
     return DrainOutcome(outcome, True)
 
 
@@ -417,7 +484,8 @@ def drain_planned(cfg: Config, slurm: Slurm, node: str, reason: str, *, source: 
 
 def requeue_jobs(cfg: Config, slurm: Slurm, node: str, job_ids: list[str]) -> str:
     """Requeue jobs (one call); `requeued`, or `requeue-failed: ...` (then the journal retries)."""
-    _, outcome = Actions(cfg, slurm, node).run("requeue", job_ids=job_ids, fresh=True, lock_wait_s=HOOK_LOCK_WAIT_S)
+    _, outcome = Actions(cfg, slurm, node).run("requeue", job_ids=job_ids, fresh=True, node=node,
+                                               lock_wait_s=HOOK_LOCK_WAIT_S)
     if outcome.startswith("pending"):
         return "requeue-failed: " + _in_journal(outcome)
     return outcome
@@ -429,12 +497,14 @@ def requeue_each(cfg: Config, slurm: Slurm, node: str, job_ids: list[str]) -> tu
     if not job_ids:
         return [], {}
     rt = Actions(cfg, slurm, node)
-    _, outcome = rt.run("requeue", job_ids=job_ids, fresh=True, lock_wait_s=HOOK_LOCK_WAIT_S)
+    _, outcome = rt.run("requeue", job_ids=job_ids, fresh=True, node=node, lock_wait_s=HOOK_LOCK_WAIT_S)
+    if outcome.startswith("excluded"):
+        return [], {job: outcome for job in job_ids}
     if not outcome.startswith("pending"):
         return list(job_ids), {}
     done, failed = [], {}
     for job in job_ids:
-        _, outcome = rt.run("requeue", job_ids=[job], fresh=True, lock_wait_s=HOOK_LOCK_WAIT_S)
+        _, outcome = rt.run("requeue", job_ids=[job], fresh=True, node=node, lock_wait_s=HOOK_LOCK_WAIT_S)
         if outcome.startswith("pending"):
             failed[job] = outcome.removeprefix("pending: ")
         else:
@@ -448,17 +518,39 @@ def signal_jobs(slurm: Slurm, job_ids: list[str], signal: str = "USR1") -> None:
     slurm.signal_jobs(job_ids, signal, batch=True)
 
 
-def resume(cfg: Config, slurm: Slurm, node: str, reason: str = "", *, only_if_reason: bool = False) -> str:
+def resume(cfg: Config, slurm: Slurm, node: str, reason: str = "", *, only_if_reason: bool = False,
+           powered_down: bool = False, runner: Actions | None = None) -> str:
     """Resume a node slurmagent drained (journaled). With `only_if_reason`, only while it still
-    carries exactly `reason` (the expiry watch undoing its own drain)."""
+    carries exactly `reason` (the expiry watch undoing its own drain). With `powered_down`, also
+    a dynamic node we powered down that Slurm still holds DOWN (so Slurm may power it up again)."""
     only = {"only_reason": reasons.clean_reason(reason)} if only_if_reason else {}
-    return Actions(cfg, slurm, node).run("resume", node=node, reason=reason, **only)[1]
+    flag = {"powered_down": True} if powered_down else {}
+    return (runner or Actions(cfg, slurm, node)).run("resume", node=node, reason=reason, **only, **flag)[1]
 
 
-def begin_repairs(rt: Actions, payloads: list[dict[str, Any]]) -> list[Entry]:
+def power_down(rt: Actions, nodes: dict[str, str]) -> str:
+    """Power dynamic nodes down with our reason (journaled; see `Actions._do_power_down`)."""
+    return rt.run("power_down", nodes=nodes, lock_wait_s=REPLAY_DEADLINE_S)[1]
+
+
+def note_cancelled_repair(rt: Actions, node: str, detail: str) -> str:
+    """Journal that an admin's resume cancelled our pending repair of `node`."""
+    return rt.run("repair_cancelled", node=node, note=f"repair cancelled: {detail}", lock_wait_s=REPLAY_DEADLINE_S)[1]
+
+
+def begin_repairs(rt: Actions, payloads: list[dict[str, Any]], nodes: list[NodeInfo] | None = None) -> list[Entry]:
     """Journal repair requests, then say `repairing` in Slurm for all their nodes at once
     (one call per distinct reason): a second run, or another machine, does not ask twice.
+    Opted-out nodes (`nodes`: their Slurm view, read when not given) are left out.
     Raises SlurmError (the entries are then closed as not sent)."""
+    names = sorted({n for p in payloads for n in p["nodes"]})
+    views = {n.name: n for n in (nodes if nodes is not None else rt.slurm.nodes(names)) if n.name in names}
+    kept = []
+    for p in payloads:
+        live = {n: i for n, i in p["nodes"].items() if not rt.opted_out(views.get(n), n)}
+        if live:
+            kept.append({**p, "nodes": live})
+    payloads = kept
     entries = [rt.journal.add("repair", **p) for p in payloads]
     try:
         rt.slurm.set_reasons({n: reasons.repairing_reason(i["reason"]) for p in payloads for n, i in p["nodes"].items()})
@@ -469,15 +561,22 @@ def begin_repairs(rt: Actions, payloads: list[dict[str, Any]]) -> list[Entry]:
     return entries
 
 
-def finish_repair(rt: Actions, entry: Entry, compute: Any) -> list:
+def finish_repair(rt: Actions, entry: Entry, compute: Any,
+                  fallback: Callable[[Any], str] | None = None) -> list:
     """Send a begun repair request and wait for it. On a ComputeError the reasons go back to
-    the fault and the error is raised; the entry is closed either way."""
+    the fault and the error is raised; the entry is closed either way. When the API refused
+    the request and `fallback(error)` names another way (a MIG recreate after a refused
+    reportHostAsFaulty), the nodes stay `repairing` and the entry says what comes next."""
     from .gcp.compute import ComputeError  # google only on the repair path, for start-up speed
 
     live = entry.payload["nodes"]
     try:
         ops = send_repair(compute, entry.payload, live)
     except ComputeError as exc:
+        instead = fallback(exc) if fallback is not None and exc.refused else ""
+        if instead:
+            rt.journal.mark_done(entry, f"refused: {exc}; {instead}")
+            raise
         rt.revert_repairing(live)
         rt.journal.mark_done(entry, f"failed: {exc}")
         raise

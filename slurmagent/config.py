@@ -7,6 +7,7 @@ the dataclasses below; the README's config reference is generated from them
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tomllib
@@ -79,11 +80,23 @@ class GcpConfig:
     project: str = _key("", "default: metadata server")
     zone: str = _key("", "default: metadata server")
     compute_endpoint: str = _key("", "e.g. http://127.0.0.1:PORT for tests; default: Google's")
+    zones: tuple[str, ...] = _key(
+        (), "more zones where nodes' VMs live (regional MIGs): `repair` looks a VM up in `zone`, then in these "
+        "(one `instances.list` each); empty: one `instances.aggregatedList` for VMs not found in `zone`")
 
 
 @dataclass(frozen=True)
 class RepairConfig:
-    strategy: str = _key("recreate", "recreate | report-faulty | none", ("recreate", "report-faulty", "none"))
+    strategy: str = _key(
+        "auto",
+        "`auto`: per VM, `reportHostAsFaulty` where Google accepts it (running, reservation-bound A3 Ultra/A4/A4X), "
+        "else MIG `recreateInstances`; a dynamic (CLOUD / power-saving) node is powered down (`POWER_DOWN_ASAP`); "
+        "a VM in no MIG is reported or left drained, never deleted. Or one way for all: `recreate`, "
+        "`report-faulty`, `power-down`, `none` (drain only)",
+        ("auto", "recreate", "report-faulty", "power-down", "none"))
+    exclude_nodes: tuple[str, ...] = _key(
+        (), "nodes (hostlists allowed) slurmagent never drains, requeues or repairs; the Slurm node feature "
+        "`slurmagent_off` does the same per node")
     max_drained_fraction: float = _key(0.25, "circuit breaker: most nodes slurmagent may hold drained", low=0, high=1)
     retry_after_s: float = _key(
         3600.0, "ask the MIG again when a node is still `repairing` after this long",
@@ -284,7 +297,8 @@ def _section(cls: type, name: str, table: dict[str, Any], source: str) -> Any:
     return cls(**out)
 
 
-_TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}
+_TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+               "tuple[str, ...]": "a list of strings"}
 
 
 def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
@@ -295,6 +309,7 @@ def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
         "bool": isinstance(value, bool),
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "tuple[str, ...]": isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value),
     }[typ]
     if not ok:
         raise ConfigError(f"config {source}: '{dotted}' must be {_TYPE_NAMES[typ]}, not {type(value).__name__}")
@@ -307,6 +322,8 @@ def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"config {source}: '{dotted}' must be one of {', '.join(choices)}, not {value!r}")
+    if typ == "tuple[str, ...]":
+        return tuple(value)
     return float(value) if typ == "float" else value
 
 
@@ -336,7 +353,12 @@ def reference_markdown() -> str:
             continue
         for sf in fields(_SECTION_CLASSES[f.name]):
             default = sf.default
-            shown = str(default).lower() if isinstance(default, bool) else repr(default).replace("'", '"')
+            if isinstance(default, bool):
+                shown = str(default).lower()
+            elif isinstance(default, tuple):
+                shown = json.dumps(list(default))
+            else:
+                shown = repr(default).replace("'", '"')
             numeric = str(sf.type) in ("int", "float")
             allowed = f"`{_range_text(sf)}`" if numeric else ""
             rows.append(f"| `{f.name}.{sf.name}` | `{shown}` | {allowed} | {sf.metadata['doc']} |")

@@ -11,11 +11,15 @@
    `<state_dir>/expiry.json` with the boot id and asked again after `[expiry] refresh_s`, or
    when the time passed and the VM is still alive; a state file of an earlier boot is discarded. No termination time and no
    notice: nothing to do (a standard VM costs one API call per boot and per `refresh_s`).
-2. **Short-notice events** from the metadata server: `instance/maintenance-event`
-   `TERMINATE_ON_HOST_MAINTENANCE` (set 60 s before a GPU VM is stopped for host maintenance)
-   and `instance/preempted` `TRUE` (30 s before a Spot VM stops) count as a termination in
-   60 s / 30 s (`gcp/events.py`). `--once` reads both keys once; the loop long-polls them,
-   so it reacts within a second. `MIGRATE_ON_HOST_MAINTENANCE` is only logged (the VM survives).
+2. **Host maintenance and preemption**: the API's `resourceStatus.upcomingMaintenance.windowStartTime`
+   of a VM that terminates on maintenance is a T like any other; the metadata server's
+   `instance/maintenance-event` `TERMINATE_ON_HOST_MAINTENANCE` (about an hour ahead on a GPU
+   VM) means T = that window start when known (the API is read again whenever the key
+   changes), else now + 60 min on a GPU VM, else now + 60 s; `instance/preempted` `TRUE`
+   means T = now + 30 s (`gcp/events.py`). A long notice withdrawn well before its T (the
+   window was rescheduled or cancelled) is dropped and our drain follows the new T (resumed
+   when no longer due). `--once` reads both keys once; the loop long-polls them, so it reacts
+   within a second. `MIGRATE_ON_HOST_MAINTENANCE` is only logged (the VM survives: no drain, no flush).
 3. **Drain** when the remaining lifetime is below `drain_lead_s` (with
    `drain_at_max_time`, also below the longest time limit a job may ask for on this node:
    the largest MaxTime of its partitions, only when all are finite) with
@@ -28,7 +32,7 @@
    Why not drain at MaxTime by default: on a 7-day VM with a 24-72 h MaxTime that would idle
    the node for a day or more while short jobs could still use it; the prolog guard below
    keeps each job that cannot finish off the node instead.
-4. **Flush** at `flush_lead_s` before the end, or at once on a notice: the jobs running on
+4. **Flush** at `flush_lead_s` before the end (at once when the notice is shorter): the jobs running on
    the node (`squeue -h -w NODE -t RUNNING -o %A`) whose batch script execs the wrapper
    (`slurmagent sbatch`, or `exec slurmagent run -- ...`, read with `scontrol write
    batch_script`) get `scancel --batch --signal=USR1` (one call for all): the wrapper checkpoints, syncs, requeues, exits 143.
@@ -142,7 +146,9 @@ class ExpiryWatch:
                 raise ExpiryError(f"[expiry] termination_time {ex.termination_time!r} is not an RFC 3339 time") from None
         else:
             same_boot = old if old.get("boot_id") == self.boot_id else {}
-            api = self._api(now, same_boot.get("api"), res, metadata_down)
+            changed = events is not None and not events.error and \
+                events.maintenance != same_boot.get("last_maintenance_event", "NONE")
+            api = self._api(now, same_boot.get("api"), res, metadata_down, changed)
         d = policy.decide_expiry(
             now=now, node=self.node, boot_id=self.boot_id, old=old, override=override, api=api, events=events,
             lookup_failed=bool(res.errors), drain_lead_s=float(ex.drain_lead_s), flush_lead_s=float(ex.flush_lead_s),
@@ -164,9 +170,13 @@ class ExpiryWatch:
         res.state = state
         return res
 
-    def _api(self, now: float, cached: dict[str, Any] | None, res: CheckResult, metadata_down: str) -> dict[str, Any] | None:
-        """The cached Compute API answer, refreshed when old or when the VM outlived it."""
-        if policy.api_answer_fresh(cached, now, float(self.cfg.expiry.refresh_s), self.node):
+    def _api(self, now: float, cached: dict[str, Any] | None, res: CheckResult, metadata_down: str,
+             event_changed: bool = False) -> dict[str, Any] | None:
+        """The cached Compute API answer, refreshed when old, when the VM outlived it, when the
+        metadata `maintenance-event` changed (the maintenance window is read again) and every
+        few minutes while a maintenance window is near (it may be rescheduled)."""
+        if policy.api_answer_fresh(cached, now, float(self.cfg.expiry.refresh_s), self.node,
+                                   event_changed=event_changed, window_soon_s=2 * float(self.cfg.expiry.drain_lead_s)):
             return cached
         if metadata_down and not (self.cfg.gcp.project and self.cfg.gcp.zone):
             # the same outage: one line says both

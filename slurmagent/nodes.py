@@ -20,6 +20,10 @@ from .timefmt import parse_slurm_time
 UNREGISTERED_FLAGS = frozenset({"DOWN", "NOT_RESPONDING", "UNKNOWN", "FUTURE", "POWERED_DOWN", "POWERING_UP",
                                 "POWER_DOWN", "POWERING_DOWN", "REBOOT_ISSUED", "REBOOT_REQUESTED"})
 BUSY_FLAGS = frozenset({"ALLOCATED", "MIXED", "COMPLETING"})
+# A dynamic node (State=CLOUD, or Slurm power saving): Slurm makes its VM for a job
+# (ResumeProgram) and deletes it when idle (SuspendProgram); the flags show while it is up or down.
+DYNAMIC_FLAGS = frozenset({"CLOUD", "POWERED_DOWN", "POWERING_UP", "POWER_DOWN", "POWERING_DOWN", "POWER_UP"})
+OPT_OUT_FEATURE = "slurmagent_off"  # a node feature: slurmagent leaves this node alone
 _BASE_STATES = frozenset({"IDLE", "ALLOCATED", "MIXED", "DOWN", "UNKNOWN", "FUTURE", "ERROR"})
 
 # scontrol appends `[user@time]` to a node's Reason: stripped, and the time kept when it is one.
@@ -151,6 +155,25 @@ class NodeInfo:
     @property
     def registered(self) -> bool:
         return bool(self.flags) and not (self.flags & UNREGISTERED_FLAGS)
+
+    @property
+    def dynamic(self) -> bool:
+        """A CLOUD / power-saving node: powered down (a fresh VM next time), never recreated in place."""
+        return bool(self.flags & DYNAMIC_FLAGS)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The node's features (available and active), e.g. the opt-out `slurmagent_off`."""
+        found: set[str] = set()
+        for key in ("AvailableFeatures", "ActiveFeatures", "Features"):
+            value = self.raw.get(key, "")
+            if value and value != "(null)":
+                found.update(f for f in value.split(",") if f)
+        return frozenset(found)
+
+    @property
+    def opted_out(self) -> bool:
+        return OPT_OUT_FEATURE in self.features
 
     @property
     def boot_time(self) -> float | None:

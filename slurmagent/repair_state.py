@@ -90,3 +90,24 @@ def drop_marker(state_dir: Path) -> None:
         marker_path(state_dir).unlink()
     except OSError:
         pass
+
+
+# --- repairs we asked for, until the node is back or an admin took it over -----------------
+
+
+def requested(state_dir: Path) -> dict[str, float]:
+    """Node -> when we last asked for its repair (recreate, report, power-down)."""
+    return {n: float(t) for n, t in load_state(state_dir).get("requested", {}).items()}
+
+
+def remember_requested(state_dir: Path, nodes: list[str], now: float) -> None:
+    data = load_state(state_dir)
+    data.setdefault("requested", {}).update({n: now for n in nodes})
+    save_state(state_dir, data)
+
+
+def forget_requested(state_dir: Path, nodes: list[str]) -> None:
+    data = load_state(state_dir)
+    for n in nodes:
+        data.get("requested", {}).pop(n, None)
+    save_state(state_dir, data)

@@ -39,7 +39,7 @@ def test_defaults_when_default_file_absent() -> None:
     assert cfg.state_dir == "/var/lib/slurmagent"
     assert cfg.health.timeout_s == 15.0
     assert cfg.health.expected_gpus == 0
-    assert cfg.repair.strategy == "recreate"
+    assert cfg.repair.strategy == "auto"
     assert cfg.hooks.on_internal_error == "open"
     assert cfg.expiry.drain_lead_s == 1800
 
@@ -382,7 +382,8 @@ def test_reference_shows_defaults_as_toml() -> None:
             for line in reference_markdown().splitlines()[2:]}
     assert rows["health.timeout_s"] == "15.0"
     assert rows["hooks.syslog"] == "true"
-    assert rows["repair.strategy"] == '"recreate"'
+    assert rows["repair.strategy"] == '"auto"'
+    assert rows["gcp.zones"] == "[]"
     assert rows["state_dir"] == '"/var/lib/slurmagent"'
 
 
@@ -436,3 +437,14 @@ def test_cli_missing_env_config_exits_2(tmp_path) -> None:
     proc = run_cli("check", "--snapshot", str(tmp_path / "s.json"), env_extra={config_mod.ENV_VAR: str(missing)})
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and str(missing) in proc.stderr
+
+
+def test_list_keys_take_lists_of_strings_only(tmp_path) -> None:
+    cfg = parse({"gcp": {"zones": ["us-central1-a", "us-central1-b"]}, "repair": {"exclude_nodes": ["n[1-2]"]}})
+    assert cfg.gcp.zones == ("us-central1-a", "us-central1-b") and cfg.repair.exclude_nodes == ("n[1-2]",)
+    assert Config().gcp.zones == () and Config().repair.exclude_nodes == ()
+    for bad in ("us-central1-a", ["a", 1]):
+        with pytest.raises(ConfigError, match="'gcp.zones' must be a list of strings"):
+            parse({"gcp": {"zones": bad}})
+    for strategy in ("auto", "recreate", "report-faulty", "power-down", "none"):
+        assert parse({"repair": {"strategy": strategy}}).repair.strategy == strategy

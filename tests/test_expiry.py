@@ -168,6 +168,51 @@ def test_read_scheduling_through_the_real_client(gcp, tmp_path):
         read_scheduling(cfg, "nope")
 
 
+def test_read_scheduling_sees_a_gpu_vm_and_its_maintenance_window(gcp, tmp_path):
+    gcp.set_scheduling(NODE, termination=None, model="STANDARD")
+    gcp.set_maintenance(NODE, "2026-11-30T11:00:00Z")
+    cfg = parse({"gcp": {"compute_endpoint": gcp.url, "project": "test-proj", "zone": ZONE}})
+    info = read_scheduling(cfg, NODE)
+    assert info.gpu_vm and info.on_host_maintenance == "TERMINATE" and info.maintenance_can_reschedule
+    assert fmt_time(info.maintenance_window_start) == "2026-11-30T11:00:00Z" and info.termination_time is None
+    assert SchedulingInfo.from_dict(info.to_dict()) == info
+    vm = gcp.instances[(ZONE, NODE)]
+    vm.gpus, vm.machine_type = 0, "n2-standard-8"
+    gcp.set_maintenance(NODE, None)
+    info = read_scheduling(cfg, NODE)
+    assert not info.gpu_vm and info.maintenance_window_start is None
+
+
+def test_an_hour_notice_on_a_gpu_vm_drains_at_the_lead_and_flushes_at_the_flush_lead(gcp, tmp_path):
+    """The watch with a compressed clock: the API re-read on the event change gives the window."""
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
+    gcp.set_scheduling(NODE, termination=None, model="STANDARD")
+    gcp.set_maintenance(NODE, iso(T0 + 3600))
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
+                 "gcp": {"project": "test-proj", "zone": ZONE, "compute_endpoint": gcp.url},
+                 "expiry": {"publish_run_file": False}})
+    clock = Clock()
+    w = ExpiryWatch(cfg, NODE, Slurm(runner=cli), clock=clock, boot_id=BOOT)
+    res = w.check(Events())
+    assert res.state["source"] == "upcoming-maintenance" and cli.argvs == []  # known, 60 min away: nothing yet
+    reads = len(gcp.calls_of("instances.get"))
+    clock.t += 60
+    res = w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert len(gcp.calls_of("instances.get")) == reads + 1  # read again on the event change
+    assert res.state["termination_time"] == iso(T0 + 3600) and cli.argvs == []
+    clock.t = T0 + 3600 - 1800
+    w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert cli.reason == f"slurmagent: maintenance: TERMINATE_ON_HOST_MAINTENANCE (VM stops at about {iso(T0 + 3600)})"
+    assert cli.of("scancel") == []  # drained, the job runs on
+    clock.t = T0 + 3600 - 121
+    w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert cli.of("scancel") == []
+    clock.t += 1
+    res = w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert cli.of("scancel") == [["scancel", "--batch", "--signal=USR1", "41"]]
+    assert res.state["flush_cause"] == "TERMINATE_ON_HOST_MAINTENANCE notice"
+
+
 def test_once_via_cli_against_fake_caches_the_api_answer(gcp, tmp_path, monkeypatch, capsys):
     from slurmagent.cli import main
 
@@ -566,6 +611,8 @@ def test_unreachable_metadata_loop_says_it_once(blackhole, tmp_path):
 def test_loop_reacts_to_maintenance_within_a_second(gcp, tmp_path):
     cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
     gcp.set_scheduling(NODE, termination=None, model="STANDARD")
+    vm = gcp.instances[(ZONE, NODE)]
+    vm.gpus, vm.machine_type = 0, "n2-standard-8"  # no GPU: the notice means T = now + 60 s, flush at once
     cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
                  "gcp": {"project": "test-proj", "zone": ZONE, "compute_endpoint": gcp.url},
                  "expiry": {"publish_run_file": False}})

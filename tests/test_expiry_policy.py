@@ -119,3 +119,89 @@ def test_cached_api_answer_freshness():
     assert not policy.api_answer_fresh(outlived, T0 + 100 + policy.STALE_RECHECK_S + 1, 3600.0, "n1")
     assert 0.9 <= policy.refresh_jitter("n1") <= 1.1 and policy.refresh_jitter("n1") == policy.refresh_jitter("n1")
 
+
+
+# --- host maintenance with notice ---------------------------------------------------------------
+
+TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
+
+
+def gpu_api(window: float | None = None, on_host_maintenance: str = "TERMINATE", gpu_vm: bool = True,
+            checked: float = T0) -> dict:
+    return {"checked_at_epoch": checked, "scheduling": {
+        "termination_time": None, "provisioning_model": "STANDARD", "on_host_maintenance": on_host_maintenance,
+        "gpu_vm": gpu_vm, "maintenance_window_start": fmt_time(from_epoch(window)) if window else None}}
+
+
+def decide_m(api_answer: dict, *, events: Events | None = None, old: dict | None = None, now: float = T0):
+    return policy.decide_expiry(now=now, node="n1", boot_id=BOOT, old=old or {}, override=None, api=api_answer,
+                                events=events, lookup_failed=False, drain_lead_s=1800.0, flush_lead_s=120.0)
+
+
+def step(d: policy.ExpiryDecision, **flags) -> dict:
+    """The state the watch writes after carrying out d (drained when asked, flushed when asked)."""
+    st = dict(d.state)
+    if d.drain_reason:
+        st.update(drained=True, drain="drained", drain_reason=d.drain_reason)
+    if d.flush_cause:
+        st.update(flushed=True)
+    if d.release:
+        for k in policy.EXPIRY_DRAIN_KEYS:
+            st.pop(k, None)
+    return {**st, **flags}
+
+
+def test_a_gpu_vm_notice_without_a_window_means_an_hour_drain_and_flush_at_their_leads():
+    notice = Events(maintenance=TERMINATE)
+    d = decide_m(gpu_api(), events=notice)
+    assert d.termination.timestamp() == T0 + 3600 and d.source == "maintenance-event"
+    assert (d.drain_reason, d.flush_cause) == (None, None) and d.next_check_s == pytest.approx(1800)
+    d = decide_m(gpu_api(), events=notice, old=step(d), now=T0 + 1800)
+    assert d.drain_reason == f"slurmagent: maintenance: {TERMINATE} (VM stops at about {fmt_time(from_epoch(T0 + 3600))})"
+    assert d.flush_cause is None and d.next_check_s == pytest.approx(1800 - 120)
+    d = decide_m(gpu_api(), events=notice, old=step(d), now=T0 + 3600 - 120)
+    assert d.flush_cause == f"{TERMINATE} notice" and d.termination.timestamp() == T0 + 3600
+    assert decide_m(gpu_api(gpu_vm=False), events=notice).flush_cause == f"{TERMINATE} notice"  # 60 s: at once
+
+
+def test_the_api_window_is_t_with_or_without_the_notice_and_migrate_does_nothing():
+    d = decide_m(gpu_api(window=T0 + 2400), events=Events(maintenance=TERMINATE))
+    assert d.termination.timestamp() == T0 + 2400 and d.drain_reason is None and d.next_check_s == pytest.approx(600)
+    scheduled = decide_m(gpu_api(window=T0 + 1000), events=Events())  # known days ahead; no notice yet
+    assert scheduled.source == "upcoming-maintenance" and scheduled.drain_reason.startswith("slurmagent: maintenance:")
+    assert scheduled.flush_cause is None
+    assert decide_m(gpu_api(window=T0 + 100), events=Events()).flush_cause == "host maintenance in 100 s"
+    migrate = decide_m(gpu_api(window=T0 + 100, on_host_maintenance="MIGRATE"),
+                       events=Events(maintenance="MIGRATE_ON_HOST_MAINTENANCE"))
+    assert (migrate.termination, migrate.drain_reason, migrate.flush_cause) == (None, None, None)
+    assert migrate.notes == ["MIGRATE_ON_HOST_MAINTENANCE: live migration, nothing to do"]
+
+
+def test_a_rescheduled_or_cancelled_window_resumes_our_drain():
+    notice = Events(maintenance=TERMINATE)
+    d = decide_m(gpu_api(window=T0 + 1200), events=notice)
+    assert d.drain_reason
+    drained = step(d)
+    moved = decide_m(gpu_api(window=T0 + 7 * 86400, checked=T0 + 300), events=notice, old=drained, now=T0 + 300)
+    assert moved.notes == [f"maintenance window moved to {fmt_time(from_epoch(T0 + 7 * 86400))}"]
+    assert moved.release == "the termination time moved" and moved.drain_reason is None
+    cancelled = decide_m(gpu_api(checked=T0 + 300), events=Events(), old=drained, now=T0 + 300)
+    assert cancelled.notes[0].startswith("the maintenance notice of") and "withdrawn" in cancelled.notes[0]
+    assert cancelled.release == "the termination time moved" and "notice" not in cancelled.state
+    near = decide_m(gpu_api(checked=T0 + 1150), events=Events(), old=drained, now=T0 + 1150)  # at T: it is happening
+    assert near.release is None and near.drain_reason and near.state["notice"]
+
+
+def test_preemption_is_thirty_seconds_whatever_the_vm():
+    d = decide_m(gpu_api(window=T0 + 3000), events=Events(preempted="TRUE"))
+    assert d.termination.timestamp() == T0 + 30 and d.source == "preempted" and d.drain_reason and d.flush_cause
+
+
+def test_the_api_is_read_again_when_the_event_changes_or_a_window_is_near():
+    cached = gpu_api(checked=T0)
+    assert policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1")
+    assert not policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1", event_changed=True)
+    near = gpu_api(window=T0 + 3000, checked=T0)
+    assert policy.api_answer_fresh(near, T0 + 200, 3600.0, "n1", window_soon_s=3600.0)
+    assert not policy.api_answer_fresh(near, T0 + policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=3600.0)
+    assert policy.api_answer_fresh(near, T0 + policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=1000.0)

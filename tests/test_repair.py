@@ -133,6 +133,53 @@ def test_regional_mig(env, gcp, tmp_path, cli):
     assert "regions/us-central1/instanceGroupManagers/mig-r" in out
 
 
+def test_regional_mig_in_two_zones_repaired_in_one_run(env, gcp, tmp_path, cli):
+    gcp.add_instance("n1", ZONE, mig="mig-r", region="us-central1")
+    gcp.add_instance("n2", "us-central1-b", mig="mig-r", region="us-central1")
+    del gcp.instances[(ZONE, "n2")]
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n[1-2]", XID79)
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    [call] = gcp.calls_of(RRECREATE)
+    assert call.body == {"instances": [f"zones/{ZONE}/instances/n1", "zones/us-central1-b/instances/n2"]}
+    assert len(gcp.calls_of("instances.aggregatedList")) == 1
+    assert all(reason(env, n).startswith("slurmagent: repairing:") for n in ("n1", "n2"))
+
+
+def test_an_admins_resume_cancels_our_pending_repair(env, gcp, tmp_path, cli):
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n1", XID79)
+    code, out, err = cli(cfg, "repair")
+    assert code == 0 and len(gcp.mutations) == 1, err
+    env.cluster.resume("n1")  # the admin: `scontrol update nodename=n1 state=resume`
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    assert "n1: repair cancelled: n1 resumed by hand" in out and len(gcp.mutations) == 1
+    done = [json.loads(p.read_text()) for p in (env.root / "state").glob("*/journal/done/*.json")]
+    assert [d["payload"]["node"] for d in done if d["kind"] == "repair_cancelled"] == ["n1"]
+
+
+def test_opt_out_feature_keeps_slurmagent_off_the_node(env, gcp, tmp_path, cli):
+    c = env.cluster
+    c.run(["scontrol", "update", "nodename=n2", "availablefeatures=slurmagent_off", "activefeatures=slurmagent_off"])
+    try:
+        env.set_snapshot("n2", xid_snapshot_dict(79, gpu=3))
+        out = tmp_path / "out"
+        job = c.sbatch("-w", "n2", "-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
+        assert c.wait_job(job, ("COMPLETED", "FAILED"), 60)["JobState"] == "COMPLETED"  # hands off: the job ran
+        assert "DRAIN" not in c.node("n2")["State"]
+        decision = [d for d in env.decisions("n2") if d.get("job") == job][-1]
+        assert decision["action"].startswith("excluded (node feature slurmagent_off)")
+    finally:
+        c.run(["scontrol", "update", "nodename=n2", "availablefeatures=", "activefeatures="], check=False)
+    assert "slurmagent_off" not in c.node("n2").get("AvailableFeatures", "")
+
+
 def test_admin_drain_untouched(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
     drain(env, "n1", "admin: swap PSU")
@@ -204,6 +251,8 @@ def test_instance_lookup_404_is_reported(env, gcp, tmp_path, cli):
 
 def test_report_faulty_strategy(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path, strategy="report-faulty")
+    for n in ("n1", "n2"):  # reservation-bound: Google takes the reports
+        gcp.instances[(ZONE, n)].provisioning_model = "RESERVATION_BOUND"
     drain(env, "n1", XID79)
     drain(env, "n2", "slurmagent: hw-slowdown: gpu 0 clocks slowed by hw_power_brake_slowdown")
 
@@ -215,6 +264,39 @@ def test_report_faulty_strategy(env, gcp, tmp_path, cli):
     assert calls["n1"]["faultReasons"][0]["behavior"] == "UNRECOVERABLE_GPU_ERROR"
     assert calls["n2"]["faultReasons"][0]["behavior"] == "PERFORMANCE"
     assert gcp.calls_of("instances.get") == []  # report-faulty needs no MIG
+    assert [m.kind for m in gcp.mutations] == ["instances.reportHostAsFaulty"] * 2
+
+
+def test_auto_flex_vms_recreated_per_mig_reserved_a3_ultra_reported_refusal_falls_back(env, gcp, tmp_path, cli):
+    """One run, real Slurm: two flex-start VMs of one MIG get ONE recreateInstances, a
+    reservation-bound A3 Ultra VM gets reportHostAsFaulty; a refused report is recreated instead."""
+    for n, facts in (("n1", {"provisioning_model": "FLEX_START"}), ("n2", {"provisioning_model": "FLEX_START"}),
+                     ("n3", {"provisioning_model": "RESERVATION_BOUND", "reservation": "SPECIFIC_RESERVATION"})):
+        for key, value in {"machine_type": "a3-ultragpu-8g", **facts}.items():
+            setattr(gcp.instances[(ZONE, n)], key, value)
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n[1-3]", XID79)
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    [rec] = gcp.calls_of(RECREATE)
+    assert rec.path.endswith("/mig-a/recreateInstances")
+    assert rec.body["instances"] == [f"zones/{ZONE}/instances/n1", f"zones/{ZONE}/instances/n2"]
+    [rep] = gcp.calls_of("instances.reportHostAsFaulty")
+    assert rep.path.split("/")[-2] == "n3" and rep.body["faultReasons"][0]["behavior"] == "UNRECOVERABLE_GPU_ERROR"
+    assert "n3: reported host as faulty (UNRECOVERABLE_GPU_ERROR)" in out
+    assert all(reason(env, n).startswith("slurmagent: repairing:") for n in ("n1", "n2", "n3"))
+
+    # the next fault on n3: Google refuses the report now; the run recreates it instead
+    env.cluster.resume("n3")
+    gcp.instances[(ZONE, "n3")].refuse = "INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED"
+    drain(env, "n3", XID79)
+    code, out, err = cli(cfg, "repair", "n3")
+    assert code == 0, err
+    assert [c.path.rsplit("/", 2)[-2] for c in gcp.calls_of(RECREATE)] == ["mig-a", "mig-b"]
+    assert "n3: reportHostAsFaulty refused" in out and "recreate requested via MIG" in out
+    assert reason(env, "n3").startswith("slurmagent: repairing:")
 
 
 def test_strategy_none_drains_only(env, gcp, tmp_path, cli):
@@ -257,6 +339,28 @@ def test_resume_if_healthy(env, gcp, tmp_path, cli):
 
     code, out, err = cli(cfg, "resume-if-healthy", "--node", "n3", "--wait", "10")
     assert code == 0 and "nothing to do" in out
+
+
+def test_a_static_node_recreated_after_its_flex_expiry_resumes_by_itself(env, gcp, tmp_path, cli):
+    """The expiry watch drained n1 ahead of its flex end; the VM went away and the MIG made a new
+    one: slurmd of the new boot registers and resume-if-healthy (at boot) resumes it."""
+    cfg = write_config(env, gcp, tmp_path)
+    expiry = "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
+    drain(env, "n1", expiry)
+    state = env.root / "state" / "n1" / "expiry.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"schema": 1, "boot_id": "the-old-vm", "termination_time": "2026-11-30T10:00:00Z",
+                                 "drained": True, "drain_reason": expiry}))
+    c = env.cluster
+    c.stop_node("n1")  # the flex VM is gone ...
+    c.start_node("n1")  # ... and the MIG's new VM boots
+
+    code, out, err = cli(cfg, "resume-if-healthy", "--node", "n1", "--wait", "60")
+
+    assert code == 0, err
+    assert f"n1: healthy; resumed (was: {expiry})" in out
+    wait_for(lambda: "DRAIN" not in c.node("n1")["State"], 10, "n1 resumed")
+    assert gcp.calls == []  # nothing recreated by slurmagent: the expiry drain is never repaired
 
 
 def test_resume_if_healthy_unhealthy_stays_drained_with_new_reason(env, gcp, tmp_path, cli):

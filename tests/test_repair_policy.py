@@ -234,4 +234,108 @@ def test_known_target_and_dry_run_line():
     assert policy.dry_run_line("n2", "recreate", None, True, "") == \
         "n2: would drain and recreate via its MIG (looked up at run time) (suppressed fault)"
     assert policy.dry_run_line("n3", "report-faulty", None, False, "slurmagent: gpu-lost: gpu 1") == \
-        "n3: would report host as faulty (gpu-lost: gpu 1)"
+        "n3: would report host as faulty [UNRECOVERABLE_GPU_ERROR] (gpu-lost: gpu 1)"
+    assert policy.dry_run_line("n4", "power-down", None, False, "slurmagent: xid 48 on gpu 0 (x)", "dynamic node") == \
+        "n4: would power down (POWER_DOWN_ASAP) (xid 48 on gpu 0 (x)): dynamic node"
+    assert policy.known_target("auto", {"zone": "z", "vm": {"zone": "z"}}, "z") == {"zone": "z", "vm": {"zone": "z"}}
+    assert policy.known_target("auto", cached, "z") is None  # a cache entry without the VM's facts: look it up
+
+
+# --- which repair each VM gets -------------------------------------------------------------------
+
+MIG = {"project": "1", "scope": "zones", "location": "z", "name": "m"}
+ULTRA = policy.VmFacts("z", "RUNNING", "a3-ultragpu-8g", "RESERVATION_BOUND", "SPECIFIC_RESERVATION", MIG, 8)
+
+
+@pytest.mark.parametrize("rule,behavior", [
+    ("xid 79", "UNRECOVERABLE_GPU_ERROR"), ("gpu-lost", "UNRECOVERABLE_GPU_ERROR"),
+    ("ecc-uncorrectable", "UNRECOVERABLE_GPU_ERROR"), ("row-remap-failure", "UNRECOVERABLE_GPU_ERROR"),
+    ("hw-slowdown", "PERFORMANCE"), ("pcie-width", "PERFORMANCE"), ("nvlink-down", "PERFORMANCE"),
+    ("sdc", "SILENT_DATA_CORRUPTION"), ("something new", "BEHAVIOR_UNSPECIFIED")])
+def test_fault_reason_per_rule(rule, behavior):
+    assert policy.fault_behavior(rule) == behavior
+
+
+def test_auto_reports_where_google_takes_it_and_recreates_elsewhere():
+    static = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3")
+    assert policy.choose_repair("auto", static, ULTRA).action == "report-faulty"
+    assert "reservation-bound a3-ultragpu-8g" in policy.choose_repair("auto", static, ULTRA).why
+    from dataclasses import replace
+    flex = replace(ULTRA, provisioning_model="FLEX_START", reservation="")
+    spot = replace(ULTRA, provisioning_model="SPOT", reservation="")
+    a3high1 = replace(ULTRA, machine_type="a3-highgpu-1g")
+    stopped = replace(ULTRA, status="TERMINATED")
+    standard_in_reservation = replace(ULTRA, provisioning_model="STANDARD")
+    for vm, why in ((flex, "flex-start VM"), (spot, "spot VM"), (a3high1, "machine type a3-highgpu-1g"),
+                    (stopped, "TERMINATED, not RUNNING")):
+        c = policy.choose_repair("auto", static, vm)
+        assert c.action == "recreate" and why in c.why, (vm, c)
+    assert policy.choose_repair("auto", static, standard_in_reservation).action == "report-faulty"
+    no_mig = policy.choose_repair("auto", static, replace(flex, mig=None))
+    assert no_mig.action == "leave" and "never deleted" in no_mig.why
+    assert policy.choose_repair("auto", static, replace(ULTRA, mig=None)).action == "report-faulty"
+    refused = policy.choose_repair("auto", static, ULTRA, refused="INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED")
+    assert refused.action == "recreate" and "refused" in refused.why
+    assert policy.choose_repair("auto", static, replace(ULTRA, mig=None), refused="x").action == "leave"
+
+
+def test_dynamic_nodes_are_powered_down_and_explicit_strategies_are_literal():
+    cloud = view("c1", "IDLE+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3")
+    assert cloud.dynamic and not policy.needs_vm("auto", cloud)
+    assert policy.choose_repair("auto", cloud, None).action == "power-down"
+    static = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3")
+    assert policy.needs_vm("auto", static) and policy.needs_vm("recreate", static)
+    assert not policy.needs_vm("report-faulty", static) and not policy.needs_vm("power-down", static)
+    assert policy.choose_repair("power-down", static, None).action == "power-down"
+    assert policy.choose_repair("recreate", static, ULTRA).action == "recreate"
+    from dataclasses import replace
+    assert policy.choose_repair("recreate", static, replace(ULTRA, mig=None)).action == "fail"
+    assert policy.choose_repair("report-faulty", static, None).action == "report-faulty"
+    assert policy.choose_repair("report-faulty", static, ULTRA, refused="x").action == "recreate"
+    assert policy.choose_repair("auto", static, None).action == "fail"
+
+
+def test_dynamic_nodes_are_not_left_down():
+    expiry = "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
+    nodes = [view("c1", "DOWN+CLOUD+DRAIN", expiry),  # the flex VM is gone: power it down
+             view("c2", "DOWN+CLOUD+POWERED_DOWN", "slurmagent: repairing: xid 79 on gpu 3"),  # powered down, still DOWN
+             view("c3", "IDLE+CLOUD+POWERED_DOWN", ""),  # fine
+             view("c4", "DOWN+CLOUD+POWERING_DOWN", expiry),  # on its way
+             view("c5", "DOWN+CLOUD+POWERED_DOWN", "admin: broken"),  # an admin's
+             view("n1", "DOWN+DRAIN", expiry)]  # static: resume-if-healthy's business
+    assert policy.dynamic_cleanup(nodes) == (["c1"], ["c2"])
+
+
+def test_an_admins_resume_cancels_the_repair_we_asked_for():
+    def node(name, state, slurmd_start=None):
+        return NodeInfo(name, frozenset(state.split("+")), "", None, "", slurmd_start=slurmd_start)
+    requested = {"n1": T0, "n2": T0, "n3": T0, "n4": T0}
+    nodes = [node("n1", "IDLE", T0 - 3600),  # resumed by hand, same slurmd: cancelled
+             node("n2", "IDLE", T0 + 300),  # the VM came back (new slurmd): done
+             view("n3", "IDLE+DRAIN", "slurmagent: repairing: xid 79 on gpu 3"),  # still ours
+             node("n4", "DOWN"),  # being recreated
+             node("n5", "IDLE+NOT_RESPONDING", T0 - 3600),  # resumed by hand, not pinged yet: cancelled
+             node("n6", "IDLE+CLOUD+POWERED_DOWN", T0 - 3600)]  # powered down by us
+    requested.update(n5=T0, n6=T0)
+    assert policy.cancelled_repairs(nodes, requested) == ["n1", "n5"]
+
+
+def test_opt_out_by_feature_or_config_list():
+    line = "NodeName=n1 State=IDLE AvailableFeatures=h100,slurmagent_off ActiveFeatures=h100,slurmagent_off Reason=(null)"
+    n1 = node_from_kv(parse_kv(line))
+    assert n1.features == {"h100", "slurmagent_off"} and n1.opted_out
+    assert policy.opted_out(n1, "n1", ()) == "node feature slurmagent_off"
+    plain = node_from_kv(parse_kv("NodeName=n2 State=IDLE AvailableFeatures=(null) ActiveFeatures=(null)"))
+    assert plain.features == frozenset() and policy.opted_out(plain, "n2", ()) == ""
+    assert policy.opted_out(plain, "n2", ("n[1-3]",)) == "[repair] exclude_nodes"
+    assert policy.opted_out(None, "n9", ("n1", "n9")) == "[repair] exclude_nodes"
+
+
+def test_a_busy_dynamic_node_is_powered_down_asap_a_busy_static_one_waits():
+    b = policy.breaker([], 1.0)
+    nodes = [view("c1", "MIXED+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3"),
+             view("n1", "MIXED+DRAIN", "slurmagent: xid 79 on gpu 3")]
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="auto")
+    assert plan.todo == ["c1"] and "jobs still running" in plan.skipped["n1"]
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="recreate")
+    assert plan.todo == [] and set(plan.skipped) == {"c1", "n1"}

@@ -9,6 +9,11 @@ where `ROOT/localssd` is `ROOT/nodes/<node>`, so every process of a job on that 
 script, srun tasks, `srun --overlap` helpers) sees its own node's directory at the same path,
 as on VMs with a local SSD each; the host sees each node's files under `ROOT/nodes/<node>`.
 Without it every slurmd shares the host's file systems, which hides multi-node bugs.
+
+`cloud_nodes` are dynamic nodes (`State=CLOUD`, Slurm power saving): slurmctld "creates their
+VM" through a ResumeProgram that starts their slurmd (`-b`: it reports a boot of now, as a
+fresh VM would) and "deletes" it through a SuspendProgram that kills that slurmd; both are
+shell scripts under the cluster's base directory, and every such slurmd's pid is kept there.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class LocalSlurmCluster:
     node_extra: str = ""
     cred_expire: int = 20
     node_local: Path | None = None  # ROOT: per-node ROOT/localssd (see the module doc)
+    cloud_nodes: list[str] = field(default_factory=list)  # State=CLOUD: powered up for a job, down when told
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     munged: subprocess.Popen | None = None
 
@@ -139,13 +145,57 @@ class LocalSlurmCluster:
         if self.epilog:
             lines.append(f"Epilog={self.epilog}")
         lines += self.extra_conf
+        if self.cloud_nodes:
+            lines += self._power_saving()
         for name, port in zip(self.nodes, node_ports):
+            state = "CLOUD" if name in self.cloud_nodes else "UNKNOWN"
             lines.append(
                 f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 "
-                f"State=UNKNOWN Port={port} {self.node_extra}".rstrip()
+                f"State={state} Port={port} {self.node_extra}".rstrip()
             )
         lines.append(f"PartitionName=gpu Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
+
+    def _power_saving(self) -> list[str]:
+        """slurm.conf lines and the Resume/Suspend programs for the cloud nodes."""
+        b, slurmd = self.base, _sbin("slurmd")
+        resume, suspend = b / "resume-program", b / "suspend-program"
+        resume.write_text(
+            "#!/bin/sh\n# slurmctld: power these nodes up (a fresh VM: a slurmd that reports a boot of now)\n"
+            f'echo "resume $1" >> {b}/power.log\n'
+            'for n in $(scontrol show hostnames "$1"); do\n'
+            f'  rm -f {b}/d-$n.pid\n'
+            f"  setsid {slurmd} -b -D -N $n -f {self.conf} >/dev/null 2>&1 </dev/null &\n"
+            f"  echo $! > {b}/cloud-$n.pid\n"
+            "done\n")
+        suspend.write_text(
+            "#!/bin/sh\n# slurmctld: power these nodes down (delete the VM). SIGKILL: slurmctld's children\n"
+            "# inherit its blocked SIGTERM.\n"
+            f'echo "suspend $1" >> {b}/power.log\n'
+            'for n in $(scontrol show hostnames "$1"); do\n'
+            f"  [ -f {b}/cloud-$n.pid ] && kill -9 $(cat {b}/cloud-$n.pid) 2>/dev/null\n"
+            f"  rm -f {b}/cloud-$n.pid\n"
+            "done\n")
+        for script in (resume, suspend):
+            script.chmod(0o755)
+        static = [n for n in self.nodes if n not in self.cloud_nodes]
+        return [f"ResumeProgram={resume}", f"SuspendProgram={suspend}", "SuspendTime=3600", "SuspendTimeout=5",
+                "ResumeTimeout=90", "PrivateData=cloud", *([f"SuspendExcNodes={','.join(static)}"] if static else [])]
+
+    def power_log(self) -> list[str]:
+        """What slurmctld asked of the Resume/Suspend programs, in order ("resume c1", "suspend c1")."""
+        try:
+            return (self.base / "power.log").read_text().splitlines()
+        except OSError:
+            return []
+
+    def _stop_cloud_slurmds(self) -> None:
+        for pid_file in self.base.glob("cloud-*.pid"):
+            try:
+                os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+            pid_file.unlink(missing_ok=True)
 
     def ensure_munge(self) -> None:
         """A private munged (own key, socket, pid file) for this cluster only, so clusters of
@@ -186,7 +236,8 @@ class LocalSlurmCluster:
         )
         _wait(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0, 30, "slurmctld did not answer")
         for name in self.nodes:
-            self.start_node(name)
+            if name not in self.cloud_nodes:
+                self.start_node(name)
         self.wait_nodes_idle(self.nodes)
         return self
 
@@ -226,6 +277,7 @@ class LocalSlurmCluster:
     def stop(self) -> None:
         for name in [n for n in self.procs if n != "ctld"]:
             self.stop_node(name)
+        self._stop_cloud_slurmds()
         self._kill_stepds()
         self.stop_ctld()
         if self.munged:

@@ -1,7 +1,8 @@
 """Short-notice terminations from the metadata server: host maintenance and preemption.
 
-`instance/maintenance-event` turns `TERMINATE_ON_HOST_MAINTENANCE` (about 60 s before a GPU
-VM is stopped for host maintenance; the scheduled window itself is known earlier) and
+`instance/maintenance-event` turns `TERMINATE_ON_HOST_MAINTENANCE` ahead of a host maintenance
+that stops the VM (about an hour ahead on a GPU VM, 60 s otherwise; the window itself is in the
+Compute API's `resourceStatus.upcomingMaintenance`, which `policy.decide_expiry` prefers) and
 `instance/preempted` turns `TRUE` (30 s before a Spot VM stops). `probe_events` reads both
 once (the timer's `--once`); `EventWatcher` long-polls each key in a thread
 (`?wait_for_change=true&last_etag=...`) so the expiry loop reacts within a second.
@@ -21,7 +22,7 @@ from .metadata import MetadataError
 MAINTENANCE_KEY = "instance/maintenance-event"
 PREEMPTED_KEY = "instance/preempted"
 EVENT_KEYS = (MAINTENANCE_KEY, PREEMPTED_KEY)
-MAINTENANCE_NOTICE_S = 60.0  # maintenance-event changes 60 s before the maintenance
+MAINTENANCE_NOTICE_S = 60.0  # without a known window or GPUs: the maintenance is taken as 60 s away
 PREEMPT_NOTICE_S = 30.0  # Spot/preemptible VMs get 30 s
 RETRY_MAX_S = 30.0  # an unreachable server is asked again with backoff up to this
 PLAIN_POLL_MAX_S = 5.0  # a server without ETags is polled this often at most

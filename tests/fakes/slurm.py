@@ -20,6 +20,7 @@ from slurmagent.errors import SlurmError
 
 UNREACHABLE = "Unable to contact slurm controller (connect failure)"
 _STAMPED = re.compile(r" \[[^\]]*@[^\]]*\]$")
+_NODE_KEYS = ("State", "Reason", "Comment", "Gres", "Partitions", "ReasonTime")  # the rest is printed as is
 
 
 class FakeSlurm:
@@ -183,16 +184,23 @@ class FakeSlurm:
         reason = n["Reason"]
         if reason and not _STAMPED.search(reason):
             reason += f" [root@{self.stamp or n.get('ReasonTime') or time.strftime('%Y-%m-%dT%H:%M:%S')}]"
+        extra = "".join(f" {k}={v}" for k, v in n.items() if k not in _NODE_KEYS)  # AvailableFeatures, ...
         line = (f"NodeName={name} Arch=x86_64 CPUTot=2 State={n['State']} Gres={n['Gres']} "
-                f"Partitions={n['Partitions']} Reason={reason or '(null)'}")
+                f"Partitions={n['Partitions']}{extra} Reason={reason or '(null)'}")
         return line + (f" Comment={n['Comment']}" if n["Comment"] else "") + "\n"
 
     def _update_node(self, n: dict[str, str], fields: dict[str, str]) -> None:
-        base = n["State"].split("+")[0]
+        base, *flags = n["State"].split("+")
         if fields.get("State") == "DRAIN":
-            n["State"] = base + "+DRAIN"
+            n["State"] = "+".join([base, *[f for f in flags if f != "DRAIN"], "DRAIN"])
         elif fields.get("State") == "RESUME":
-            n["State"], n["Reason"] = base, ""
+            # Slurm: drain and DOWN cleared; power-saving flags (CLOUD, POWERED_DOWN) stay
+            kept = [f for f in flags if f in ("CLOUD", "POWERED_DOWN")]
+            n["State"], n["Reason"] = "+".join(["IDLE" if base == "DOWN" else base, *kept]), ""
+        elif fields.get("State") in ("POWER_DOWN_ASAP", "POWER_DOWN_FORCE", "POWER_DOWN"):
+            # Slurm 22.05 on an idle node: the drain goes, the node powers down (SuspendProgram)
+            kept = [f for f in flags if f not in ("DRAIN", "NOT_RESPONDING", "POWERING_UP")]
+            n["State"] = "+".join([base, *kept, "POWERED_DOWN"])
         if "Reason" in fields:
             n["Reason"], n["ReasonTime"] = fields["Reason"], time.strftime("%Y-%m-%dT%H:%M:%S")
         if "Comment" in fields:
