@@ -99,8 +99,8 @@ class RepairConfig:
         "`slurmagent_off` does the same per node")
     max_drained_fraction: float = _key(0.25, "circuit breaker: most nodes slurmagent may hold drained", low=0, high=1)
     retry_after_s: float = _key(
-        3600.0, "ask the MIG again when a node is still `repairing` after this long",
-        low=1, high=604800,
+        3600.0, "ask the MIG again when a node is still `repairing` after this long (0: at every run)",
+        low=0, high=604800,
     )
     max_repairs_per_day: int = _key(
         3, "per node; beyond this it stays drained for an admin (or `repair --force`)",
