@@ -3,6 +3,7 @@
 # in a chroot built with debootstrap and cached between runs, on a Debian 12 host.
 #
 #   ci/trixie-lane.sh [PYTEST ARGS...]      as root; default: the whole suite
+#   ci/trixie-lane.sh --run CMD [ARGS...]   CMD in the chroot instead (in /src, venv on PATH)
 #
 # Why a chroot and not a container: CI machines are bare Debian VMs as root, without a
 # container runtime; debootstrap + chroot needs only Debian's packages.
@@ -192,13 +193,20 @@ SLURM_V=$(in_chroot /usr/sbin/slurmctld -V | awk '{print $2}')
 PY_V=$(in_chroot "$VENV/bin/python" -c 'import platform; print(platform.python_version())')
 say "Slurm $SLURM_V, Python $PY_V; pytest ${*:-(whole suite)}"
 
+if [ "${1:-}" = "--run" ]; then  # a command instead of pytest: ci/trixie-lane.sh --run bash -c '...'
+  shift
+  in_chroot /bin/sh -c 'cd /src && PATH="$0/bin:$PATH" exec "$@"' "$VENV" "$@"
+  exit
+fi
+
 t2=$(date +%s)
-set +e
+# In the background, so a TERM to this script runs the trap at once (bash defers traps until a
+# foreground child exits); the trap kills what runs in the chroot.
 in_chroot /usr/bin/timeout --kill-after=30 "$TEST_TIMEOUT_S" /bin/sh -c \
   'cd /src && exec "$0" -m pytest -q -p no:cacheprovider --junitxml=/lane/junit.xml "$@"' \
-  "$VENV/bin/python" "$@"
-rc=$?
-set -e
+  "$VENV/bin/python" "$@" </dev/null &
+rc=0
+wait $! || rc=$?
 secs=$(( $(date +%s) - t2 ))
 
 python3 "$HERE/lane_summary.py" --lane "$SUITE" --versions "Slurm $SLURM_V, Python $PY_V" \
