@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = []
     if c is not None:
         parts.append(f"{c['passed']} passed")
-        parts += [f"{c[k]} {k}" for k in ("failures", "errors", "skipped") if c[k]]
+        parts += [f"{c[k]} {label}" for k, label in (("failures", "failed"), ("errors", "errors"),
+                                                      ("skipped", "skipped")) if c[k]]
     result = ", ".join(parts) or "no report"
     why = verdict(a.pytest_rc, c)
     line = f"lane {a.lane}: {a.versions}: {result} in {a.seconds} s"
