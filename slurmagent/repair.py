@@ -783,7 +783,9 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
             detail = policy.fault_text(n.reason)
         else:
             m = n.marks
-            repair = "suppressed by breaker" + (f" (Slurm: {n.reason})" if n.reason else "")
+            # Slurm's reason only while it holds the node: 24.11 keeps it after a resume.
+            held = n.reason and (n.drained or n.down)
+            repair = "suppressed by breaker" + (f" (Slurm: {n.reason})" if held else "")
             rule = policy.rule_of(m.suppressed_summary)
             since = m.suppressed_at
             detail = m.suppressed_summary

@@ -20,8 +20,9 @@ XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 class FakeScontrol:
     """Just enough of `scontrol -o show node` and `scontrol update NodeName=...`."""
 
-    def __init__(self, n: int = 8):
+    def __init__(self, n: int = 8, resume_keeps_reason: bool = False):
         self.nodes = {f"n{i}": {"State": "IDLE", "Reason": "", "Comment": ""} for i in range(1, n + 1)}
+        self.resume_keeps_reason = resume_keeps_reason  # Slurm 24.11 (22.05 clears it)
         self.down = False
         self.argvs: list[list[str]] = []
         self.jobs: dict[str, dict[str, str]] = {}
@@ -63,7 +64,9 @@ class FakeScontrol:
                 if state == "DRAIN":
                     n["State"] = "IDLE+DRAIN"
                 elif state == "RESUME":
-                    n["State"], n["Reason"] = "IDLE", ""
+                    n["State"] = "IDLE"
+                    if not self.resume_keeps_reason:
+                        n["Reason"] = ""
                 if "Reason" in fields:
                     n["Reason"] = fields["Reason"]
                 if "Comment" in fields:
@@ -185,3 +188,25 @@ def test_replayed_requeue_and_release_look_before_they_act(tmp_path):
                        "nothing to do (jobs already requeued, running or gone)"]
     assert sc.jobs["12"]["JobState"] == "RUNNING"  # never requeued a running job on replay
     assert ["requeue", "11"] in [a[1:] for a in sc.argvs]
+
+
+def test_a_reason_left_on_a_resumed_node_is_not_a_drain(tmp_path):
+    """Slurm 24.11 keeps the Reason of a resumed node: it neither counts as a drain nor shows
+    in `status` as Slurm's word on a node the breaker held back."""
+    sc = FakeScontrol(n=4, resume_keeps_reason=True)
+    cfg = cfg_for(tmp_path, fraction=0.5)  # 2 of 4 may be drained
+    rt = {n: Runtime(cfg, Slurm(runner=sc), n) for n in sc.nodes}
+    for n in ("n1", "n3"):
+        assert rt[n].run("drain", node=n, reason=XID79)[1] == "drained"
+        assert rt[n].run("resume", node=n, reason=XID79)[1] == "resumed"
+        assert sc.nodes[n]["State"] == "IDLE" and sc.nodes[n]["Reason"] == XID79
+
+    assert rt["n2"].run("drain", node="n2", reason=XID79)[1] == "drained"
+    assert rt["n1"].run("drain", node="n1", reason=XID79)[1] == "drained"  # not "already-drained"
+    assert sc.nodes["n1"]["State"] == "IDLE+DRAIN"
+    assert rt["n3"].run("drain", node="n3", reason=XID79)[1] == "suppressed-by-breaker"
+
+    rows = {r["node"]: r for r in collect_status(cfg, Slurm(runner=sc), local_node="n3")["nodes"]}
+    assert sorted(rows) == ["n1", "n2", "n3"]
+    assert rows["n1"]["repair"] == rows["n2"]["repair"] == "drained"
+    assert rows["n3"]["repair"] == "suppressed by breaker" and rows["n3"]["state"] == "IDLE"
