@@ -105,7 +105,8 @@ def parse_kv(line: str) -> dict[str, str]:
             out[key] = value
         elif key is not None:
             out[key] += " " + token
-    return out
+    # scontrol pads some fields with a second space (`Partitions=gpu  BootTime=...`).
+    return {k: v.rstrip(" ") for k, v in out.items()}
 
 
 def node_from_kv(kv: dict[str, str]) -> NodeInfo:
