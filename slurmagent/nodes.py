@@ -48,7 +48,8 @@ def _fields(record: str) -> tuple[dict[str, str], dict[str, int]]:
                 continue
         if key is not None:
             out[key] += " " + token
-    return out, seen
+    # scontrol pads some fields with a second space (`Partitions=gpu  BootTime=...`).
+    return {k: v.rstrip(" ") for k, v in out.items()}, seen
 
 # The fault flush: the watch tells a wrapped job's batch step that a GPU under it died with
 # this signal (not USR1/TERM), so the wrapper waits only briefly for the trainer, which may

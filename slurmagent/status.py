@@ -46,7 +46,9 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
             detail = reasons.fault_text(n.reason)
         else:
             m = n.marks
-            repair = "suppressed by breaker" + (f" (Slurm: {n.reason})" if n.reason else "")
+            # Slurm's reason only while it holds the node: 24.11 keeps it after a resume.
+            held = n.reason and (n.drained or n.down)
+            repair = "suppressed by breaker" + (f" (Slurm: {n.reason})" if held else "")
             rule = reasons.rule_of(m.suppressed_summary)
             since = m.suppressed_at
             detail = m.suppressed_summary

@@ -91,6 +91,10 @@ def reason(env, node: str) -> str:
     return node_from_kv(env.cluster.node(node)).reason
 
 
+def requeued(job: dict[str, str]) -> bool:
+    return job.get("JobState") == "PENDING" and int(job.get("Restarts", "0")) >= 1
+
+
 # --- repair ------------------------------------------------------------------------------
 
 
@@ -464,8 +468,9 @@ def test_full_loop_drain_repair_recreate_resume_runs_pending_job(env, gcp, tmp_p
     env.set_snapshot("n1", xid_snapshot_dict(79, gpu=3))
     out = tmp_path / "out"
     job = c.sbatch("-w", "n1", "-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
-    wait_for(lambda: reason(env, "n1") == XID79, 30, "the prolog to drain n1")
-    wait_for(lambda: c.job(job).get("JobState") == "PENDING", 30, "the job back to PENDING")
+    # PENDING alone is also the state before the first start: wait for the requeue itself.
+    wait_for(lambda: requeued(c.job(job)), 60, "the failed prolog to requeue the job")
+    assert node_from_kv(c.node("n1")).ours and reason(env, "n1") == XID79
 
     recreated = []
     gcp.on_recreate = lambda mig, names: recreated.extend(names)
@@ -474,10 +479,15 @@ def test_full_loop_drain_repair_recreate_resume_runs_pending_job(env, gcp, tmp_p
     assert recreated == ["n1"] and len(gcp.mutations) == 1
     assert reason(env, "n1") == reasons.repairing_reason(XID79)
 
-    # The MIG recreates the VM: slurmd goes away and comes back on a healthy machine.
+    # The MIG recreates the VM: slurmd goes away and comes back on a healthy machine. Its
+    # boot time stays the host's, so wait for the new slurmd's registration here as the
+    # boot-time check in resume-if-healthy would on a real VM.
+    registered_at = c.node("n1")["SlurmdStartTime"]
     c.stop_node("n1")
     env.set_snapshot("n1", healthy_snapshot_dict(hostname="n1"))
+    time.sleep(1)  # SlurmdStartTime has a 1 s resolution
     c.start_node("n1")
+    wait_for(lambda: c.node("n1").get("SlurmdStartTime") not in (registered_at, None), 60, "the new slurmd")
     proc = slurmagent("resume-if-healthy", node="n1")  # what slurmagent-resume.service runs at boot
     assert proc.returncode == 0, proc.stderr
     assert "n1: healthy; resumed" in proc.stdout

@@ -133,3 +133,25 @@ def test_replayed_requeue_and_release_look_before_they_act(tmp_path):
                        "nothing to do (jobs already requeued, running or gone)"]
     assert sc.jobs["12"]["JobState"] == "RUNNING"  # never requeued a running job on replay
     assert ["requeue", "11"] in [a[1:] for a in sc.argvs]
+
+
+def test_a_reason_left_on_a_resumed_node_is_not_a_drain(tmp_path):
+    """Slurm 24.11 keeps the Reason of a resumed node: it neither counts as a drain nor shows
+    in `status` as Slurm's word on a node the breaker held back."""
+    sc = FakeSlurm.cluster(4, resume_keeps_reason=True)
+    cfg = cfg_for(tmp_path, fraction=0.5)  # 2 of 4 may be drained
+    rt = {n: Actions(cfg, Slurm(runner=sc), n) for n in sc.nodes}
+    for n in ("n1", "n3"):
+        assert rt[n].run("drain", node=n, reason=XID79)[1] == "drained"
+        assert rt[n].run("resume", node=n, reason=XID79)[1] == "resumed"
+        assert sc.nodes[n]["State"] == "IDLE" and sc.nodes[n]["Reason"] == XID79
+
+    assert rt["n2"].run("drain", node="n2", reason=XID79)[1] == "drained"
+    assert rt["n1"].run("drain", node="n1", reason=XID79)[1] == "drained"  # not "already-drained"
+    assert sc.nodes["n1"]["State"] == "IDLE+DRAIN"
+    assert rt["n3"].run("drain", node="n3", reason=XID79)[1] == "suppressed-by-breaker"
+
+    rows = {r["node"]: r for r in collect_status(cfg, Slurm(runner=sc), local_node="n3")["nodes"]}
+    assert sorted(rows) == ["n1", "n2", "n3"]
+    assert rows["n1"]["repair"] == rows["n2"]["repair"] == "drained"
+    assert rows["n3"]["repair"] == "suppressed by breaker" and rows["n3"]["state"] == "IDLE"

@@ -122,6 +122,44 @@ def test_node_from_kv_drops_user_time_suffix() -> None:
     assert node.drained and node.drained_by_slurmagent and not node.drained_by_other
 
 
+# Verbatim from Slurm 24.11.5 (Debian 13): new fields (ResumeAfterTime, CPUEfctv), an empty
+# AllocTRES, a double space before Reason.
+NODE_LINE_24_11 = (
+    "NodeName=n1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=3.66 "
+    "AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=127.0.0.1 NodeHostName=vm "
+    "Port=48557 Version=24.11.5 OS=Linux 6.18.44-fc-v782 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=1000 "
+    "AllocMem=0 FreeMem=6390 Sockets=2 Boards=1 State={state} ThreadsPerCore=1 TmpDisk=0 Weight=1 "
+    "Owner=N/A MCS_label=N/A Partitions=gpu  BootTime=2026-11-30T18:32:36 SlurmdStartTime=2026-11-30T18:44:29 "
+    "LastBusyTime=2026-11-30T18:44:31 ResumeAfterTime=None CfgTRES=cpu=2,mem=1000M,billing=2 AllocTRES= "
+    "CurrentWatts=0 AveWatts=0  Reason=slurmagent: xid 79 on gpu 3 (fallen off the bus) [root@2026-11-30T18:44:30]"
+)
+
+
+@pytest.mark.parametrize(("state", "drained"), [("IDLE+DRAIN", True), ("MIXED+DRAIN", True),
+                                                ("IDLE", False)])  # IDLE: 24.11 keeps a resumed node's Reason
+def test_slurm_24_11_node_line(state, drained) -> None:
+    kv = parse_kv(NODE_LINE_24_11.format(state=state))
+    assert kv["State"] == state and kv["ResumeAfterTime"] == "None" and kv["SlurmdStartTime"] == "2026-11-30T18:44:29"
+    n = node_from_kv(kv)
+    assert n.name == "n1" and n.partitions == "gpu"
+    assert n.reason == "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
+    assert (n.drained, n.drained_by_slurmagent, n.drained_by_other) == (drained, drained, False)
+    v = node_from_kv(kv)
+    assert (v.ours, v.held_by_other, v.registered) == (drained, False, True)
+    assert v.slurmd_start is not None and v.reason == n.reason
+
+
+def test_slurm_24_11_job_line_padded_comment() -> None:
+    kv = parse_kv(
+        "JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 JobState=PENDING "
+        "Reason=BeginTime Dependency=(null) Requeue=1 Restarts=1 BatchFlag=2 Reboot=0 ExitCode=0:54 "
+        "Partition=gpu NodeList= NumNodes=1-1 ReqTRES=cpu=1,mem=1000M,node=1,billing=1 AllocTRES=(null) "
+        "Comment=a  b  StdErr=/src/slurm-1.out StdIn=/dev/null StdOut=/src/slurm-1.out ")
+    job = job_from_kv(kv)
+    assert (job.state, job.reason, job.restarts, job.requeue, job.node_list) == ("PENDING", "BeginTime", 1, True, "")
+    assert kv["Comment"] == "a  b" and kv["StdOut"] == "/src/slurm-1.out"
+
+
 def node(state: str, reason: str = "(null)"):
     return node_from_kv(parse_kv(f"NodeName=n1 State={state} Reason={reason}"))
 

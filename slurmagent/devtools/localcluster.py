@@ -19,6 +19,7 @@ shell scripts under the cluster's base directory, and every such slurmd's pid is
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -327,10 +328,11 @@ class LocalSlurmCluster:
         return out.split(";")[0]
 
     def wait_nodes_idle(self, names: list[str], timeout: float = 60) -> None:
+        """Until every node takes jobs: IDLE, registered, not drained (IDLE+DRAIN is not idle)."""
         def idle() -> bool:
-            return all(self.node(n).get("State", "").split("+")[0] in ("IDLE",) for n in names)
+            return all(_takes_jobs(_flags(self.node(n))) for n in names)
 
-        _wait(idle, timeout, f"nodes {names} not idle; last: {[self.node(n).get('State') for n in names]}")
+        _wait(idle, timeout, lambda: f"nodes {names} not idle; last: {[self.node(n).get('State') for n in names]}")
 
     def wait_job(self, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict[str, str]:
         last: dict[str, str] = {}
@@ -347,14 +349,39 @@ class LocalSlurmCluster:
         for name in names:
             self.run(["scontrol", "update", f"nodename={name}", "state=resume"], check=False)
 
-    def reset_nodes(self) -> None:
-        """Bring every node back to IDLE between tests (undrain, cancel leftovers)."""
+    def reset_nodes(self, timeout: float = 60) -> None:
+        """Bring every node back to IDLE and undrained between tests (cancel leftovers).
+
+        A resume goes only to a registered node: right after a slurmctld restart a node is
+        UNKNOWN until its slurmd registers again and Slurm refuses the resume. A Reason may
+        stay on an undrained node (Slurm 24.11 keeps it on every resume; 22.05 clears it),
+        so a node's drain is its DRAIN flag, never its Reason alone."""
         self.run(["scancel", "--full", "-u", "root"], check=False)
-        for name in self.nodes:
-            state = self.node(name).get("State", "")
-            if "DRAIN" in state or "DOWN" in state or "FAIL" in state:
-                self.resume(name)
-        self.wait_nodes_idle(self.nodes)
+
+        def settled() -> bool:
+            done = True
+            for name in self.nodes:
+                flags = _flags(self.node(name))
+                if flags & _HELD and not flags & _UNSETTLED:
+                    self.resume(name)
+                done = done and _takes_jobs(flags)
+            return done
+
+        _wait(settled, timeout, lambda: f"nodes not reset; last: {[self.node(n).get('State') for n in self.nodes]}",
+              interval=0.5)
+
+
+# Node flags (State split on + and *) that keep a node from taking jobs.
+_HELD = frozenset({"DRAIN", "DOWN", "FAIL"})
+_UNSETTLED = frozenset({"UNKNOWN", "NOT_RESPONDING", "COMPLETING", "POWERING_UP", "REBOOT_ISSUED"})
+
+
+def _flags(node: dict[str, str]) -> frozenset[str]:
+    return frozenset(f for f in re.split(r"[+*]", node.get("State", "")) if f)
+
+
+def _takes_jobs(flags: frozenset[str]) -> bool:
+    return "IDLE" in flags and not flags & (_HELD | _UNSETTLED)
 
 
 # Runs inside the new mount namespace: bind the node's own directory, then become slurmd.

@@ -25,13 +25,15 @@ _NODE_KEYS = ("State", "Reason", "Comment", "Gres", "Partitions", "ReasonTime") 
 
 class FakeSlurm:
     def __init__(self, nodes: tuple[str, ...] | list[str] = ("n1",), *, state: str = "IDLE", reason: str = "",
-                 gres: str = "gpu:8", partition: str = "gpu", max_time: str = "UNLIMITED", stamp: str | None = None):
+                 gres: str = "gpu:8", partition: str = "gpu", max_time: str = "UNLIMITED", stamp: str | None = None,
+                 resume_keeps_reason: bool = False):
         self.nodes: dict[str, dict[str, str]] = {
             n: {"State": state, "Reason": reason, "Comment": "", "Gres": gres, "Partitions": partition} for n in nodes}
         self.jobs: dict[str, dict[str, str]] = {}  # job id -> scontrol fields (JobState, Reason, TimeLimit, ...)
         self.scripts: dict[str, str] = {}  # job id -> batch script ("" = none)
         self.partitions = {partition: max_time}
         self.stamp = stamp  # the `[root@TIME]` of reasons; None: the time they were set
+        self.resume_keeps_reason = resume_keeps_reason  # Slurm 24.11 keeps a resumed node's Reason (22.05 clears it)
         self.down = False  # slurmctld unreachable: every command fails
         self.fail: set[str] = set()  # commands ("squeue") or scontrol verbs ("show", "update") that fail
         self.hang: set[str] = set()  # ... that time out (the runner raises, like run_argv)
@@ -196,7 +198,9 @@ class FakeSlurm:
         elif fields.get("State") == "RESUME":
             # Slurm: drain and DOWN cleared; power-saving flags (CLOUD, POWERED_DOWN) stay
             kept = [f for f in flags if f in ("CLOUD", "POWERED_DOWN")]
-            n["State"], n["Reason"] = "+".join(["IDLE" if base == "DOWN" else base, *kept]), ""
+            n["State"] = "+".join(["IDLE" if base == "DOWN" else base, *kept])
+            if not self.resume_keeps_reason:
+                n["Reason"] = ""
         elif fields.get("State") in ("POWER_DOWN_ASAP", "POWER_DOWN_FORCE", "POWER_DOWN"):
             # Slurm 22.05 on an idle node: the drain goes, the node powers down (SuspendProgram)
             kept = [f for f in flags if f not in ("DRAIN", "NOT_RESPONDING", "POWERING_UP")]
