@@ -29,7 +29,7 @@ HELP = {
     "slurmagent_bytes_synced_total": ("counter", "checkpoint bytes uploaded"),
     "slurmagent_checkpoint_lag_seconds": (
         "gauge", "how long the bucket has been behind a running job's checkpoint dir: age of the oldest "
-        "file written since the last commit (0: all committed)"),
+        "checkpoint file change not yet committed (0: all committed)"),
     "slurmagent_checkpoint_sync_errors_total": ("counter", "checkpoint syncs that failed (background and final)"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
 }

@@ -119,6 +119,7 @@ class RunOptions:
     stop_wait_s: float = 10.0  # after a held requeue: SIGTERM, this long, then SIGKILL
     progress_report_s: float = 15.0  # a restore that takes longer says what it is doing this often
     error_report_s: float = 300.0  # a background sync that keeps failing is said at most this often
+    sync_deadline_s: float = 30.0  # a background sync may take the longer of this and the interval
 
 
 @dataclass
@@ -361,6 +362,7 @@ class Supervisor:
         self.committed: Manifest | None = None  # the checkpoint committed now (baseline until a sync)
         self.start_scan: dict[str, list[int]] = {}
         self.committed_scan: dict[str, list[int]] = {}  # files as they were when last committed
+        self.dirty_since: dict[str, float] = {}  # file -> mtime of its first change not committed
         self.sync_failures = 0
         self.failing_since = 0.0
         self.last_error_said = float("-inf")
@@ -486,11 +488,17 @@ class Supervisor:
                      f"{self.opts.sync_interval_s:g} s, the bucket lags behind {self.opts.ckpt_dir}")
 
     def lag_seconds(self, now: float | None = None) -> float:
-        """How long the bucket has been behind the disk: the age of the oldest checkpoint file
-        written or changed since the last commit (0 when everything is committed)."""
+        """How long the bucket has been behind the disk: the age of the oldest change to a
+        checkpoint file that no commit holds yet (0 when everything is committed). A file
+        rewritten again and again keeps the time of its first uncommitted change."""
         now = time.time() if now is None else now
-        pending = [st[1] for rel, st in stat_scan(self.opts.ckpt_dir).items() if self.committed_scan.get(rel) != st]
-        return max(0.0, now - min(pending) / 1e9) if pending else 0.0
+        scan = stat_scan(self.opts.ckpt_dir)
+        for rel in [r for r in self.dirty_since if self.committed_scan.get(r) == scan.get(r) or r not in scan]:
+            del self.dirty_since[rel]
+        for rel, st in scan.items():
+            if self.committed_scan.get(rel) != st:
+                self.dirty_since.setdefault(rel, st[1] / 1e9)
+        return max(0.0, now - min(self.dirty_since.values())) if self.dirty_since else 0.0
 
     def _metric(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None:
         if self.metrics is not None:
@@ -505,7 +513,7 @@ class Supervisor:
 
     def _background_sync(self) -> None:
         while not self.stop_sync.wait(self.opts.sync_interval_s):
-            self.sync(deadline_s=max(self.opts.sync_interval_s, 30.0))
+            self.sync(deadline_s=max(self.opts.sync_interval_s, self.opts.sync_deadline_s))
             if self.metrics is not None and not self.stop_sync.is_set():
                 try:
                     self._metric(set_={self._lag_key: self.lag_seconds()})
@@ -530,7 +538,7 @@ class Supervisor:
                 cause = signal_name(next(s for s in self.pending if s in FLUSH_SIGNALS))
                 self.say(f"{cause} during the restore: not starting the job")
                 outcome.flushed, outcome.flush_cause, outcome.exit_code = True, cause, EXIT_FLUSHED
-                self._hand_back(outcome, streak=None)
+                self._hand_back(outcome, streak=None, what=f"stopped during the restore by {cause} (the job never started)")
                 return outcome
             outcome.resumed = resumed
             self.start_scan = self.committed_scan = stat_scan(self.opts.ckpt_dir)
@@ -659,10 +667,11 @@ class Supervisor:
         self.record.write(files=now, no_progress=streak)
         return streak
 
-    def _hand_back(self, outcome: Outcome, streak: int | None) -> None:
+    def _hand_back(self, outcome: Outcome, streak: int | None, what: str = "") -> None:
         """Requeue (Slurm) or hand back for a retry (Cloud Run), and set the exit code and summary."""
         outcome.no_progress = streak or 0
-        flushed = "checkpoint flushed" if outcome.synced or self.store is None else "flushed, but the final sync failed"
+        flushed = what or ("checkpoint flushed" if outcome.synced or self.store is None
+                           else "flushed, but the final sync failed")
         if self.ident.platform != "slurm" or self.requeue is None:
             outcome.exit_code = EXIT_FLUSHED
             retry = "so Cloud Run retries the task" if self.ident.platform == "cloud-run" else "(rerun to resume)"

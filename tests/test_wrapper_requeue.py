@@ -53,7 +53,7 @@ class Requeues(list):
 
 def attempt(tmp_path: Path, restart: int, content: str, *, store=True, max_requeues: int = 3, ckpt_dir=None,
             requeues: Requeues | None = None, cmd=None, flush: bool = True, hold=None, grace_s: float = 20.0,
-            ready: Path | None = None):
+            ready: Path | None = None, before_flush=None, **options):
     """One attempt of job 77 on a fresh node (empty dir) unless `ckpt_dir` is given: the trainer
     writes `content`, then the wrapper gets SIGTERM (when `flush`). Returns (outcome, stderr)."""
     ckpt = ckpt_dir or tmp_path / f"node-{restart}" / "ckpt"
@@ -61,13 +61,15 @@ def attempt(tmp_path: Path, restart: int, content: str, *, store=True, max_reque
     ident = JobIdentity("slurm", "77", "77", restart, ("77",))
     opts = RunOptions(cmd=cmd or ["sh", "-c", SH_TRAINER, "sh", content, str(ready)], ckpt_dir=ckpt,
                       remote="gs://ckpt/jobs/77" if store else "", grace_s=grace_s, max_requeues=max_requeues,
-                      sync_interval_s=3600, stop_wait_s=5)
+                      sync_interval_s=3600, stop_wait_s=5, **options)
     err = io.StringIO()
     sup = Supervisor(opts, ident, GcsCheckpointStore(opts.remote) if store else None,
                      requeues if requeues is not None else Requeues(), dict(os.environ), err=err, hold=hold)
     if flush:
         def signal_when_ready() -> None:
             wait_for(ready.exists, 30, "trainer start", interval=0.02)
+            if before_flush is not None:
+                before_flush()
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=signal_when_ready, daemon=True).start()
