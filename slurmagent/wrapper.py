@@ -450,6 +450,7 @@ class Supervisor:
         if self.store is None:
             return False
         with self.sync_lock:
+            started = self.clock()
             before = stat_scan(self.opts.ckpt_dir)
             try:
                 result = self.store.sync(self.opts.ckpt_dir, self.ident.restart_count, self.state_file,
@@ -466,7 +467,8 @@ class Supervisor:
             self.say(f"background sync to {self.remote} works again after {self.sync_failures} failed tries")
         self.sync_failures = 0
         if final:
-            self.say(f"final sync: {result.files_sent} file(s), {result.bytes_sent} bytes sent to {self.remote}")
+            self.say(f"final sync: {result.files_sent} file(s), {result.bytes_sent} bytes sent to {self.remote} "
+                     f"in {self.clock() - started:.1f} s")
         return True
 
     def _sync_failed(self, exc: BaseException, final: bool) -> None:
