@@ -90,7 +90,7 @@ class CheckpointConfig:
     remote: str = _key("", "gs://bucket/prefix; STORAGE_EMULATOR_HOST is honoured")
     sync_interval_s: float = _key(60.0, "background sync period of `slurmagent run`")
     grace_s: float = _key(90.0, "how long the child may take to checkpoint after the signal")
-    max_requeues: int = _key(3, "requeue at most this many times (SLURM_RESTART_COUNT)")
+    max_requeues: int = _key(3, "requeue at most this many restarts in a row that committed no new checkpoint")
     signal_lead_s: int = _key(300, "`slurmagent sbatch`: end-of-time signal this long before the limit")
 
 

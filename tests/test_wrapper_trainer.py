@@ -99,3 +99,27 @@ def test_ranks_agree_when_only_one_got_the_signal(tmp_path):
     results = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     assert [r[0].split() for r in results] == [["True", "False"], ["True", "False"]]
+
+
+def test_readme_helper_recipe_resumes_where_it_checkpointed(tmp_path):
+    """examples/plain_loop.py under the wrapper, no bucket, on a shared directory: SIGTERM,
+    then the next attempt resumes from the step it wrote."""
+    import signal
+
+    from conftest import wait_for
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), SLURMAGENT_CONFIG=str(tmp_path / "c.toml"))
+    for key in ("SLURM_JOB_ID", "CLOUD_RUN_JOB", "SLURMAGENT_CKPT_DIR"):
+        env.pop(key, None)
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    run = [sys.executable, "-m", "slurmagent.entry", "run", "--ckpt-dir", str(tmp_path / "shared"), "--",
+           sys.executable, str(REPO / "examples" / "plain_loop.py"), "300", "0.02"]
+    first = subprocess.Popen(run, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (tmp_path / "shared" / "state.json").exists(), 60, "a first checkpoint")
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 143, err
+    saved = int(out.split("checkpointed at step ")[1].split(",")[0])
+    second = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert f"starting at step {saved} " in second.stdout and "done at step 300" in second.stdout
