@@ -26,7 +26,7 @@ deps: .deps.stamp
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,frameworks]'
 	@touch $@
 
 # Both lanes, one after the other (they share the cores), then one line per lane saying which

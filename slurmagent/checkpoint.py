@@ -10,9 +10,8 @@ Which files are part of a checkpoint (the "in-progress" rule)
 The directory is scanned recursively.  A path is *skipped* when any of its
 components (a directory on the way or the file name itself)
 
-* starts with ``.`` (dotfiles and dot-directories, e.g. ``.step100.pt`` or
-  ``.staging/``; the restore staging directory is one of these), except
-  ``.metadata`` (the index of a torch.distributed.checkpoint folder),
+* starts with ``.slurmagent`` (slurmagent's own working files, e.g. the restore
+  staging directory; other dotfiles such as DCP's ``.metadata`` are checkpoint files),
 * ends with ``.tmp``, ``.part``, ``.partial`` or ``~`` (case-insensitive), or
 * contains ``.tmp.`` (e.g. ``model.tmp.1234``, as written by many "write to a
   temporary name then rename" helpers).
@@ -68,6 +67,7 @@ __all__ = [
     "LocalState",
     "FileDigest",
     "is_in_progress_name",
+    "no_progress_after",
     "is_in_progress_path",
     "scan_checkpoint_dir",
     "hash_file",
@@ -128,9 +128,7 @@ _CHECKPOINT_DOTFILES = frozenset({".metadata"})
 def is_in_progress_name(name: str) -> bool:
     """True if one path component names something still being written (see module doc)."""
     low = name.lower()
-    if low in _CHECKPOINT_DOTFILES:
-        return False
-    return low.startswith(".") or low.endswith(_PARTIAL_SUFFIXES) or ".tmp." in low
+    return low.startswith(".slurmagent") or low.endswith(_PARTIAL_SUFFIXES) or ".tmp." in low
 
 
 def is_in_progress_path(relpath: str) -> bool:
@@ -443,6 +441,7 @@ class Manifest:
     files: dict[str, dict] = field(default_factory=dict)
     node_count: int = 0  # 0: a single-node checkpoint (no writers recorded)
     writers: dict[str, list[int]] = field(default_factory=dict)
+    no_progress: int = 0  # restarts in a row whose committed files equal the restored ones
 
     @property
     def total_bytes(self) -> int:
@@ -452,7 +451,13 @@ class Manifest:
         body: dict = {"schema": MANIFEST_SCHEMA, "attempt": self.attempt, "created": self.created, "files": self.files}
         if self.node_count:
             body.update(node_count=self.node_count, writers=self.writers)
+        if self.no_progress:
+            body["no_progress"] = self.no_progress
         return json.dumps(body, sort_keys=True, indent=1)
+
+    def same_content(self, files: dict[str, dict]) -> bool:
+        """Same file names with the same content hashes (sizes and CRCs follow from them)."""
+        return {k: e["sha256"] for k, e in self.files.items()} == {k: e["sha256"] for k, e in files.items()}
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest") -> "Manifest":
@@ -512,8 +517,20 @@ class Manifest:
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < node_count for i in nodes
             ):
                 raise bad(f"writers[{rel!r}] is not a list of node indexes below node_count {node_count}")
+        no_progress = raw.get("no_progress", 0)
+        if not isinstance(no_progress, int) or isinstance(no_progress, bool) or no_progress < 0:
+            raise bad(f"no_progress {no_progress!r} is not an integer >= 0")
         return cls(attempt=attempt, created=created, files=clean, node_count=node_count,
-                   writers={rel: sorted(set(nodes)) for rel, nodes in writers.items()})
+                   writers={rel: sorted(set(nodes)) for rel, nodes in writers.items()}, no_progress=no_progress)
+
+
+def no_progress_after(restored: Manifest | None, files: dict[str, dict]) -> int:
+    """The no-progress streak of a manifest committing ``files`` in an attempt that restored
+    ``restored``: 0 when the attempt changed the checkpoint (or started without one), else one
+    more than the restored manifest's streak. The wrapper's requeue budget is read from it."""
+    if restored is None or not restored.same_content(files):
+        return 0
+    return restored.no_progress + 1
 
 
 # ------------------------------------------------------------------------ remote URL

@@ -146,11 +146,11 @@ def doctor(state: State) -> None:
 
 # The command's own options and its `--` stay its own: parsing stops at the first word of CMD.
 @cli.command(context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False})
-@click.option("--ckpt-dir", metavar="DIR", help="local checkpoint dir (default ${TMPDIR:-/tmp}/slurmagent/<job id>; %n = node)")
+@click.option("--ckpt-dir", metavar="DIR", help="local checkpoint dir (default ${TMPDIR:-/tmp}/slurmagent-<uid>/<job id>, private; %n = node)")
 @click.option("--remote", metavar="gs://B/P", help="checkpoint remote (default [checkpoint] remote + /<job id>)")
 @click.option("--ckpt-signal", default="USR1", show_default=True, help="signal that asks the job to checkpoint")
 @click.option("--grace", type=float, metavar="SECONDS", help="how long the job may take to checkpoint [checkpoint.grace_s]")
-@click.option("--max-requeues", type=int, metavar="N", help="requeue at most N times [checkpoint.max_requeues]")
+@click.option("--max-requeues", type=int, metavar="N", help="stop after N restarts in a row without a new checkpoint [checkpoint.max_requeues]")
 @click.option("--sync-interval", type=float, metavar="SECONDS", help="background sync period [checkpoint.sync_interval_s]")
 @click.option("--restore-scope", type=click.Choice(["all", "node"]), default="all", show_default=True,
               help="multi-node jobs: restore the whole checkpoint on every node, or only the files each node wrote")

@@ -134,7 +134,7 @@ class CheckpointConfig:
     remote: str = _key("", "gs://bucket/prefix; STORAGE_EMULATOR_HOST is honoured")
     sync_interval_s: float = _key(60.0, "background sync period of `slurmagent run`", low=0.1, high=86400)
     grace_s: float = _key(90.0, "how long the child may take to checkpoint after the signal", low=0.1, high=86400)
-    max_requeues: int = _key(3, "requeue at most this many times (SLURM_RESTART_COUNT)", low=0, high=10000)
+    max_requeues: int = _key(3, "requeue at most this many restarts in a row that committed no new checkpoint", low=0, high=10000)
     signal_lead_s: int = _key(
         300, "`slurmagent sbatch`: end-of-time signal this long before the limit",
         low=0, high=65535,

@@ -27,6 +27,10 @@ HELP = {
     "slurmagent_repairs_total": ("counter", "repair requests sent (MIG recreate / report faulty)"),
     "slurmagent_flush_seconds": ("gauge", "duration of the last checkpoint flush (signal to requeue)"),
     "slurmagent_bytes_synced_total": ("counter", "checkpoint bytes uploaded"),
+    "slurmagent_checkpoint_lag_seconds": (
+        "gauge", "how long the bucket has been behind a running job's checkpoint dir: age of the oldest "
+        "checkpoint file change not yet committed (0: all committed)"),
+    "slurmagent_checkpoint_sync_errors_total": ("counter", "checkpoint syncs that failed (background and final)"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
     "slurmagent_jobs_requeued_on_fault_total": (
         "counter", "jobs that left a node whose GPU failed under them, requeued (by: slurmagent, or the job's wrapper)"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -15,12 +16,15 @@ from .errors import SlurmagentError
 from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .wrapper import (
+    FLUSH_SIGNALS,
     JobIdentity,
+    RequeueHold,
     RunOptions,
     Supervisor,
     WrapperError,
     default_ckpt_dir,
     expand_node,
+    make_private_dir,
     parse_signal,
 )
 
@@ -39,7 +43,7 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     node = node_name(None, env)  # this node's expiry state, never another slurmd's on the same host
     return RunOptions(
         cmd=cmd,
-        ckpt_dir=Path(expand_node(ckpt_dir, env)) if ckpt_dir else default_ckpt_dir(env, ident),
+        ckpt_dir=Path(expand_node(ckpt_dir, env)) if ckpt_dir else make_private_dir(default_ckpt_dir(env, ident)),
         remote=remote or "",
         ckpt_signal=parse_signal(ckpt_signal),
         grace_s=ck.grace_s if grace is None else grace,
@@ -47,10 +51,25 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
         sync_interval_s=ck.sync_interval_s if sync_interval is None else max(sync_interval, 0.5),
         flush_lead_s=cfg.expiry.flush_lead_s,
         expiry_files=expiry_state.files_for(cfg, node),
+        multi_node=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) > 1,
     )
 
 
+def _int(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
 def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts) -> int:
+    # From here to our exit a flush signal is recorded, never the default action: one that
+    # comes before the supervisor starts is acted on by it; one after (Slurm signals the batch
+    # step again once requeued) is a no-op. A Python handler, unlike SIG_IGN, is reset to the
+    # default in the child by exec.
+    early: list[int] = []
+    for s in FLUSH_SIGNALS:
+        signal.signal(s, lambda signum, _frame: early.append(signum))
     env = dict(os.environ)
     ident = JobIdentity.from_env(env)
     options = build_options(cfg, cmd, env, ident, **opts)
@@ -64,27 +83,51 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
 
     whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope)
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
-    sup = Supervisor(options, ident, whole_job or store, (lambda job: slurm.requeue([job])) if slurm else None, env)
+    hold = _requeue_hold(cfg, env, ident) if slurm is not None else None
+    metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
+    sup = Supervisor(options, ident, whole_job or store, (lambda job: slurm.requeue([job])) if slurm else None, env,
+                     hold=hold, metrics=metrics)
     if whole_job is not None:
         whole_job.trainer_running = sup.child_running
-    if slurm is not None:
-        warn_if_not_requeueable(sup, slurm, ident.job_id)
-    if store is None:
-        sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
-    outcome = sup.run()
-    _record_metrics(cfg, env.get("SLURMD_NODENAME"), outcome)
+    try:
+        if slurm is not None:
+            warn_if_not_requeueable(sup, slurm, ident.job_id)
+        if store is None:
+            sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
+        sup.pending.extend(early)
+        outcome = sup.run()
+    finally:
+        if hold is not None:
+            hold.cleanup()
+    if metrics is not None:
+        _record_metrics(metrics, outcome)
+    sup.say(outcome.summary)
     return outcome.exit_code
 
 
-def _record_metrics(cfg: Config, node: str | None, outcome) -> None:
-    """Flush duration and bytes synced, when this (possibly unprivileged) job may write them."""
-    from . import metrics  # only after the job: start-up speed
+def _requeue_hold(cfg: Config, env, ident: JobIdentity) -> RequeueHold | None:
+    """Our `scontrol` first on the child's PATH, holding its requeue of its own job."""
+    real = shutil.which(cfg.slurm.scontrol, path=env.get("PATH"))
+    if real is None or not ident.aliases:
+        return None
+    return RequeueHold(ident.aliases, os.path.abspath(real))
+
+
+def _job_metrics(cfg: Config, node: str | None):
+    """The node's metrics when this (possibly unprivileged) job may write them, else None."""
+    from . import metrics  # only for a job that may write them: start-up speed
 
     m = metrics.for_node(cfg, node)
-    if not os.access(m.state_dir, os.W_OK):
-        return
+    return m if os.access(m.state_dir, os.W_OK) else None
+
+
+def _record_metrics(m, outcome) -> None:
+    """Flush duration and bytes synced."""
     gauges = {("slurmagent_flush_seconds", ()): outcome.flush_seconds} if outcome.flushed else {}
-    m.update(set_=gauges, add={("slurmagent_bytes_synced_total", ()): outcome.bytes_synced})
+    add = {("slurmagent_bytes_synced_total", ()): outcome.bytes_synced}
+    if outcome.requeued:
+        add[("slurmagent_requeues_total", ())] = 1
+    m.update(set_=gauges, add=add)
 
 
 def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:

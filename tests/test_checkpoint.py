@@ -109,7 +109,9 @@ def raw_bucket():
         ("step-100", False),
         ("tmp", False),
         ("notes.tmpl", False),
-        (".hidden", True),
+        (".hidden", False),
+        (".metadata", False),
+        (".slurmagent-restore-x1", True),
         ("model.pt.tmp", True),
         ("model.pt.TMP", True),
         ("model.part", True),
@@ -129,7 +131,7 @@ def test_scan_skips_files_being_written(tmp_path):
         {
             "a/model.pt": b"1",
             "a/model.pt.tmp": b"2",
-            ".staging/model.pt": b"3",
+            ".slurmagent-restore-1/model.pt": b"3",
             "b.tmp/x": b"4",
             "c/.opt.pt": b"5",
             "d.part": b"6",
@@ -142,7 +144,7 @@ def test_scan_skips_files_being_written(tmp_path):
     os.symlink(tmp_path / "a", tmp_path / "dirlink")
     os.symlink(tmp_path / "g/h/i.bin", tmp_path / "filelink")
     got = [f.relpath for f in scan_checkpoint_dir(tmp_path)]
-    assert got == ["a/model.pt", "filelink", "g/h/i.bin"]
+    assert got == ["a/model.pt", "c/.opt.pt", "filelink", "g/h/i.bin"]
     assert scan_checkpoint_dir(tmp_path / "missing") == []
 
 
@@ -283,7 +285,7 @@ def test_sync_then_restore_into_empty_dir_is_identical(kind, gcs_emulator_factor
         "latest": b"step100",
     }
     write_tree(dirs.ckpt, files)
-    write_tree(dirs.ckpt, {"step200/model.pt.tmp": b"half", ".lock": b""})
+    write_tree(dirs.ckpt, {"step200/model.pt.tmp": b"half", "lock.part": b""})
     s = store()
     s.large_file_threshold = 8 * 1024 * KiB  # exercise chunked transfers (and the XML MPU fallback)
     s.parallel_chunk_size = 5 * 1024 * KiB
@@ -347,10 +349,11 @@ def test_new_node_with_empty_cache_skips_blobs_in_manifest(emu, dirs, tmp_path):
     assert (r.files_sent, r.bytes_sent, r.skipped_unchanged) == (0, 0, 2)
 
 
-def test_temp_and_dot_files_are_not_synced(emu, dirs):
-    write_tree(dirs.ckpt, {"m.pt": b"final", "m.pt.tmp": b"half", ".m.pt": b"half", "d.tmp/x": b"h", "y.tmp.3": b"h"})
+def test_temp_files_are_not_synced_but_dotfiles_are(emu, dirs):
+    write_tree(dirs.ckpt, {"m.pt": b"final", "m.pt.tmp": b"half", ".metadata": b"dcp", "d.tmp/x": b"h", "y.tmp.3": b"h",
+                           ".slurmagent-restore-1/0.part": b"h"})
     store().sync(dirs.ckpt, 0, dirs.state, 30)
-    assert set(store().latest_manifest().files) == {"m.pt"}
+    assert set(store().latest_manifest().files) == {"m.pt", ".metadata"}
 
 
 def test_empty_dir_never_replaces_a_checkpoint(emu, dirs, tmp_path):

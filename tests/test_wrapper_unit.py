@@ -34,12 +34,14 @@ def test_identity_cloud_run_prefix_and_attempt():
     assert (ident.platform, ident.name, ident.restart_count) == ("cloud-run", "train-task-3", 1)
 
 
-def test_options_default_remote_and_dir():
+def test_options_default_remote_and_private_dir(tmp_path):
     cfg = parse({"checkpoint": {"remote": "gs://b/p/", "grace_s": 7}})
     ident = JobIdentity.from_env({"SLURM_JOB_ID": "42"})
-    opts = build_options(cfg, ["--", "python", "t.py"], {"TMPDIR": "/scratch", "SLURMD_NODENAME": "n2"}, ident)
+    opts = build_options(cfg, ["--", "python", "t.py"], {"TMPDIR": str(tmp_path), "SLURMD_NODENAME": "n2"}, ident)
     assert opts.remote == "gs://b/p/42"
-    assert opts.ckpt_dir == Path("/scratch/slurmagent/42")
+    assert opts.ckpt_dir == tmp_path / f"slurmagent-{os.geteuid()}" / "42"
+    for d in (opts.ckpt_dir, opts.ckpt_dir.parent):
+        assert d.is_dir() and (d.stat().st_mode & 0o777) == 0o700 and d.stat().st_uid == os.geteuid()
     assert opts.cmd == ["python", "t.py"] and opts.grace_s == 7.0 and opts.max_requeues == 3
     per_node = build_options(cfg, ["x"], {"SLURMD_NODENAME": "n2"}, ident, ckpt_dir="/ssd/ck-%n")
     assert per_node.ckpt_dir == Path("/ssd/ck-n2")

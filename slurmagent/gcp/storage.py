@@ -62,6 +62,7 @@ from slurmagent.checkpoint import (
     RestoreError,
     StaleAttemptError,
     StorageUnavailableError,
+    no_progress_after,
     parse_remote,
     scan_checkpoint_dir,
 )
@@ -215,6 +216,7 @@ class SyncResult:
     skipped_unchanged: int  # files of the manifest whose content was already stored remotely
     files_total: int  # files in the manifest
     files: dict[str, dict] = field(default_factory=dict)  # the manifest entries of this sync, by relpath
+    manifest: Manifest | None = None  # the manifest in place after this sync (None: none yet)
 
 
 def _crc32c_factory() -> Callable[[], Any]:
@@ -581,6 +583,7 @@ class GcsCheckpointStore:
         attempt: int,
         state_file: str | os.PathLike,
         deadline_s: float = 600.0,
+        restored: Manifest | None = None,
         *,
         commit: bool = True,
     ) -> SyncResult:
@@ -591,7 +594,8 @@ class GcsCheckpointStore:
         job commits once with :meth:`commit` after every node's upload.
 
         ``attempt``: this job's restart count (fencing).  ``state_file``: the hash
-        cache, outside ``ckpt_dir``.  ``deadline_s``: overall time budget.
+        cache, outside ``ckpt_dir``.  ``deadline_s``: overall time budget.  ``restored``:
+        the manifest this attempt started from (its no-progress streak is carried on).
         An empty directory never replaces an existing checkpoint (nothing is written).
         Raises :class:`StaleAttemptError`, :class:`StorageUnavailableError`,
         :class:`LocalChangedError`, :class:`ManifestError` (remote manifest unreadable).
@@ -651,7 +655,7 @@ class GcsCheckpointStore:
 
             if not included:
                 log.info("%s: checkpoint dir %s is empty; nothing written", self.url, ckpt_dir)
-                return SyncResult(0, 0, generation or None, 0, 0)
+                return SyncResult(0, 0, generation or None, 0, 0, current)
             new_files = {
                 f.relpath: {"sha256": d.sha256, "size": d.size, "crc32c": d.crc32c} for f, d, _ in included
             }
@@ -665,10 +669,12 @@ class GcsCheckpointStore:
                     files_total=len(included),
                     files=new_files,
                 )
-            if current is not None and current.attempt == attempt and current.files == new_files:
-                new_generation = generation  # nothing changed: keep the manifest as it is
+            no_progress = no_progress_after(restored, new_files)
+            if (current is not None and current.attempt == attempt and current.files == new_files
+                    and current.no_progress == no_progress):
+                new_generation, manifest = generation, current  # nothing changed: keep the manifest as it is
             else:
-                manifest = Manifest(attempt=attempt, files=new_files)
+                manifest = Manifest(attempt=attempt, files=new_files, no_progress=no_progress)
                 new_generation = self._commit_manifest(manifest, current, generation, dl)
             return SyncResult(
                 files_sent=len(sent),
@@ -677,6 +683,7 @@ class GcsCheckpointStore:
                 skipped_unchanged=len(included) - len(sent),
                 files_total=len(included),
                 files=new_files,
+                manifest=manifest,
             )
         finally:
             state.add_known_blobs(self.url, confirmed)
