@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--size-mib must be > 0 and --shards even and >= 2")
 
     from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
-    from slurmagent.localgcs import GcsEmulator
+    from slurmagent.devtools.localgcs import GcsEmulator
 
     why = slurm_available()
     if why:

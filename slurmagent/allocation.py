@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 
-from .checkpoint import CheckpointError, Manifest, RestoreError
+from .checkpoint import CheckpointError, Manifest, RestoreError, no_progress_after
 from .errors import SlurmagentError
 
 REPORT_TAG = "slurmagent-node-report "
@@ -452,6 +452,7 @@ class AllocationSyncResult:
     manifest_generation: int | None
     files_total: int
     nodes: int
+    manifest: Manifest | None = None  # the job-level manifest committed by this sync (None: none)
 
 
 class Committer(Protocol):
@@ -490,6 +491,14 @@ class AllocationStore:
     def _failures(self, reports: list[NodeReport]) -> str:
         return "; ".join(f"{r.who}: {r.error}" for r in reports if not r.ok)
 
+    @property
+    def url(self) -> str:
+        return self.committer.url if self.committer is not None else ""
+
+    def latest_manifest(self, *, deadline_s: float = 60.0) -> Manifest | None:
+        """The committed job-level manifest (a multi-node restore always takes it)."""
+        return self.committer.read_manifest(deadline_s=deadline_s)[0] if self.committer is not None else None
+
     def restore(self, ckpt_dir, *, deadline_s: float = 1800.0) -> Manifest | None:
         manifest, generation = (None, 0)
         if self.committer is not None:
@@ -506,7 +515,8 @@ class AllocationStore:
                      f"{manifest.attempt} ({'all' if self.scope == 'all' else 'its own'} files)")
         return manifest
 
-    def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0) -> AllocationSyncResult:
+    def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0,
+             restored: Manifest | None = None) -> AllocationSyncResult:
         with self._lock:
             running = self.trainer_running()
             args = ["sync", "--ckpt-dir", str(ckpt_dir), "--remote", self.committer.url if self.committer else "",
@@ -529,10 +539,11 @@ class AllocationStore:
             if self.committer is None or not merged.files:
                 return AllocationSyncResult(*sent, None, len(merged.files), len(reports))
             manifest = Manifest(attempt=attempt, files=merged.files, node_count=self.alloc.num_nodes,
-                                writers=merged.writers)
+                                writers=merged.writers,
+                                no_progress=no_progress_after(restored or self.baseline, merged.files))
             generation = self.committer.commit(manifest, deadline_s=max(deadline_s / 4, 10.0))
             self.last_committed = manifest
-            return AllocationSyncResult(*sent, generation, len(merged.files), len(reports))
+            return AllocationSyncResult(*sent, generation, len(merged.files), len(reports), manifest)
 
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,

@@ -42,6 +42,7 @@ from typing import Callable, Mapping, Protocol, TextIO
 from .checkpoint import Manifest, no_progress_after, scan_checkpoint_dir
 from .errors import SlurmagentError
 from .expiry_state import termination_time
+from .fsutil import atomic_write_text
 from .host import node_name
 from .nodes import FAULT_FLUSH_SIGNAL
 
@@ -294,8 +295,6 @@ class DirRecord:
             return {}
 
     def write(self, **data) -> None:
-        from .fsutil import atomic_write_text
-
         try:
             atomic_write_text(self.path, json.dumps({"version": 1, **data}, sort_keys=True), 0o600)
         except OSError:
@@ -627,7 +626,7 @@ class Supervisor:
                 outcome.child_killed = True
                 self.say(f"the job did not exit within {grace:g} s: stopping it; the last complete "
                          "checkpoint stays")
-                _terminate_group(child, 5.0)
+                _terminate_group(child, 5.0, self.say)
         outcome.child_code = child.returncode
         self.stop_sync.set()
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
@@ -642,7 +641,7 @@ class Supervisor:
         if child.poll() is not None:
             return
         self.say(f"{why}: stopping the job")
-        if not _terminate_group(child, self.opts.stop_wait_s):
+        if not _terminate_group(child, self.opts.stop_wait_s, self.say):
             outcome.child_killed = True
 
     # --- requeue ------------------------------------------------------------------------------
@@ -708,7 +707,7 @@ def _series(key: tuple) -> str:
     return f"{name}{{{inner}}}"
 
 
-def _terminate_group(child: subprocess.Popen, wait_s: float) -> bool:
+def _terminate_group(child: subprocess.Popen, wait_s: float, say: Callable[[str], None]) -> bool:
     """SIGTERM to the child's group, then SIGKILL after `wait_s`; True when it left by itself."""
     _killpg(child, signal.SIGTERM)
     try:
@@ -717,8 +716,8 @@ def _terminate_group(child: subprocess.Popen, wait_s: float) -> bool:
     except subprocess.TimeoutExpired:
         _killpg(child, signal.SIGKILL)
         if not reap(child, REAP_WAIT_S):
-            print(f"slurmagent run: the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
-                  "leaving it behind to sync and requeue", file=sys.stderr, flush=True)
+            say(f"the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
+                "leaving it behind to sync and requeue")
         return False
 
 

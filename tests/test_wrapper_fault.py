@@ -79,12 +79,17 @@ class Store:
     def __init__(self):
         self.syncs = 0
 
+    url = "gs://b/p"
+
     def restore(self, ckpt_dir, *, deadline_s=0):
         return None
 
-    def sync(self, ckpt_dir, attempt, state_file, deadline_s=0):
+    def latest_manifest(self, *, deadline_s=0):
+        return None
+
+    def sync(self, ckpt_dir, attempt, state_file, deadline_s=0, **_):
         self.syncs += 1
-        return type("Result", (), {"bytes_sent": 10, "files_sent": 1})()
+        return type("Result", (), {"bytes_sent": 10, "files_sent": 1, "manifest": None})()
 
 
 def test_child_stuck_after_sigkill_does_not_block_sync_and_requeue(tmp_path, monkeypatch):
@@ -92,6 +97,7 @@ def test_child_stuck_after_sigkill_does_not_block_sync_and_requeue(tmp_path, mon
 
     def spawn(cmd, **kw):
         made.append(StuckChild(cmd, **kw))
+        sup.pending.append(FAULT_FLUSH_SIGNAL)  # the watch's signal, as the handler records it, once the job runs
         return made[-1]
 
     monkeypatch.setattr(subprocess, "Popen", spawn)
@@ -101,7 +107,6 @@ def test_child_stuck_after_sigkill_does_not_block_sync_and_requeue(tmp_path, mon
     opts = RunOptions(cmd=["train"], ckpt_dir=tmp_path / "ck", remote="gs://b/p", grace_s=0.2, sync_interval_s=3600)
     err = io.StringIO()
     sup = Supervisor(opts, JobIdentity("slurm", "77", "77", 0), store, requeued.append, {}, err)
-    sup.pending.append(FAULT_FLUSH_SIGNAL)  # as the signal handler records it
     try:
         outcome = sup.run()
     finally:

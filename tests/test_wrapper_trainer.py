@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from slurmagent import trainer
-from slurmagent.localcluster import free_ports
+from slurmagent.devtools.localcluster import free_ports
 
 
 @pytest.fixture(autouse=True)
