@@ -629,6 +629,8 @@ class Supervisor:
                 _terminate_group(child, 5.0, self.say)
         outcome.child_code = child.returncode
         self.stop_sync.set()
+        if self.hold is not None:
+            self.hold.cleanup()  # the job is gone; nothing is left behind if we are killed later
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
         outcome.synced = self.sync(deadline_s=left, final=True)
         self._hand_back(outcome, streak=self.no_progress_streak())
