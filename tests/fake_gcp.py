@@ -146,6 +146,7 @@ class FakeGcp:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK wait
 
             def log_message(self, *args):  # quiet
                 pass

@@ -73,7 +73,13 @@ def make_config(tmp_path: Path, *, compute_endpoint: str, remote: str = "gs://ck
 
 
 def doctor(capsys, cfg: Path) -> tuple[int, dict[str, tuple[str, str, str]], str]:
-    """Run `slurmagent --config CFG doctor` in this process: (exit code, {name: (mark, detail, fix)}, output)."""
+    """Run `slurmagent --config CFG doctor` in this process: (exit code, {name: (mark, detail, fix)}, output).
+
+    The Google client libraries are loaded first: a cold import of google.cloud.compute_v1 costs
+    ~4 s of CPU (12-18 s on a busy 2-core machine) inside the compute check's thread, where it
+    would count against the external checks' 7 s deadline. These tests judge the endpoints'
+    answers; the cold start is the subprocess tests' (they bound only a hung endpoint's cost)."""
+    from google.cloud import compute_v1, storage  # noqa: F401
     from slurmagent.cli import main
 
     capsys.readouterr()

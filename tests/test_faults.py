@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -128,26 +129,40 @@ def test_malformed_remote_manifest_keeps_the_job_from_starting_and_the_checkpoin
 
 
 class Canned:
-    """An HTTP server answering every request with one canned reply (or never, when hang)."""
+    """An HTTP server answering every request with one canned reply (or, when hang, not before
+    `hang` seconds). stop() ends every handler: a hung one returns without answering, so none
+    outlives its test to write into a socket its client closed long ago, in another test."""
 
     def __init__(self, status: int = 200, body: bytes = b"", headers: dict[str, str] | None = None,
                  hang: float = 0.0):
         canned = self
         self.requests = 0
+        self.stopping = threading.Event()
+        self.connections: list[socket.socket] = []
+        self.lock = threading.Lock()
 
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK wait
 
             def log_message(self, *a):
                 pass
+
+            def setup(self):
+                super().setup()
+                with canned.lock:
+                    canned.connections.append(self.connection)
+                    if canned.stopping.is_set():  # accepted as stop() began
+                        canned.end(self.connection)
 
             def _reply(self):
                 canned.requests += 1
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)
-                if hang:
-                    time.sleep(hang)
+                if hang and canned.stopping.wait(hang):
+                    self.close_connection = True  # stopped: the client gave up long ago
+                    return
                 self.send_response(status)
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
@@ -158,15 +173,23 @@ class Canned:
             do_GET = do_POST = _reply
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.server.handle_error = lambda *a: None  # a client that gave up (BrokenPipe): expected here
+        self.server.daemon_threads = False  # server_close() joins the handlers
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.host = f"127.0.0.1:{self.server.server_address[1]}"
         self.url = f"http://{self.host}"
 
     def stop(self):
+        with self.lock:
+            self.stopping.set()
+            for conn in self.connections:  # a kept-alive connection's handler waits for a next request
+                self.end(conn)
         self.server.shutdown()
         self.server.server_close()
+
+    @staticmethod
+    def end(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
 
 
 def drained_cluster(node: Node, *names: str) -> None:
