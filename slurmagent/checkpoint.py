@@ -475,6 +475,12 @@ class FileDigest:
         return {algo: hexd, "size": self.size, "crc32c": self.crc32c}
 
 
+def blake3_hex(data: bytes) -> str:
+    import blake3
+
+    return blake3.blake3(data).hexdigest()
+
+
 def _blake3(threads: int = 1):
     import blake3
 
@@ -786,14 +792,18 @@ class Manifest:
 
         {"schema": 2, "attempt": 2, "created": "2026-11-30T05:00:00Z",
          "files": {"step100/model.pt": {"blake3": "<64 hex>", "size": 123, "crc32c": "AAAAAA=="},
+                   "step100/.metadata": {"blake3": "<64 hex>", "size": 9, "crc32c": "AAAAAA==",
+                                         "pack": "<64 hex>", "offset": 4096},
                    "old.pt": {"sha256": "<64 hex>", "size": 5, "crc32c": "AAAAAA=="},
                    "last.ckpt": {"link": "step100/model.pt"}}}
 
     ``attempt`` is the restart count of the job that wrote it (fencing: a lower
     attempt never overwrites a higher one); ``crc32c`` is base64 of the
-    big-endian CRC32C as Cloud Storage reports it; a ``link`` entry is a
-    symlink, its target relative to the link's directory.  Unknown keys are
-    ignored.
+    big-endian CRC32C as Cloud Storage reports it.  A file's bytes are the
+    object ``blobs/blake3-<hex>`` (``blobs/<sha256>`` for a sha256 entry), or,
+    with ``pack``, ``size`` bytes at ``offset`` of ``blobs/pack-<pack>``: small
+    files travel together.  A ``link`` entry is a symlink, its target relative
+    to the link's directory.  Unknown keys are ignored.
     """
 
     attempt: int
@@ -879,6 +889,13 @@ class Manifest:
             if not _valid_crc32c(e.get("crc32c")):
                 raise bad(f"files[{rel!r}].crc32c is not base64 of 4 bytes")
             clean[rel] = {algo: e[algo], "size": size, "crc32c": e["crc32c"]}
+            if "pack" in e or "offset" in e:
+                offset = e.get("offset")
+                if algo != "blake3" or not _valid_hex(e.get("pack")):
+                    raise bad(f"files[{rel!r}].pack is not 64 lowercase hex digits of a blake3 entry")
+                if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                    raise bad(f"files[{rel!r}].offset is not an integer >= 0")
+                clean[rel].update(pack=e["pack"], offset=offset)
         _check_tree(clean, bad)
         return cls(attempt=attempt, created=created, files=clean)
 

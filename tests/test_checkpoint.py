@@ -118,6 +118,11 @@ def raw_bucket():
     return make_client().bucket("ckpt")
 
 
+def object_of(entry: dict) -> str:
+    """The object holding a manifest entry's bytes: its own blob, or the pack it travels in."""
+    return store().blob_name(f"pack:{entry['pack']}" if "pack" in entry else entry_content_id(entry))
+
+
 # ------------------------------------------------------------------ name rules
 
 
@@ -717,7 +722,7 @@ def test_interrupted_sync_restores_previous_checkpoint(emu, dirs, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         s.sync(dirs.ckpt, 0, dirs.state, 30)
     names = {b.name for b in make_client().list_blobs("ckpt", prefix="job1/blobs/")}
-    assert len(names) == 4  # the new blobs were uploaded...
+    assert len(names) == 2  # the new files were uploaded (each sync's small files in one pack)...
     assert store().restore(dirs.restore).files["step"]["size"] == 3
     assert read_tree(dirs.restore) == v1  # ...but the previous complete checkpoint is what restores
 
@@ -738,19 +743,28 @@ def test_killed_sync_process_restores_previous_checkpoint(emu, dirs):
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=os.environ.copy(), timeout=60)
     assert proc.returncode == -9
-    assert len(list(make_client().list_blobs("ckpt", prefix="job1/blobs/"))) == 3
+    assert len(list(make_client().list_blobs("ckpt", prefix="job1/blobs/"))) == 2  # one pack per sync
     store().restore(dirs.restore)
     assert read_tree(dirs.restore) == v1
 
 
-@pytest.mark.parametrize("corruption", ["same-size", "truncated", "same-size-ranged"])
+@pytest.mark.parametrize("corruption", ["same-size", "truncated", "same-size-ranged", "packed", "packed-truncated"])
 def test_corrupt_blob_fails_restore_without_partial_files(emu, dirs, corruption):
-    files = {f"d/f{i}.pt": os.urandom(50 * KiB) for i in range(6)}
+    size = 50 * KiB if corruption.startswith("packed") else 300 * KiB  # small files travel in a pack
+    files = {f"d/f{i}.pt": os.urandom(size) for i in range(6)}
     write_tree(dirs.ckpt, files)
     store().sync(dirs.ckpt, 0, dirs.state, 30)
     entry = store().latest_manifest().files["d/f3.pt"]
-    bad = os.urandom(entry["size"]) if corruption.startswith("same-size") else b"short"
-    raw_bucket().blob(store().blob_name(entry_content_id(entry))).upload_from_string(bad)
+    obj = raw_bucket().blob(object_of(entry))
+    if corruption == "packed":  # one byte of f3's bytes inside the pack
+        data = bytearray(obj.download_as_bytes())
+        data[entry["offset"] + 7] ^= 0xFF
+        bad = bytes(data)
+    elif corruption == "packed-truncated":
+        bad = obj.download_as_bytes()[: entry["offset"] + 10]
+    else:
+        bad = os.urandom(entry["size"]) if corruption.startswith("same-size") else b"short"
+    obj.upload_from_string(bad)
     write_tree(dirs.restore, {"unrelated.txt": b"keep me", ".slurmagent-restore-old/0.part": b"killed restore"})
     s = store()
     if corruption.endswith("ranged"):
@@ -766,7 +780,7 @@ def test_missing_blob_fails_restore_clearly(emu, dirs):
     write_tree(dirs.ckpt, {"a": b"1", "b": b"2"})
     store().sync(dirs.ckpt, 0, dirs.state, 30)
     entry = store().latest_manifest().files["b"]
-    raw_bucket().blob(store().blob_name(entry_content_id(entry))).delete()
+    raw_bucket().blob(object_of(entry)).delete()
     with pytest.raises(RestoreError, match="missing"):
         store().restore(dirs.restore)
     assert list(dirs.restore.iterdir()) == []
@@ -892,13 +906,13 @@ def test_emulator_stopped_during_sync_gives_up_clearly_within_deadline(emu, dirs
     before = snapshot(dirs.ckpt)
     state_before = dirs.state.read_bytes()
     s = store(timeout_s=2)
-    real = s._upload_whole
+    real = s._post_media
 
-    def stop_then_upload(*a):
+    def stop_then_upload(*a, **k):
         emu.stop()
-        return real(*a)
+        return real(*a, **k)
 
-    s._upload_whole = stop_then_upload
+    s._post_media = stop_then_upload
     deadline = 3.0
     t0 = time.monotonic()
     with pytest.raises(StorageUnavailableError, match=r"gave up after \d+ tries|deadline of 3s") as ei:
@@ -911,7 +925,7 @@ def test_emulator_stopped_during_sync_gives_up_clearly_within_deadline(emu, dirs
     assert json.loads(dirs.state.read_bytes())["version"] >= json.loads(state_before)["version"]
     emu.restart()
     assert set(store().latest_manifest().files) == {"a.pt"}  # previous checkpoint intact
-    s._upload_whole = real
+    s._post_media = real
     s.sync(dirs.ckpt, 0, dirs.state, 30)
     assert s.last_sync_error == ""
 
@@ -977,6 +991,29 @@ def test_lag_says_how_far_the_bucket_is_behind(emu, dirs):
     assert (lag.files, lag.bytes) == (1, 2) and 39 < lag.seconds < 60
     s.sync(dirs.ckpt, 0, dirs.state, 30)
     assert s.lag(dirs.ckpt).files == 0
+
+
+def test_many_small_files_travel_in_packs_and_only_changed_ones_go_again(emu, dirs):
+    files = {f"ocdbt.process_0/d/{i:04d}": os.urandom(1000 + i) for i in range(300)}
+    write_tree(dirs.ckpt, files)
+    s = store()
+    s.pack_size = 128 * KiB  # several packs
+    r = s.sync(dirs.ckpt, 0, dirs.state, 30)
+    objects = [b.name for b in make_client().list_blobs("ckpt", prefix="job1/blobs/")]
+    total = sum(len(v) for v in files.values())
+    assert (r.files_sent, r.bytes_sent) == (300, total)
+    assert 1 < len(objects) <= total // (128 * KiB) + 1 and all("/pack-" in o for o in objects)
+    changed = {f"ocdbt.process_0/d/{i:04d}": os.urandom(500) for i in (3, 150, 299)}
+    write_tree(dirs.ckpt, changed, age_s=50)
+    r = s.sync(dirs.ckpt, 0, dirs.state, 30)
+    assert (r.files_sent, r.bytes_sent) == (3, 1500)  # exactly the changed bytes
+    restorer = store()
+    store().restore(dirs.restore)
+    assert read_tree(dirs.restore) == {**files, **changed}
+    shutil.rmtree(dirs.restore)
+    restorer.pack_size = 4 * KiB  # one ranged read per few files
+    restorer.restore(dirs.restore)
+    assert read_tree(dirs.restore) == {**files, **changed}
 
 
 def test_parallel_upload_of_more_than_32_parts_composes_in_a_tree(emu, dirs):

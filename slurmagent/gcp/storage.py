@@ -257,32 +257,40 @@ class _Deadline:
 class _Pool:
     """Daemon worker threads running tasks until all are done, one fails, or the caller stops waiting.
 
-    Tasks may submit more tasks.  A task's exception (other than :class:`_Aborted`)
-    is kept as :attr:`error` and aborts the rest.
+    Tasks run in lanes, each with its own threads (``io`` has ``workers``; others
+    as given), so that a few lanes hold the large buffers and no lane waits on
+    work queued behind itself.  Tasks may submit more tasks.  A task's exception
+    (other than :class:`_Aborted`) is kept as :attr:`error` and aborts the rest.
     """
 
-    def __init__(self, workers: int, dl: _Deadline, name: str) -> None:
+    def __init__(self, workers: int, dl: _Deadline, name: str, lanes: dict[str, int] | None = None) -> None:
         self.dl = dl
         self.error: BaseException | None = None
         self._name = name
-        self._workers = max(1, workers)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._caps = {"io": max(1, workers), **(lanes or {})}
+        self._queues: dict[str, queue.SimpleQueue] = {lane: queue.SimpleQueue() for lane in self._caps}
+        self._submitted = dict.fromkeys(self._caps, 0)
         self._cond = threading.Condition()
         self._pending = 0
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[str, list[threading.Thread]] = {lane: [] for lane in self._caps}
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any, lane: str = "io") -> None:
         with self._cond:
             self._pending += 1
-            if len(self._threads) < min(self._workers, self._pending):
-                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                self._threads.append(t)
+            self._submitted[lane] += 1
+            threads = self._threads[lane]
+            if len(threads) < min(self._caps[lane], self._submitted[lane]):
+                t = threading.Thread(
+                    target=self._run, args=(lane,), name=f"{self._name}-{lane}-{len(threads)}", daemon=True
+                )
+                threads.append(t)
                 t.start()
-        self._queue.put((fn, args))
+        self._queues[lane].put((fn, args))
 
-    def _run(self) -> None:
+    def _run(self, lane: str) -> None:
+        q = self._queues[lane]
         while True:
-            item = self._queue.get()
+            item = q.get()
             if item is None:
                 return
             fn, args = item
@@ -312,8 +320,9 @@ class _Pool:
         return True
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
+        for lane, threads in self._threads.items():
+            for _ in threads:
+                self._queues[lane].put(None)
 
 
 class _FileRange:
@@ -373,10 +382,17 @@ class _SyncRun:
         self.state = state
         self.current = current
         self.dl = dl
-        self.pool = _Pool(store.max_workers, dl, "ckpt-sync")
+        self.pool = _Pool(store.max_workers, dl, "ckpt-sync", {"hash": store.hash_workers, "pack": 2})
         self.lock = threading.Lock()
-        self.in_manifest = {entry_content_id(e) for e in current.regular_files().values()} if current else set()
+        # where each content of the current manifest is stored: {} (its own blob) or {"pack", "offset"}
+        self.locations: dict[str, dict] = {}
+        for e in current.regular_files().values() if current else ():
+            self.locations[entry_content_id(e)] = {k: e[k] for k in ("pack", "offset") if k in e}
+        self.in_manifest = set(self.locations)
         self.known = state.known_blobs(store.url) - self.in_manifest
+        self.packing: list[tuple[LocalFile, FileDigest, str, bytes]] = []
+        self.packing_bytes = 0
+        self.pack_slots = threading.BoundedSemaphore(2)  # sealed packs held in memory at once
         self.claimed: set[str] = set()
         self.confirmed: set[str] = set()
         self.included: dict[str, tuple[LocalFile, FileDigest, str]] = {}  # relpath -> (file, digest, id)
@@ -384,7 +400,6 @@ class _SyncRun:
         self.busy: dict[str, LocalFile] = {}
         self.unreadable: dict[str, str] = {}
         self.done: set[str] = set()
-        self.hash_slots = threading.BoundedSemaphore(max(1, min(store.hash_workers, store.max_workers)))
 
 
 # ----------------------------------------------------------------------------- store
@@ -404,7 +419,9 @@ class GcsCheckpointStore:
     says how far the bucket is behind the local directory.
     """
 
-    small_file_max = 4 * MiB  # read once into memory, uploaded from there
+    small_file_max = 1 * MiB  # read once into memory, uploaded from there (or packed)
+    pack_file_max = 256 * 1024  # files up to this size go up together, in packs
+    pack_size = 16 * MiB  # bytes per pack
     parallel_upload_threshold = 2 * GiB  # from this size on: parts in parallel, then compose
     part_size = 128 * MiB  # part of a parallel upload (grown so a file has at most 1024 parts)
     ranged_download_threshold = 64 * MiB  # from this size on: ranged reads in parallel
@@ -961,11 +978,15 @@ class GcsCheckpointStore:
                 for f in wave:
                     run.pool.submit(self._sync_file, run, f)
                 self._wait(run.pool, dl, reserve, files, run)
+                self._seal_last_pack(run)
+                self._wait(run.pool, dl, reserve, files, run)
                 # blobs of twins whose uploading file vanished or was busy: upload from a twin
                 for rel, (f, d, cid) in sorted(run.included.items()):
                     if cid not in run.confirmed and cid not in run.claimed:
                         run.claimed.add(cid)
                         run.pool.submit(self._upload_claimed, run, f, d, cid)
+                self._wait(run.pool, dl, reserve, files, run)
+                self._seal_last_pack(run)
                 self._wait(run.pool, dl, reserve, files, run)
                 if not run.busy or round_no == self.busy_retries:
                     break
@@ -1038,9 +1059,7 @@ class GcsCheckpointStore:
         started = time.time()
         try:
             if f.size > self.small_file_max:
-                with run.hash_slots:
-                    run.dl.check()
-                    d, st, data = ck.hash_file(f.path, want_sha256=want_sha256, expect=f, threads=4)
+                d, st, data = ck.hash_file(f.path, want_sha256=want_sha256, expect=f, threads=4)
             else:
                 d, st, data = ck.hash_file(f.path, want_sha256=want_sha256, expect=f, keep_bytes=self.small_file_max)
         except FileNotFoundError:
@@ -1059,9 +1078,16 @@ class GcsCheckpointStore:
         run.state.remember(f, d, st, started)
         return d, data
 
-    def _sync_file(self, run: _SyncRun, f: LocalFile) -> None:
-        """Hash one file (or take its cached digest), then upload its content unless the remote has it."""
+    def _sync_file(self, run: _SyncRun, f: LocalFile, lane: str = "io") -> None:
+        """Hash one file (or take its cached digest), then upload its content unless the remote has it.
+
+        A large file not in the cache is hashed on the ``hash`` lane (few threads hold
+        the read buffers), then handed back to the ``io`` lane for its upload.
+        """
         run.dl.check()
+        if lane == "io" and f.size > self.small_file_max and run.state.cached(f) is None:
+            run.pool.submit(self._sync_file, run, f, "hash", lane="hash")
+            return
         legacy = run.current.files.get(f.relpath) if run.current is not None else None
         if not (legacy and legacy.get("sha256") and legacy.get("size") == f.size):
             legacy = None
@@ -1086,7 +1112,10 @@ class GcsCheckpointStore:
             with run.lock:
                 run.done.add(f.relpath)
             return  # another file with the same content uploads it
-        self._upload_claimed(run, f, d, cid, data)
+        if lane == "hash":
+            run.pool.submit(self._upload_claimed, run, f, d, cid, data)
+        else:
+            self._upload_claimed(run, f, d, cid, data)
 
     def _upload_claimed(self, run: _SyncRun, f: LocalFile, d: FileDigest, cid: str, data: bytes | None = None) -> None:
         dl = run.dl
@@ -1094,6 +1123,9 @@ class GcsCheckpointStore:
             with run.lock:
                 run.confirmed.add(cid)
                 run.done.add(f.relpath)
+            return
+        if data is not None and d.size <= self.pack_file_max and cid.startswith("blake3:"):
+            self._pack(run, f, d, cid, data)
             return
         try:
             if data is None and d.size >= self.parallel_upload_threshold:
@@ -1115,6 +1147,65 @@ class GcsCheckpointStore:
                 run.uploaded[cid] = d.size
             run.done.add(f.relpath)
 
+    def _pack(self, run: _SyncRun, f: LocalFile, d: FileDigest, cid: str, data: bytes) -> None:
+        """Queue a small file's bytes into the pack being filled; a full pack goes up."""
+        with run.lock:
+            run.packing.append((f, d, cid, data))
+            run.packing_bytes += d.size
+            full = run.packing_bytes >= self.pack_size
+        if full:
+            self._seal_pack(run)
+
+    def _seal_pack(self, run: _SyncRun) -> None:
+        # at most two packs in memory: the io lane waits here, never past the deadline
+        if not run.pack_slots.acquire(timeout=max(0.0, run.dl.remaining())):
+            raise _Aborted()
+        with run.lock:
+            members, run.packing, run.packing_bytes = run.packing, [], 0
+        if not members:
+            run.pack_slots.release()
+            return
+        run.pool.submit(self._upload_pack, run, members, lane="pack")
+
+    def _seal_last_pack(self, run: _SyncRun) -> None:
+        """Send the partly filled pack (the caller's wait then reports a deadline properly)."""
+        try:
+            self._seal_pack(run)
+        except _Aborted:
+            pass
+
+    def _upload_pack(self, run: _SyncRun, members: list[tuple[LocalFile, FileDigest, str, bytes]]) -> None:
+        """One object ``blobs/pack-<blake3>`` holding many small files back to back."""
+        import google_crc32c
+
+        try:
+            data = b"".join(m[3] for m in members)
+            pack = ck.blake3_hex(data)
+            name = self.blob_name(f"pack:{pack}")
+            crc = base64.b64encode(google_crc32c.Checksum(data).digest()).decode("ascii")
+
+            def once(timeout: float) -> None:
+                obj = self._post_media(name, data, len(data), timeout)
+                if obj.get("crc32c") != crc or int(obj.get("size", -1)) != len(data):
+                    self._delete_quietly(name, run.dl, obj.get("generation"))
+                    raise _TransferCorrupt(f"{name}: the server stored other bytes than were sent")
+
+            try:
+                self._call(once, run.dl, f"uploading {len(members)} small files")
+            except Exception as exc:
+                if not _is_precondition_failed(exc):
+                    raise
+        finally:
+            run.pack_slots.release()
+        offset = 0
+        with run.lock:
+            for f, d, cid, _ in members:
+                run.locations[cid] = {"pack": pack, "offset": offset}
+                run.confirmed.add(cid)
+                run.uploaded[cid] = d.size
+                run.done.add(f.relpath)
+                offset += d.size
+
     def _finish_sync(
         self,
         run: _SyncRun,
@@ -1130,8 +1221,8 @@ class GcsCheckpointStore:
         committed: dict[str, tuple[int, int]] = {}
         for rel, (f, d, cid) in sorted(run.included.items()):
             if cid not in run.confirmed:
-                continue  # its upload did not happen (busy twin): treated as busy below
-            new_files[rel] = d.entry(cid)
+                continue  # its upload did not happen (busy twin)
+            new_files[rel] = {**d.entry(cid), **run.locations.get(cid, {})}
             committed[rel] = (f.size, f.mtime_ns)
         busy = sorted(run.busy)
         for rel in busy:
@@ -1228,8 +1319,14 @@ class GcsCheckpointStore:
         pool = _Pool(self.max_workers, dl, "ckpt-restore")
         fds: dict[int, int] = {}
         try:
+            packs: dict[str, list[tuple[int, str, dict]]] = {}
             for i, (rel, entry) in enumerate(items):
-                self._schedule_download(pool, i, rel, entry, staging, fds, dl)
+                if "pack" in entry:
+                    packs.setdefault(entry["pack"], []).append((i, rel, entry))
+                else:
+                    self._schedule_download(pool, i, rel, entry, staging, fds, dl)
+            for pack, members in sorted(packs.items()):
+                self._schedule_pack(pool, pack, members, staging, dl)
             finished = pool.wait(dl.end)
             if pool.error is not None:
                 raise pool.error
@@ -1364,6 +1461,94 @@ class GcsCheckpointStore:
 
         for k in range(len(spans)):
             pool.submit(fetch, k)
+
+    def _schedule_pack(
+        self, pool: _Pool, pack: str, members: list[tuple[int, str, dict]], staging: Path, dl: _Deadline
+    ) -> None:
+        """Queue the small files held by one pack: ranged reads of the runs they occupy, split as they stream."""
+        name = self.blob_name(f"pack:{pack}")
+        members = sorted(members, key=lambda m: (m[2]["offset"], m[2]["size"]))
+        runs: list[list[tuple[int, str, dict]]] = []
+        run_end = -1
+        for m in members:
+            off, size = m[2]["offset"], m[2]["size"]
+            if runs and off - run_end <= MiB and run_end - runs[-1][0][2]["offset"] < self.pack_size:
+                runs[-1].append(m)
+                run_end = max(run_end, off + size)
+            else:
+                runs.append([m])
+                run_end = off + size
+        for ms in runs:
+            pool.submit(self._fetch_pack_run, name, ms, staging, dl)
+
+    def _fetch_pack_run(self, name: str, ms: list[tuple[int, str, dict]], staging: Path, dl: _Deadline) -> None:
+        import google_crc32c
+
+        start = ms[0][2]["offset"]
+        end = max(m[2]["offset"] + m[2]["size"] for m in ms)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+        def once(timeout: float) -> list[tuple[str, int]]:
+            crcs = [google_crc32c.Checksum() for _ in ms]
+            sizes = [0] * len(ms)
+            fds: dict[int, int] = {}
+            try:
+                for j, (i, _, entry) in enumerate(ms):
+                    if entry["size"] == 0:
+                        os.close(os.open(staging / str(i), flags, 0o666))
+                if end > start:
+                    resp = self._http.request(
+                        "GET", self._object_url(name), params={"alt": "media"},
+                        headers={"Range": f"bytes={start}-{end - 1}"}, stream=True, timeout=(timeout, timeout),
+                    )  # fmt: skip
+                    try:
+                        self._raise_for(resp)
+                        if resp.status_code != 206:
+                            raise StorageUnavailableError(f"{self.url}: the server ignored a ranged read of {name}")
+                        pos, first = start, 0
+                        for chunk in resp.iter_content(_BLOCK):
+                            dl.check()
+                            cend = pos + len(chunk)
+                            j = first
+                            while j < len(ms) and ms[j][2]["offset"] < cend:
+                                i, _, entry = ms[j]
+                                a, b = max(pos, entry["offset"]), min(cend, entry["offset"] + entry["size"])
+                                if a < b:
+                                    if j not in fds:
+                                        fds[j] = os.open(staging / str(i), flags, 0o666)
+                                    piece = chunk[a - pos : b - pos]
+                                    os.pwrite(fds[j], piece, a - entry["offset"])
+                                    crcs[j].update(piece)
+                                    sizes[j] += b - a
+                                j += 1
+                            while first < len(ms) and ms[first][2]["offset"] + ms[first][2]["size"] <= cend:
+                                if first in fds:
+                                    os.close(fds.pop(first))
+                                first += 1
+                            pos = cend
+                    finally:
+                        resp.close()
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            return [(base64.b64encode(c.digest()).decode("ascii"), n) for c, n in zip(crcs, sizes)]
+
+        for _ in range(2):  # a mismatch is downloaded once more before giving up
+            try:
+                got = self._call(once, dl, f"downloading {len(ms)} small files")
+            except Exception as exc:
+                if _is_not_found(exc):
+                    raise RestoreError(self._missing(ms[0][1], name)) from None
+                raise
+            wrong = [(m, c, n) for m, (c, n) in zip(ms, got) if n != m[2]["size"] or c != m[2]["crc32c"]]
+            if not wrong:
+                return
+            (_, bad, entry), crc, n = wrong[0]
+            if n != entry["size"]:
+                problem = f"size {n} != {entry['size']} in the manifest"
+            else:
+                problem = f"crc32c {crc} != {entry['crc32c']} in the manifest"
+        raise RestoreError(self._corrupt(bad, name, problem))
 
     def _corrupt(self, rel: str, name: str, problem: str) -> str:
         return f"checkpoint file {rel} is corrupt (gs://{self.bucket_name}/{name}: {problem}); nothing was restored"
