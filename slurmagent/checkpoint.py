@@ -102,7 +102,7 @@ MANIFEST_SCHEMA = 2  # 1: sha256 entries only (still read); 2: + blake3 and link
 STATE_VERSION = 2
 RACY_WINDOW_S = 2.0
 RESERVED_PREFIX = ".slurmagent-"
-HASH_BUFFER = 16 * 1024 * 1024  # read size of the hashing pass of a large file
+HASH_BUFFER = 8 * 1024 * 1024  # read size of the hashing pass of a large file
 _SMALL_READ = 1024 * 1024
 
 SkipCallback = Callable[[str, str], None]  # (relpath, why)

@@ -2,7 +2,8 @@
 
 Remote layout under ``gs://BUCKET/PREFIX``::
 
-    PREFIX/blobs/blake3-<hex>   file contents by BLAKE3, immutable
+    PREFIX/blobs/blake3-<hex>   a file's contents, named by their BLAKE3, immutable
+    PREFIX/blobs/pack-<hex>     small files back to back (named by the pack's BLAKE3), immutable
     PREFIX/blobs/<sha256>       file contents of manifests written before BLAKE3
     PREFIX/parts/<token>/...    parts of a parallel upload in flight (removed once composed)
     PREFIX/manifest.json        the last complete checkpoint (see slurmagent.checkpoint.Manifest)
@@ -20,15 +21,19 @@ manifest is read again and the decision retaken.
 Data path (JSON API, so that it runs against the local emulators too): the
 bytes go through the client's authorized HTTP session as single streamed
 requests, never buffered whole.  A pool of ``max_workers`` daemon threads moves
-files in parallel; a small file (up to ``small_file_max``) is read once, hashed
-and uploaded from memory; a larger one is hashed (BLAKE3 + CRC32C in one read,
-chunks in parallel for a big file) and then streamed; from
-``parallel_upload_threshold`` on, a file goes up as parts in parallel which are
-then composed (``compose``, 32 at a time) into the blob: a parallel composite
-upload.  Every object's CRC32C, as the server computed it, is checked against
+files in parallel.  A small file (up to ``small_file_max``) is read once, hashed
+and uploaded from memory; files up to ``pack_file_max`` travel together in
+packs of ``pack_size`` (one request for thousands of files: per-object costs,
+not bytes, bound many-file checkpoints); a larger file is hashed (BLAKE3 +
+CRC32C in one read, chunks in parallel, on a lane of ``hash_workers`` threads
+that hold the read buffers) and then streamed; from
+``parallel_upload_threshold`` on (off by default, see there), a file goes up
+as parts in parallel which are then composed (``compose``, 32 at a time) into
+the blob: a parallel composite upload.  Every object's CRC32C, as the server computed it, is checked against
 ours.  Restores download files in parallel, a large one as parallel ranged
-reads written in place, each range's CRC32C combined into the file's and
-checked against the manifest before anything is renamed into place.
+reads written in place, a pack as ranged reads split into its files as they
+stream; every file's CRC32C (a large one's combined from its ranges) is checked
+against the manifest before anything is renamed into place.
 
 Deadlines: every request has a timeout (``timeout_s``, capped by the time
 left), transient failures (connection refused/reset, timeouts, 408, 429, 5xx)
@@ -422,7 +427,11 @@ class GcsCheckpointStore:
     small_file_max = 1 * MiB  # read once into memory, uploaded from there (or packed)
     pack_file_max = 256 * 1024  # files up to this size go up together, in packs
     pack_size = 16 * MiB  # bytes per pack
-    parallel_upload_threshold = 2 * GiB  # from this size on: parts in parallel, then compose
+    # From this size on a file goes up as parts in parallel, then compose; None: never.  Off by
+    # default: on both emulators every object write holds one global lock and compose copies the
+    # bytes again, so parts lose to one stream (2 GiB: 114 s against 22 s, bench/flush.py);
+    # Cloud Storage composes without copying, where parallel parts pay for big files.
+    parallel_upload_threshold: int | None = None
     part_size = 128 * MiB  # part of a parallel upload (grown so a file has at most 1024 parts)
     ranged_download_threshold = 64 * MiB  # from this size on: ranged reads in parallel
     range_size = 32 * MiB  # one ranged read
@@ -1128,7 +1137,8 @@ class GcsCheckpointStore:
             self._pack(run, f, d, cid, data)
             return
         try:
-            if data is None and d.size >= self.parallel_upload_threshold:
+            threshold = self.parallel_upload_threshold
+            if data is None and threshold is not None and d.size >= threshold:
                 self._upload_parallel(run, f, d, cid)  # its last part marks it done
                 return
             uploaded = self._upload_whole(f, d, cid, data, dl)
@@ -1304,18 +1314,15 @@ class GcsCheckpointStore:
         root.mkdir(parents=True, exist_ok=True)
         items = sorted(manifest.regular_files().items())
         links = sorted(manifest.links().items())
-        for rel in manifest.files:  # refuse before downloading if a final name cannot be used
-            dest = root.joinpath(*rel.split("/"))
-            if dest.is_dir() and not dest.is_symlink():
-                raise RestoreError(f"cannot restore {rel}: {dest} is a directory")
-            for parent in dest.parents:
-                if parent == root:
-                    break
-                if parent.is_symlink() or (parent.exists() and not parent.is_dir()):
-                    raise RestoreError(f"cannot restore {rel}: {parent} is not a directory")
+        self._check_targets(str(root), manifest)
         for stale in root.glob(f"{_STAGING_PREFIX}*"):  # left by a restore that was killed
             shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=root))
+        staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=root)
+        # The staging directory holds the checkpoint's own tree, so that whole directories
+        # move into place with one rename each when the destination does not have them.
+        stage = [os.path.join(staging, *rel.split("/")) for rel, _ in items]
+        for d in sorted({os.path.dirname(p) for p in stage} | {os.path.join(staging, *ck._parents(r)[-1:]) for r, _ in links}):
+            os.makedirs(d, exist_ok=True)
         pool = _Pool(self.max_workers, dl, "ckpt-restore")
         fds: dict[int, int] = {}
         try:
@@ -1324,9 +1331,9 @@ class GcsCheckpointStore:
                 if "pack" in entry:
                     packs.setdefault(entry["pack"], []).append((i, rel, entry))
                 else:
-                    self._schedule_download(pool, i, rel, entry, staging, fds, dl)
+                    self._schedule_download(pool, i, rel, entry, stage[i], fds, dl)
             for pack, members in sorted(packs.items()):
-                self._schedule_pack(pool, pack, members, staging, dl)
+                self._schedule_pack(pool, pack, members, stage, dl)
             finished = pool.wait(dl.end)
             if pool.error is not None:
                 raise pool.error
@@ -1338,29 +1345,42 @@ class GcsCheckpointStore:
                     [rel for rel, _ in items],
                     manifest.total_bytes,
                 )
-            placed: list[tuple[str, dict, Path]] = []
-            for i, (rel, entry) in enumerate(items):
-                dest = root.joinpath(*rel.split("/"))
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staging / str(i), dest)
-                placed.append((rel, entry, dest))
-            for j, (rel, target) in enumerate(links):
-                dest = root.joinpath(*rel.split("/"))
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp_link = staging / f"link-{j}"
-                os.symlink(target, tmp_link)
-                os.replace(tmp_link, dest)
+            for fd in list(fds.values()):
+                os.close(fd)
+            fds.clear()
+            for rel, target in links:
+                os.symlink(target, os.path.join(staging, *rel.split("/")))
+            _move_tree(staging, str(root))
         finally:
             pool.close()
-            for fd in list(fds.values()):
+            for fd in fds.values():
                 try:
                     os.close(fd)
                 except OSError:
                     pass
             shutil.rmtree(staging, ignore_errors=True)
+        placed = [(rel, entry, os.path.join(root, *rel.split("/"))) for rel, entry in items]
         self._after_restore(root, manifest, placed, links, state_file)
         log.info("restored %d files (%d bytes) from %s", len(items), manifest.total_bytes, self.manifest_url)
         return manifest
+
+    @staticmethod
+    def _check_targets(root: str, manifest: Manifest) -> None:
+        """Refuse, before downloading, a restore whose final names cannot be used as they are."""
+        parents: set[str] = set()
+        for rel in manifest.files:
+            dest = os.path.join(root, *rel.split("/"))
+            if os.path.isdir(dest) and not os.path.islink(dest):
+                raise RestoreError(f"cannot restore {rel}: {dest} is a directory")
+            parents.update(ck._parents(rel))
+        for parent in sorted(parents):
+            path = os.path.join(root, *parent.split("/"))
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):  # a file, or a symlink we would write through
+                raise RestoreError(f"cannot restore into {parent}/: {path} is not a directory")
 
     def _after_restore(
         self,
@@ -1394,12 +1414,11 @@ class GcsCheckpointStore:
                 self._say_once(f"state:{exc}", f"could not save the checkpoint hash cache {state.path}: {exc.strerror or exc}")
 
     def _schedule_download(
-        self, pool: _Pool, i: int, rel: str, entry: dict, staging: Path, fds: dict[int, int], dl: _Deadline
+        self, pool: _Pool, i: int, rel: str, entry: dict, path: str, fds: dict[int, int], dl: _Deadline
     ) -> None:
-        """Queue the download of one file into ``staging/i``: whole, or as parallel ranged reads."""
+        """Queue the download of one file into ``path``: whole, or as parallel ranged reads."""
         size = entry["size"]
         name = self.blob_name(entry_content_id(entry))
-        path = staging / str(i)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
         fds[i] = fd
         if size == 0:
@@ -1463,7 +1482,7 @@ class GcsCheckpointStore:
             pool.submit(fetch, k)
 
     def _schedule_pack(
-        self, pool: _Pool, pack: str, members: list[tuple[int, str, dict]], staging: Path, dl: _Deadline
+        self, pool: _Pool, pack: str, members: list[tuple[int, str, dict]], stage: list[str], dl: _Deadline
     ) -> None:
         """Queue the small files held by one pack: ranged reads of the runs they occupy, split as they stream."""
         name = self.blob_name(f"pack:{pack}")
@@ -1479,9 +1498,9 @@ class GcsCheckpointStore:
                 runs.append([m])
                 run_end = off + size
         for ms in runs:
-            pool.submit(self._fetch_pack_run, name, ms, staging, dl)
+            pool.submit(self._fetch_pack_run, name, ms, stage, dl)
 
-    def _fetch_pack_run(self, name: str, ms: list[tuple[int, str, dict]], staging: Path, dl: _Deadline) -> None:
+    def _fetch_pack_run(self, name: str, ms: list[tuple[int, str, dict]], stage: list[str], dl: _Deadline) -> None:
         import google_crc32c
 
         start = ms[0][2]["offset"]
@@ -1495,7 +1514,7 @@ class GcsCheckpointStore:
             try:
                 for j, (i, _, entry) in enumerate(ms):
                     if entry["size"] == 0:
-                        os.close(os.open(staging / str(i), flags, 0o666))
+                        os.close(os.open(stage[i], flags, 0o666))
                 if end > start:
                     resp = self._http.request(
                         "GET", self._object_url(name), params={"alt": "media"},
@@ -1515,7 +1534,7 @@ class GcsCheckpointStore:
                                 a, b = max(pos, entry["offset"]), min(cend, entry["offset"] + entry["size"])
                                 if a < b:
                                     if j not in fds:
-                                        fds[j] = os.open(staging / str(i), flags, 0o666)
+                                        fds[j] = os.open(stage[i], flags, 0o666)
                                     piece = chunk[a - pos : b - pos]
                                     os.pwrite(fds[j], piece, a - entry["offset"])
                                     crcs[j].update(piece)
@@ -1556,3 +1575,20 @@ class GcsCheckpointStore:
     def _missing(self, rel: str, name: str) -> str:
         return f"checkpoint file {rel}: blob gs://{self.bucket_name}/{name} is missing; nothing was restored"
 
+
+def _move_tree(src: str, dst: str) -> None:
+    """Move everything under ``src`` into ``dst``: a name ``dst`` lacks moves whole (one rename),
+    a directory both have is merged, a file replaces ``dst``'s.  Never follows a symlink of ``dst``."""
+    with os.scandir(src) as it:
+        entries = list(it)
+    for entry in entries:
+        target = os.path.join(dst, entry.name)
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            os.rename(entry.path, target)
+            continue
+        if entry.is_dir(follow_symlinks=False) and stat.S_ISDIR(st.st_mode):
+            _move_tree(entry.path, target)
+        else:
+            os.replace(entry.path, target)
