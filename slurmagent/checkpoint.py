@@ -227,7 +227,7 @@ def _link_problem(relpath: str, target: object) -> str | None:
 # ------------------------------------------------------------------------- scanning
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalFile:
     """One entry of the checkpoint directory: a regular file, or a kept symlink (``link``)."""
 
@@ -453,7 +453,7 @@ def crc32c_int(b64: str) -> int:
 EMPTY_CRC32C = "AAAAAA=="
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileDigest:
     """What a file's bytes are: content id(s), CRC32C (base64, as GCS reports it) and size."""
 

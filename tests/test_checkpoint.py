@@ -563,6 +563,15 @@ def test_backslash_name_is_synced_and_restorable(emu, dirs):
     assert read_tree(dirs.restore) == files
 
 
+def test_a_name_that_is_not_utf8_is_synced_and_restorable(emu, dirs):
+    raw_name = b"caf\xe9-\xff.pt"  # latin-1 bytes, as an old tool may write them
+    (dirs.ckpt / os.fsdecode(raw_name)).write_bytes(b"bytes")
+    store().sync(dirs.ckpt, 0, dirs.state, 30)
+    store().restore(dirs.restore)
+    assert os.listdir(os.fsencode(dirs.restore)) == [raw_name]
+    assert (dirs.restore / os.fsdecode(raw_name)).read_bytes() == b"bytes"
+
+
 def test_lightning_last_link_is_restored_as_a_link(emu, dirs):
     write_tree(dirs.ckpt, {"epoch=1-step=200.ckpt": b"step 200", "epoch=0-step=100.ckpt": b"step 100"})
     os.symlink("epoch=1-step=200.ckpt", dirs.ckpt / "last.ckpt")

@@ -426,7 +426,7 @@ class GcsCheckpointStore:
 
     small_file_max = 1 * MiB  # read once into memory, uploaded from there (or packed)
     pack_file_max = 256 * 1024  # files up to this size go up together, in packs
-    pack_size = 16 * MiB  # bytes per pack
+    pack_size = 8 * MiB  # bytes per pack (two sealed packs and one filling are in memory)
     # From this size on a file goes up as parts in parallel, then compose; None: never.  Off by
     # default: on both emulators every object write holds one global lock and compose copies the
     # bytes again, so parts lose to one stream (2 GiB: 114 s against 22 s, bench/flush.py);
@@ -1190,6 +1190,7 @@ class GcsCheckpointStore:
 
         try:
             data = b"".join(m[3] for m in members)
+            members[:] = [(f, d, cid, b"") for f, d, cid, _ in members]  # one copy of the bytes in memory
             pack = ck.blake3_hex(data)
             name = self.blob_name(f"pack:{pack}")
             crc = base64.b64encode(google_crc32c.Checksum(data).digest()).decode("ascii")
