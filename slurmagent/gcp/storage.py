@@ -64,7 +64,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
 from slurmagent import checkpoint as ck
