@@ -10,30 +10,20 @@ This module starts its own cluster (c1, c2 CLOUD; s1 static, kept drained), not 
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
-from conftest import REPO, healthy_snapshot_dict, hook_shim, wait_for, write_json, xid_snapshot_dict
+from conftest import REPO, healthy_snapshot_dict, slurm_major, hook_shim, wait_for, write_json, xid_snapshot_dict
 from fake_gcp import FakeGcp
 from slurmagent import reasons
 from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 from slurmagent.nodes import node_from_kv
 
-def _slurm_major() -> int:
-    """The local Slurm's major version (22 on Debian 12, 24 on Debian 13); 0 when unknown."""
-    try:
-        out = subprocess.run(["slurmctld", "-V"], capture_output=True, text=True, timeout=10).stdout
-        return int(out.split()[1].split(".")[0])
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return 0
-
-
 # The harness's CLOUD nodes (ResumeProgram starts `slurmd -b`) are proven on Slurm 22.05 only: on
 # 24.11 the job never reaches the powered-up node within 120 s (seen in the Debian 13 lane).
 # Until the harness learns 24.11's power-saving start, these run in the 22.05 lane only.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
-              pytest.mark.skipif(_slurm_major() >= 23, reason="local CLOUD-node harness verified on Slurm 22.05 only")]
+              pytest.mark.skipif(slurm_major() >= 23, reason="local CLOUD-node harness verified on Slurm 22.05 only")]
 
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 

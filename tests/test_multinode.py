@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, wait_for
+from conftest import REPO, slurm_major, wait_for
 from gcs_fault_proxy import GcsFaultProxy
 from slurmagent import config as config_mod
 from slurmagent.devtools.localcluster import LocalSlurmCluster, free_ports, slurm_available
@@ -20,7 +20,11 @@ RANKS = str(Path(__file__).with_name("toy_ranks.py"))
 DDP_DCP = str(REPO / "examples" / "ddp_dcp_train.py")
 NODES = ["n1", "n2", "n3", "n4"]
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# Node-local slurmd (one `unshare -m` namespace each) do not register inside the Debian 13 chroot
+# lane (all UNKNOWN+NOT_RESPONDING there): the multi-node tests run in the Slurm 22.05 lane
+# until that lane's harness learns it.
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
+              pytest.mark.skipif(slurm_major() >= 23, reason="node-local slurmd harness verified on Slurm 22.05 only")]
 
 
 @pytest.fixture(scope="module")
