@@ -4,10 +4,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-DEB_PACKAGES := slurmctld slurmd slurm-client munge
+DEB_PACKAGES := slurmctld slurmd slurm-client munge debootstrap
 PYTEST_ARGS ?=
 
-.PHONY: deps venv test test-fast demo bench clean
+LANES  := build/lanes
+# The Debian 13 lane runs the whole suite too unless told otherwise (torch tests skip there).
+TRIXIE_PYTEST_ARGS ?= $(PYTEST_ARGS)
+
+.PHONY: deps venv test test-host test-trixie test-fast demo bench clean
 
 deps: .deps.stamp
 .deps.stamp:
@@ -22,11 +26,28 @@ deps: .deps.stamp
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,frameworks]'
 	@touch $@
 
+# Both lanes, one after the other (they share the cores), then one line per lane saying which
+# Slurm and Python it ran; fails when either lane failed or ran no test.
 test: deps venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@rm -f $(LANES)/*.summary; mkdir -p $(LANES); rc=0; \
+	$(MAKE) --no-print-directory test-host || rc=1; \
+	$(MAKE) --no-print-directory test-trixie || rc=1; \
+	echo "== test lanes"; \
+	for lane in host trixie; do \
+	  cat $(LANES)/$$lane.summary 2>/dev/null || echo "lane $$lane: did not finish -- FAILED (see above)"; \
+	done; \
+	exit $$rc
+
+# This machine's Slurm and Python (Debian 12: Slurm 22.05, Python 3.11).
+test-host: deps venv
+	@VENV=$(VENV) LANE_SUMMARY_FILE=$(CURDIR)/$(LANES)/host.summary ci/host-lane.sh $(PYTEST_ARGS)
+
+# Debian 13's Slurm 24.11 and Python 3.13 in a cached debootstrap chroot (root; see ci/trixie-lane.sh).
+test-trixie:
+	@LANE_SUMMARY_FILE=$(CURDIR)/$(LANES)/trixie.summary ci/trixie-lane.sh $(TRIXIE_PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slurm and not slow" $(PYTEST_ARGS)

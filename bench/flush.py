@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     tunables = dict(kv.split("=", 1) for kv in args.set)
 
-    from slurmagent.localgcs import GcsEmulator
+    from slurmagent.devtools.localgcs import GcsEmulator
 
     size = int(args.size_gib * GiB)
     shapes = [("one-file", 1, size), ("shards", 16, size // 16), ("small", args.small_files, args.small_kib * 1024)]

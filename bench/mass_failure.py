@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict  # noqa: E402
 from fake_gcp import FakeGcp  # noqa: E402
 
-from slurmagent import policy  # noqa: E402
-from slurmagent.localcluster import LocalSlurmCluster, slurm_available  # noqa: E402
-from slurmagent.slurm import parse_kv  # noqa: E402
+from slurmagent import reasons  # noqa: E402
+from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available  # noqa: E402
+from slurmagent.nodes import NodeInfo, node_from_kv, parse_kv  # noqa: E402
 
 ZONE = "us-central1-a"
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
@@ -78,9 +78,9 @@ def query(cluster, argv: list[str]) -> str:
     raise RuntimeError(f"{argv}: {proc.stderr.strip()}")
 
 
-def nodes_now(cluster) -> dict[str, policy.NodeView]:
+def nodes_now(cluster) -> dict[str, NodeInfo]:
     out = query(cluster, ["scontrol", "-o", "show", "node"])
-    return {v.name: v for v in (policy.node_view(parse_kv(line)) for line in out.splitlines() if line)}
+    return {v.name: v for v in (node_from_kv(parse_kv(line)) for line in out.splitlines() if line)}
 
 
 def jobs_now(cluster) -> dict[str, tuple[str, str, int]]:
@@ -151,10 +151,10 @@ def naive_repair(cluster, gcp: FakeGcp, bad: list[str], scontrol_log: Path, scon
     compute = Compute(gcp.project, gcp.url)
     t0 = time.monotonic()
     for node in bad:
-        view = [v for v in (policy.node_view(parse_kv(line)) for line in
+        view = [v for v in (node_from_kv(parse_kv(line)) for line in
                             slurm._scontrol("-o", "show", "node", node).stdout.splitlines()) if v.name == node][0]
         mig = compute.instance_mig(ZONE, node)
-        slurm.set_reason([node], policy.repairing_reason(view.reason or XID79))
+        slurm.set_reason([node], reasons.repairing_reason(view.reason or XID79))
         for op in compute.recreate(mig, [(ZONE, node)], str(uuid.uuid4())):
             compute.wait(op)
     return {"seconds": time.monotonic() - t0, "scontrol": count(scontrol_log) - before_s,

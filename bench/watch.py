@@ -81,8 +81,8 @@ def main() -> None:
 
     from conftest import healthy_snapshot_dict  # the tests' replay snapshot (GPU 3 at 0000:48:00)
     from slurmagent.decisionlog import read_records
-    from slurmagent.healthcheck import _parse_time
-    from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+    from slurmagent.timefmt import parse_log_time
+    from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 
     why = slurm_available()
     if why:
@@ -134,7 +134,7 @@ def main() -> None:
                     raise SystemExit("no decision line logged")
                 time.sleep(0.01)
             record = records[-1]
-            decided.append(_parse_time(record["time"]) - wall0)
+            decided.append(parse_log_time(record["time"]) - wall0)
             acting.append(record["duration_ms"] / 1000)
             until_resumed(cluster, "n1")
 

@@ -1,4 +1,4 @@
-"""A plain training loop under `slurmagent run -- python examples/plain_loop.py`."""
+"""A plain training loop under `slurmagent run -- python examples/plain_loop.py [TOTAL [STEP_S]]`."""
 
 import json
 import sys
@@ -6,18 +6,20 @@ import time
 
 from slurmagent import trainer
 
-TOTAL = 1000
+TOTAL = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
+STEP_S = float(sys.argv[2]) if len(sys.argv) > 2 else 0.1
 
-with trainer.checkpoint_handler():
+with trainer.checkpoint_handler():  # SIGUSR1/SIGTERM only set a flag
     state_file = trainer.ckpt_dir() / "state.json"
     step = json.loads(state_file.read_text())["step"] if trainer.resumed() else 0
     print(f"starting at step {step} (restart {trainer.restart_count()})", flush=True)
     while step < TOTAL:
-        time.sleep(0.1)  # one training step
+        time.sleep(STEP_S)  # one training step
         step += 1
-        if step % 100 == 0 or trainer.checkpoint_requested():
+        stop = trainer.any_rank(trainer.checkpoint_requested())  # every rank stops at the same step
+        if step % 100 == 0 or stop:
             trainer.atomic_write(state_file, json.dumps({"step": step}))
-        if trainer.checkpoint_requested():
+        if stop:
             print(f"checkpointed at step {step}, exiting for requeue", flush=True)
             sys.exit(0)
-print("done", flush=True)
+print(f"done at step {step}", flush=True)

@@ -92,6 +92,7 @@ __all__ = [
     "scan_checkpoint_dir",
     "hash_file",
     "entry_content_id",
+    "no_progress_after",
     "crc32c_combine",
     "checkpoint_lag",
     "parse_remote",
@@ -804,11 +805,20 @@ class Manifest:
     with ``pack``, ``size`` bytes at ``offset`` of ``blobs/pack-<pack>``: small
     files travel together.  A ``link`` entry is a symlink, its target relative
     to the link's directory.  Unknown keys are ignored.
+
+    A multi-node job's manifest also says how many nodes wrote it and which node
+    indexes held each file (``"node_count": 2, "writers": {"rank1.pt": [1]}``), so a
+    restore can give each node only its own files (``--restore-scope node``);
+    ``no_progress`` counts the restarts in a row whose committed checkpoint
+    equals the one they restored (the wrapper's requeue budget).
     """
 
     attempt: int
     created: str = field(default_factory=utc_now_rfc3339)
     files: dict[str, dict] = field(default_factory=dict)
+    node_count: int = 0  # 0: a single-node checkpoint (no writers recorded)
+    writers: dict[str, list[int]] = field(default_factory=dict)
+    no_progress: int = 0  # restarts in a row whose committed files equal the restored ones
 
     @property
     def total_bytes(self) -> int:
@@ -822,14 +832,19 @@ class Manifest:
 
     def content_signature(self) -> tuple[tuple[str, str], ...]:
         """(name, content id) of every entry, sorted: equal iff two checkpoints hold the same."""
-        return tuple(sorted((rel, entry_content_id(e)) for rel, e in self.files.items()))
+        return content_signature(self.files)
+
+    def same_content(self, files: Mapping[str, dict]) -> bool:
+        """Same names with the same contents (content ids; where the bytes are stored does not count)."""
+        return self.content_signature() == content_signature(files)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"schema": MANIFEST_SCHEMA, "attempt": self.attempt, "created": self.created, "files": self.files},
-            sort_keys=True,
-            indent=1,
-        )
+        body: dict = {"schema": MANIFEST_SCHEMA, "attempt": self.attempt, "created": self.created, "files": self.files}
+        if self.node_count:
+            body.update(node_count=self.node_count, writers=self.writers)
+        if self.no_progress:
+            body["no_progress"] = self.no_progress
+        return json.dumps(body, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest") -> "Manifest":
@@ -897,7 +912,43 @@ class Manifest:
                     raise bad(f"files[{rel!r}].offset is not an integer >= 0")
                 clean[rel].update(pack=e["pack"], offset=offset)
         _check_tree(clean, bad)
-        return cls(attempt=attempt, created=created, files=clean)
+        node_count = raw.get("node_count", 0)
+        if not isinstance(node_count, int) or isinstance(node_count, bool) or node_count < 0:
+            raise bad(f"node_count {node_count!r} is not an integer >= 0")
+        writers = raw.get("writers", {}) if node_count else {}
+        if not isinstance(writers, dict):
+            raise bad("writers is not an object")
+        for rel, nodes in writers.items():
+            if rel not in clean:
+                raise bad(f"writers names {rel!r}, which is not in files")
+            if not isinstance(nodes, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < node_count for i in nodes
+            ):
+                raise bad(f"writers[{rel!r}] is not a list of node indexes below node_count {node_count}")
+        no_progress = raw.get("no_progress", 0)
+        if not isinstance(no_progress, int) or isinstance(no_progress, bool) or no_progress < 0:
+            raise bad(f"no_progress {no_progress!r} is not an integer >= 0")
+        return cls(
+            attempt=attempt,
+            created=created,
+            files=clean,
+            node_count=node_count,
+            writers={rel: sorted(set(nodes)) for rel, nodes in writers.items()},
+            no_progress=no_progress,
+        )
+
+
+def content_signature(files: Mapping[str, dict]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((rel, entry_content_id(e)) for rel, e in files.items()))
+
+
+def no_progress_after(restored: Manifest | None, files: Mapping[str, dict]) -> int:
+    """The no-progress streak of a manifest committing ``files`` in an attempt that restored
+    ``restored``: 0 when the attempt changed the checkpoint (or started without one), else one
+    more than the restored manifest's streak. The wrapper's requeue budget is read from it."""
+    if restored is None or not restored.same_content(files):
+        return 0
+    return restored.no_progress + 1
 
 
 def _check_tree(files: Mapping[str, dict], bad: Callable[[str], ManifestError]) -> None:

@@ -112,12 +112,13 @@ def run_checks(
     kernel_xids: Iterable[tuple[int | None, int, str]] = (),
 ) -> Report:
     """All checks. `kernel_xids` are (gpu index, xid code, detail) read since the cursor."""
-    report = Report(gpus_seen=len(snap.gpus), expected_gpus=expected_gpus)
+    seen = len({g.index for g in snap.gpus})  # a GPU listed twice is one GPU
+    report = Report(gpus_seen=seen, expected_gpus=expected_gpus)
     add = report.findings.append
     if snap.nvml_error:
         add(Finding("nvml-error", Severity.DRAIN, None, f"NVML cannot start ({snap.nvml_error})", snap.nvml_error))
-    elif expected_gpus is not None and len(snap.gpus) < expected_gpus:
-        add(Finding("gpu-count", Severity.DRAIN, None, f"found {len(snap.gpus)} of {expected_gpus} GPUs", len(snap.gpus)))
+    elif expected_gpus is not None and seen < expected_gpus:
+        add(Finding("gpu-count", Severity.DRAIN, None, f"found {seen} of {expected_gpus} GPUs", seen))
     for gpu in snap.gpus:
         report.findings.extend(check_gpu(gpu, limits))
     for gpu_index, code, detail in kernel_xids:

@@ -22,8 +22,11 @@ class State:
         self.config_path = config_path
         self.debug = debug
 
-    def config(self, for_root_hook: bool = False) -> config_mod.Config:
-        return config_mod.load(self.config_path, for_root_hook=for_root_hook)
+    def config(self, for_root_hook: bool | None = None) -> config_mod.Config:
+        """The config; as root only one that only root could have written (every root command
+        may run its `[slurm]` binaries), unless `for_root_hook` says otherwise."""
+        root = os.geteuid() == 0 if for_root_hook is None else for_root_hook
+        return config_mod.load(self.config_path, for_root_hook=root)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,9 +40,10 @@ def cli(ctx: click.Context, config_path: str | None, debug: bool) -> None:
 
 
 def _node_name(node: str | None) -> str:
-    from .slurm import valid_node_name
+    from .host import node_name  # start-up speed
+    from .slurm import valid_node_name  # start-up speed
 
-    name = node or os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+    name = node_name(node)
     if not valid_node_name(name):  # it names state paths and scontrol arguments
         raise SlurmagentError(f"not a Slurm node name: {name!r} (--node or $SLURMD_NODENAME)")
     return name
@@ -54,7 +58,7 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
     """Run the health checks and print findings (exit 0 healthy, 1 unhealthy)."""
     from dataclasses import replace
 
-    from .health import evaluate
+    from .health import evaluate  # start-up speed
 
     cfg = state.config()
     name = _node_name(node)
@@ -70,7 +74,7 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
         for f in report.findings:
             click.echo(f"  {f.severity.name:<5} {f.summary}")
         if not report.healthy:
-            from .hooks import reason_for
+            from .reasons import reason_for  # start-up speed
 
             click.echo(f"  drain reason: {reason_for(report)}")
     sys.exit(0 if report.healthy else 1)
@@ -81,31 +85,33 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
 @click.pass_obj
 def snapshot(state: State, output: str | None) -> None:
     """Capture this node's GPU state in the replay format."""
-    from . import nvml
-    from .snapshot import save
+    from .nvml_deadline import read_snapshot_with_deadline  # start-up speed
+    from .fsutil import atomic_write_text  # start-up speed
 
     cfg = state.config()
-    snap = nvml.read_snapshot_with_deadline(cfg.health.timeout_s, hostname=_node_name(None))
+    snap = read_snapshot_with_deadline(cfg.health.timeout_s, hostname=_node_name(None))
     if output:
-        save(snap, output)
+        atomic_write_text(output, snap.to_json())  # a reader never sees half a snapshot
     else:
         click.echo(snap.to_json(), nl=False)
 
 
 @cli.command()
-def prolog() -> None:
+@click.pass_obj
+def prolog(state: State) -> None:
     """Slurm Prolog entry point (reads SLURM_JOB_ID, SLURMD_NODENAME)."""
-    from .hookmain import hook_main
+    from .hookmain import hook_main  # start-up speed
 
-    sys.exit(hook_main("prolog"))
+    sys.exit(hook_main("prolog", state.config_path))
 
 
 @cli.command()
-def epilog() -> None:
+@click.pass_obj
+def epilog(state: State) -> None:
     """Slurm Epilog entry point (reads SLURM_JOB_ID, SLURM_JOB_EXIT_CODE)."""
-    from .hookmain import hook_main
+    from .hookmain import hook_main  # start-up speed
 
-    sys.exit(hook_main("epilog"))
+    sys.exit(hook_main("epilog", state.config_path))
 
 
 @cli.command("release-held", hidden=True)
@@ -114,8 +120,8 @@ def epilog() -> None:
 @click.pass_obj
 def release_held(state: State, job_id: str, deadline: float) -> None:
     """Internal: release a job Slurm requeued held after our prolog failed."""
-    from .hooks import release_when_held
-    from .slurm import Slurm
+    from .actions import release_when_held  # start-up speed
+    from .slurm import Slurm  # start-up speed
 
     if not job_id.replace("_", "").isdigit():
         raise click.BadParameter(f"not a job id: {job_id!r}")
@@ -127,7 +133,7 @@ def release_held(state: State, job_id: str, deadline: float) -> None:
 @click.pass_obj
 def doctor(state: State) -> None:
     """Check slurm.conf, config, NVML, state dir, metadata, Compute, bucket, clock; say what to fix."""
-    from .doctor import run_doctor
+    from .doctor import run_doctor  # start-up speed
 
     results = run_doctor(state.config_path)
     width = max(len(r.name) for r in results)
@@ -138,34 +144,71 @@ def doctor(state: State) -> None:
     sys.exit(0 if all(r.ok for r in results) else 1)
 
 
-@cli.command(context_settings={"ignore_unknown_options": False})
-@click.option("--ckpt-dir", metavar="DIR", help="local checkpoint dir (default ${TMPDIR:-/tmp}/slurmagent/<job id>; %n = node)")
+# The command's own options and its `--` stay its own: parsing stops at the first word of CMD.
+@cli.command(context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False})
+@click.option("--ckpt-dir", metavar="DIR", help="local checkpoint dir (default ${TMPDIR:-/tmp}/slurmagent-<uid>/<job id>, private; %n = node)")
 @click.option("--remote", metavar="gs://B/P", help="checkpoint remote (default [checkpoint] remote + /<job id>)")
 @click.option("--ckpt-signal", default="USR1", show_default=True, help="signal that asks the job to checkpoint")
 @click.option("--grace", type=float, metavar="SECONDS", help="how long the job may take to checkpoint [checkpoint.grace_s]")
-@click.option("--max-requeues", type=int, metavar="N", help="requeue at most N times [checkpoint.max_requeues]")
+@click.option("--max-requeues", type=int, metavar="N", help="stop after N restarts in a row without a new checkpoint [checkpoint.max_requeues]")
 @click.option("--sync-interval", type=float, metavar="SECONDS", help="background sync period [checkpoint.sync_interval_s]")
+@click.option("--restore-scope", type=click.Choice(["all", "node"]), default="all", show_default=True,
+              help="multi-node jobs: restore the whole checkpoint on every node, or only the files each node wrote")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, cmd) -> None:
+def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, restore_scope, cmd) -> None:
     """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
-    from .runner import run_command
+    from .runner import run_command  # start-up speed
+
+    for option, key, value in (("--grace", "checkpoint.grace_s", grace), ("--sync-interval", "checkpoint.sync_interval_s",
+                               sync_interval), ("--max-requeues", "checkpoint.max_requeues", max_requeues)):
+        allowed = None if value is None else config_mod.out_of_range(key, value)
+        if allowed:
+            raise SlurmagentError(f"run: {option} {value} is out of range ({allowed})")
 
     sys.exit(run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
-                         grace=grace, max_requeues=max_requeues, sync_interval=sync_interval))
+                         grace=grace, max_requeues=max_requeues, sync_interval=sync_interval,
+                         restore_scope=restore_scope))
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@cli.command("node-agent", hidden=True)
+@click.argument("action", type=click.Choice(["restore", "sync"]))
+@click.option("--ckpt-dir", required=True)
+@click.option("--remote", default="")
+@click.option("--state-file", default=None)
+@click.option("--attempt", type=click.IntRange(0), default=0)
+@click.option("--generation", type=click.IntRange(0), default=0)
+@click.option("--scope", type=click.Choice(["all", "node"]), default="all")
+@click.option("--deadline", type=click.FloatRange(1.0), default=600.0)
+def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline) -> None:
+    """Internal: one node's part of a multi-node job's restore or sync (run by the wrapper via srun)."""
+    from .allocation import node_agent_main  # start-up speed: only this hidden command needs it
+
+    sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,
+                             generation=generation, scope=scope, deadline_s=deadline, env=os.environ))
+
+
+class PassThrough(click.Command):
+    """Hands every argument over untouched (only a lone `-h`/`--help` is click's): click would
+    drop the first `--` it meets, and in `sbatch -N1 --gres=gpu:8 -- python train.py` that `--`
+    is where sbatch's options end."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args in (["-h"], ["--help"]):
+            return super().parse_args(ctx, args)
+        ctx.params["args"] = tuple(args)
+        ctx.args = []
+        return []
+
+
+@cli.command(cls=PassThrough)
 @click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 def sbatch(state: State, args) -> None:
     """Submit CMD wrapped by `run`: slurmagent sbatch [sbatch opts] -- CMD ARGS..."""
-    from .runner import submit
+    from .runner import submit  # start-up speed
 
     sys.exit(submit(state.config(), list(args)))
-
-
-# --- issue 7: health between jobs (watch, healthcheck) ---------------------------------------
 
 
 @cli.command()
@@ -176,7 +219,7 @@ def sbatch(state: State, args) -> None:
 @click.pass_obj
 def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> None:
     """Long-running: drain this node at once on a drain-class XID (NVML events, kernel log)."""
-    from .watch import run_watch
+    from .watch import run_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
     sys.exit(run_watch(cfg, _node_name(node), interval=interval, use_nvml=not no_nvml))
@@ -189,7 +232,7 @@ def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> Non
 @click.pass_obj
 def healthcheck(state: State, node: str | None, skip_recent: float | None) -> None:
     """For Slurm's HealthCheckProgram: check this node, drain on failure (0 healthy, 1 unhealthy)."""
-    from .healthcheck import run_healthcheck
+    from .healthcheck import run_healthcheck  # start-up speed
 
     code = run_healthcheck(_node_name(node), lambda: state.config(for_root_hook=os.geteuid() == 0),
                            skip_recent=skip_recent)
@@ -200,12 +243,9 @@ def healthcheck(state: State, node: str | None, skip_recent: float | None) -> No
 @click.option("--keep", is_flag=True, help="keep the demo's work directory")
 def demo(keep: bool) -> None:
     """The end-to-end scenario on a local Slurm cluster with emulated GCP."""
-    from .demo import run_demo
+    from .devtools.demo import run_demo  # the dev harness: only this command imports it
 
     sys.exit(run_demo(keep=keep))
-
-
-# --- issue 4: repair loop (repair, resume-if-healthy, status, journal) -----------------------
 
 
 @cli.command()
@@ -215,13 +255,13 @@ def demo(keep: bool) -> None:
 @click.pass_obj
 def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> None:
     """Repair nodes drained by slurmagent through their MIG (all of them when none named)."""
-    from .hostlist import expand
-    from .repair import run_repair
+    from .hostlist import expand  # start-up speed
+    from .repair import run_repair  # start-up speed
 
     try:
         names = [n for expr in nodes for n in expand(expr)]
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise SlurmagentError(f"repair: {exc}") from None
     cfg = state.config()
     if os.geteuid() != 0 and not dry_run:
         _require_root_for_repair(cfg)
@@ -251,7 +291,7 @@ def _require_root_for_repair(cfg: config_mod.Config) -> None:
 @click.pass_obj
 def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> None:
     """At boot: resume this node if it is healthy and drained by slurmagent (exit 1: unhealthy)."""
-    from .repair import run_resume_if_healthy
+    from .repair import run_resume_if_healthy  # start-up speed
 
     sys.exit(run_resume_if_healthy(state.config(for_root_hook=os.geteuid() == 0), _node_name(node),
                                    out=sys.stdout, wait_s=wait_s))
@@ -262,7 +302,7 @@ def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> N
 @click.pass_obj
 def status(state: State, as_json: bool) -> None:
     """Nodes drained by slurmagent, repair state, breaker, journal backlog, expiry countdowns."""
-    from .repair import collect_status, format_status
+    from .status import collect_status, format_status  # start-up speed
 
     st = collect_status(state.config())
     click.echo(json.dumps(st, indent=1, default=str) if as_json else format_status(st))
@@ -274,14 +314,14 @@ def status(state: State, as_json: bool) -> None:
 @click.pass_obj
 def journal_cmd(state: State, replay: bool, node: str | None) -> None:
     """Show (or replay) this node's journal of pending actions."""
-    from .journal import Journal
-    from .repair import Runtime
-    from .slurm import Slurm
+    from .actions import Actions  # start-up speed
+    from .journal import Journal  # start-up speed
+    from .slurm import Slurm  # start-up speed
 
     cfg = state.config()
     name = _node_name(node)
     if replay:
-        for entry, outcome in Runtime(cfg, Slurm.from_config(cfg), name).replay():
+        for entry, outcome in Actions(cfg, Slurm.from_config(cfg), name).replay():
             click.echo(f"{entry.kind} {json.dumps(entry.payload, sort_keys=True)}: {outcome}")
     j = Journal.for_config(cfg, name)
     pending = j.pending()
@@ -299,8 +339,9 @@ def install(root_dir: str, dry_run: bool) -> None:
     """Install hook shims, systemd units and a config template (idempotent)."""
     from pathlib import Path
 
-    from .install import install as do_install, missing_slurm_conf_lines
-    from .slurm import slurm_conf_path
+    from .doctor import missing_slurm_conf_lines  # start-up speed
+    from .install import install as do_install  # start-up speed
+    from .slurm import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
     for step in do_install(root, dry_run=dry_run):
@@ -318,9 +359,6 @@ def install(root_dir: str, dry_run: bool) -> None:
                "scontrol reconfigure")
 
 
-# --- issue 5: flex-start expiry watch ---------------------------------------------------------
-
-
 @cli.command("expiry-watch")
 @click.option("--once", is_flag=True, help="one check and exit (what slurmagent-expiry.timer runs every 30 s)")
 @click.option("--node", metavar="NAME", help="node name (default $SLURMD_NODENAME or the host name)")
@@ -329,13 +367,10 @@ def install(root_dir: str, dry_run: bool) -> None:
 @click.pass_obj
 def expiry_watch(state: State, once: bool, node: str | None, interval: float) -> None:
     """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs."""
-    from .expiry import run_expiry_watch
+    from .expiry import run_expiry_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
     sys.exit(run_expiry_watch(cfg, _node_name(node), once=once, interval_s=interval))
-
-
-# --- end issue 5 ------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,34 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+
+# One line stays readable by `status`, Cloud Logging's agent and syslog: a node with thousands of
+# XIDs once wrote an 8.9 MB line. Past the bound, long texts and lists are cut with a marker.
+MAX_LINE_BYTES = 64 * 1024
+MAX_TEXT_CHARS = 4096
+LIST_BUDGET_BYTES = 16 * 1024
+ESSENTIAL = ("time", "event", "node", "job", "verdict", "rule", "gpu", "reason", "action", "duration_ms")
+
+
+def warn(msg: str) -> None:
+    """Loud: stderr and syslog/journald at warning level."""
+    print(f"slurmagent: {msg}", file=sys.stderr)
+    try:
+        import syslog
+
+        syslog.openlog("slurmagent", 0, syslog.LOG_DAEMON)
+        syslog.syslog(syslog.LOG_WARNING, msg)
+    except OSError:
+        pass
+
+
+def path_for(cfg: Any, node: str) -> Path:
+    """Where a node's decisions go: `[hooks] log_file` (`%n` = node), else `<state_dir>/hooks.log`."""
+    if cfg.hooks.log_file:
+        return Path(cfg.node_path(cfg.hooks.log_file, node))
+    return cfg.state_path(node) / "hooks.log"
 
 
 def utc_now() -> str:
@@ -29,7 +56,7 @@ class DecisionLog:
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": utc_now(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
         record.setdefault("duration_ms", round((time.monotonic() - self.started) * 1000, 1))
-        line = json.dumps(record, sort_keys=False, default=str)
+        record, line = bounded(record)
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,6 +77,52 @@ class DecisionLog:
             except OSError:
                 pass
         return record
+
+
+def bounded(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(record, its JSON line) with the line at most MAX_LINE_BYTES: texts and lists cut with a
+    marker (`truncated: true` on the record), and if that is not enough, the essential fields only."""
+    line = _dumps(record)
+    if len(line.encode()) <= MAX_LINE_BYTES:
+        return record, line
+    record = {**{k: _shrink(v) for k, v in record.items()}, "truncated": True}
+    line = _dumps(record)
+    if len(line.encode()) > MAX_LINE_BYTES:
+        record = {**{k: _shrink(record[k]) for k in ESSENTIAL if k in record}, "truncated": True}
+        line = _dumps(record)
+    return record, line
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=False, default=str)
+
+
+def _shrink(value: Any) -> Any:
+    if isinstance(value, str):
+        if len(value) <= MAX_TEXT_CHARS:
+            return value
+        return value[:MAX_TEXT_CHARS] + f"... {len(value) - MAX_TEXT_CHARS} more characters (truncated)"
+    if isinstance(value, dict):
+        kept, dropped = _fit(((str(k), _shrink(v)) for k, v in value.items()), len(value))
+        return dict(kept, **({"...": f"{dropped} more (truncated)"} if dropped else {}))
+    if isinstance(value, (list, tuple)):
+        kept, dropped = _fit((_shrink(v) for v in value), len(value))
+        return kept + ([f"... {dropped} more (truncated)"] if dropped else [])
+    if isinstance(value, (bool, int, float)) or value is None:
+        return value
+    return _shrink(str(value))
+
+
+def _fit(items: Iterable[Any], total: int) -> tuple[list[Any], int]:
+    """The first items whose JSON fits in LIST_BUDGET_BYTES, and how many were left out."""
+    kept: list[Any] = []
+    used = 0
+    for item in items:
+        used += len(_dumps(item).encode()) + 2
+        if used > LIST_BUDGET_BYTES:
+            break
+        kept.append(item)
+    return kept, total - len(kept)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

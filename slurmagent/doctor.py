@@ -25,6 +25,12 @@ from typing import Callable
 
 from . import config as config_mod
 from .errors import SlurmagentError
+from .fsutil import untrusted_reason
+from .checkpoint import parse_remote
+from .gcp import metadata
+from .gcp.compute import Compute, ComputeError
+from .health import expected_gpus, read_snapshot
+from .host import node_name
 from .slurm import conf_value, read_conf_lines, slurm_conf_path, valid_node_name
 
 METADATA_TIMEOUT_S = 2.0  # one metadata request (capped by [expiry] metadata_timeout_s)
@@ -87,6 +93,11 @@ def slurm_conf_results(conf: Path) -> list[Result]:
     return out
 
 
+def missing_slurm_conf_lines(conf: Path) -> list[str]:
+    """What `install` says slurm.conf still needs."""
+    return [f"{r.name}: {r.fix}" for r in slurm_conf_results(conf) if not r.ok and r.fix]
+
+
 def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.time,
                external_deadline_s: float = EXTERNAL_DEADLINE_S) -> list[Result]:
     results: list[Result] = []
@@ -103,9 +114,9 @@ def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.tim
         except SlurmagentError:
             cfg = config_mod.Config()
     results.extend(slurm_conf_results(slurm_conf_path(cfg.slurm.conf)))
-    node = os.environ.get("SLURMD_NODENAME") or ""
+    node = node_name()
     if not valid_node_name(node):  # it names state paths
-        node = os.uname().nodename.split(".")[0]
+        node = node_name(None, {})  # the host name
     results.append(_gpu_result(cfg, node))
     results.append(_state_dir_result(cfg.state_path(node)))
     results.extend(external_results(cfg, clock=clock, deadline_s=external_deadline_s))
@@ -113,8 +124,6 @@ def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.tim
 
 
 def _gpu_result(cfg: config_mod.Config, node: str) -> Result:
-    from .health import expected_gpus, read_snapshot
-
     try:
         snap = read_snapshot(cfg, node)
     except SlurmagentError as exc:
@@ -132,9 +141,14 @@ def _state_dir_result(state_dir: Path) -> Result:
         state_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=state_dir, prefix=".doctor."):
             pass
-        return Result("state dir", True, f"{state_dir} writable")
     except OSError as exc:
         return Result("state dir", False, f"{state_dir}: {exc.strerror}", f"mkdir -p {state_dir} (as root)")
+    why = untrusted_reason(state_dir)  # root ignores every file in it: expiry, journal, cursor, decision log
+    if why:
+        return Result("state dir", False, f"{why}: root would ignore the files in {state_dir}",
+                      f"rm -r {state_dir} and let root create it, or set state_dir to a path under a root-only "
+                      "directory (a `%n` path in a world-writable directory can be created by any user first)")
+    return Result("state dir", True, f"{state_dir} writable, only by root")
 
 
 # --- external checks: bounded, side by side ------------------------------------------------
@@ -176,8 +190,6 @@ def run_bounded(checks: list[tuple[str, str, Callable[[], Result]]], deadline_s:
 
 
 def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:
-    from .gcp import metadata
-
     name = "metadata server"
     host = metadata.metadata_host()
     try:
@@ -193,9 +205,6 @@ def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:
 
 
 def _compute_result(cfg: config_mod.Config, md_timeout: float, deadline_s: float) -> Result:
-    from .gcp import metadata
-    from .gcp.compute import Compute, ComputeError
-
     name = "compute permission"
 
     def lookup(path: str) -> str:
@@ -228,8 +237,7 @@ def _bucket_result(cfg: config_mod.Config) -> Result:
     remote = cfg.checkpoint.remote
     if not remote:
         return _skip(name, "not configured ([checkpoint] remote is empty)")
-    from .checkpoint import parse_remote
-    from .gcp.storage import make_client
+    from .gcp.storage import make_client  # the storage client only for this check: start-up speed
 
     try:
         bucket_name, prefix = parse_remote(remote)
@@ -270,8 +278,6 @@ def _bucket_result(cfg: config_mod.Config) -> Result:
 def _clock_result(cfg: config_mod.Config, md_timeout: float, clock: Callable[[], float]) -> Result:
     """Local time against the `Date` header of the metadata server, else of the Compute
     endpoint; `timedatectl show -p NTPSynchronized` when neither answers."""
-    from .gcp import metadata
-
     name = "clock"
     sources = [(f"the metadata server {metadata.metadata_host()}",
                 f"http://{metadata.metadata_host()}/computeMetadata/v1/", {"Metadata-Flavor": "Google"}, md_timeout,

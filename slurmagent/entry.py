@@ -8,13 +8,31 @@ import sys
 HOOKS = ("prolog", "epilog")
 
 
+def hook_invocation(args: list[str]) -> tuple[str, str | None] | None:
+    """(hook, --config FILE) when `args` is `[--config FILE | --config=FILE] prolog|epilog`, else None
+    (click parses anything else, the hooks included, and passes `--config` on just the same)."""
+    config_path = None
+    rest = list(args)
+    while len(rest) > 1:
+        if rest[0] == "--config" and len(rest) > 2:
+            config_path, rest = rest[1], rest[2:]
+        elif rest[0].startswith("--config="):
+            config_path, rest = rest[0].partition("=")[2], rest[1:]
+        else:
+            return None
+    if rest and rest[0] in HOOKS and config_path != "":
+        return rest[0], config_path
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) == 1 and args[0] in HOOKS:
-        from .hookmain import hook_main
+    hook = hook_invocation(args)
+    if hook is not None:
+        from .hookmain import hook_main  # no click on the hooks' path: start-up speed
 
-        return hook_main(args[0])
-    from .cli import main as cli_main
+        return hook_main(*hook)
+    from .cli import main as cli_main  # click only for the other commands: start-up speed
 
     return cli_main(args)
 

@@ -25,3 +25,9 @@ class NvmlTimeout(SlurmagentError):
     """The NVML read did not finish within its deadline."""
 
     exit_code = 1
+
+
+class ExpiryError(SlurmagentError):
+    """The expiry watch cannot learn the termination time or cannot keep its state."""
+
+    exit_code = 1

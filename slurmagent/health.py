@@ -7,6 +7,7 @@ count comes from the local slurm.conf/gres.conf.
 from __future__ import annotations
 
 import sys
+from typing import Protocol
 
 from . import kernlog
 from .checks import Limits, Report, run_checks, timeout_report
@@ -16,19 +17,28 @@ from .slurm import expected_gpus_for, slurm_conf_path
 from .snapshot import NodeSnapshot, load
 
 
+class SnapshotReader(Protocol):
+    """Reads this node's GPUs under a hard deadline (nvml_deadline.ThreadSafeReader)."""
+
+    def read(self, timeout_s: float, hostname: str | None = None) -> NodeSnapshot: ...
+
+
 def expected_gpus(cfg: Config, node: str) -> int | None:
     if cfg.health.expected_gpus:
         return cfg.health.expected_gpus
     return expected_gpus_for(node, slurm_conf_path(cfg.slurm.conf))
 
 
-def read_snapshot(cfg: Config, node: str | None) -> NodeSnapshot:
-    """The replay file when `[health] snapshot` is set, else NVML in an abandonable child."""
+def read_snapshot(cfg: Config, node: str | None, reader: SnapshotReader | None = None) -> NodeSnapshot:
+    """The replay file when `[health] snapshot` is set, else NVML in an abandonable child:
+    forked (single-threaded callers: the hooks), or from `reader` (a threaded daemon)."""
     if cfg.health.snapshot:
         return load(cfg.node_path(cfg.health.snapshot, node))
-    from . import nvml
+    if reader is not None:
+        return reader.read(cfg.health.timeout_s, hostname=node)
+    from .nvml_deadline import read_snapshot_with_deadline  # NVML only when no replay file, for start-up speed
 
-    return nvml.read_snapshot_with_deadline(cfg.health.timeout_s, hostname=node)
+    return read_snapshot_with_deadline(cfg.health.timeout_s, hostname=node)
 
 
 def kernel_source(cfg: Config, node: str | None) -> kernlog.Source:

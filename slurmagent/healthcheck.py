@@ -6,28 +6,40 @@ runs the same checks as the Prolog and drains the node on failure; it never resu
 this node was logged within the last `skip_recent_s` seconds the node was just checked:
 it exits 0 at once, without touching NVML.
 
+When the verdict leaves a GPU unusable under a running job (``policy.evicts_jobs``: GPU lost or
+missing, NVML down, an XID asking for a GPU reset or a node reboot) and our drain stands, the
+jobs running on the node leave it at once, as with `watch` (``actions.FaultEviction``); the
+check then follows the flushed ones for at most `FOLLOW_MAX_S` (slurmd gives a health check
+a minute) before it requeues those still on the node.
+
 Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said loudly),
 1 unhealthy.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
-from datetime import datetime, timezone
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TextIO
 
+from . import actions, metrics, policy
 from .checks import Report
 from .config import Config
-from .decisionlog import DecisionLog
+from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError
-from .hooks import decision_log_path, drain_unless_other, reason_for
-from .slurm import Slurm, make_reason
+from .fsutil import UntrustedFile, open_state_file
+from .reasons import reason_for
+from .slurm import Slurm
+from .timefmt import parse_log_time
 
 TAIL_BYTES = 64 * 1024
 RECENT_EVENTS = ("prolog", "epilog")
 CONCLUSIVE = ("healthy", "unhealthy")  # an internal error checked nothing: do not skip on it
+FOLLOW_MAX_S = 30.0  # the flushed jobs' deadline here: slurmd kills a health check after 60 s (check + drain first)
 
 HealthFn = Callable[[Config, str, bool], Report]
 
@@ -36,36 +48,29 @@ def skip_recent_s(cfg: Config) -> float:
     return cfg.health.healthcheck_skip_s
 
 
-def _parse_time(text: object) -> float | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        try:
-            return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-
-
 def recent_decision(log_path: Path, node: str, within_s: float, now: float | None = None) -> dict | None:
     """The newest conclusive prolog/epilog decision for `node` logged within `within_s`, if any.
 
     Reads only the file's tail, and nothing at all when the file is older than the window."""
-    import json
-
     if within_s <= 0:
         return None
     now = time.time() if now is None else now
     try:
-        st = log_path.stat()
-        if now - st.st_mtime > within_s:
-            return None
-        with open(log_path, "rb") as fh:
-            fh.seek(max(0, st.st_size - TAIL_BYTES))
-            tail = fh.read()
+        fd = open_state_file(log_path)  # as root: a log a user could have forged never skips a check
+    except UntrustedFile as exc:
+        print(f"slurmagent healthcheck: not skipping on {log_path}: {exc.why()}", file=sys.stderr)
+        return None
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if now - st.st_mtime > within_s:
+            return None
+        tail = os.pread(fd, TAIL_BYTES, max(0, st.st_size - TAIL_BYTES))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     for raw in reversed(tail.splitlines()):
         try:
             record = json.loads(raw)
@@ -73,7 +78,7 @@ def recent_decision(log_path: Path, node: str, within_s: float, now: float | Non
             continue
         if not isinstance(record, dict):
             continue
-        when = _parse_time(record.get("time"))
+        when = parse_log_time(record.get("time"))
         if when is None:
             continue
         if now - when > within_s:
@@ -106,25 +111,24 @@ def run_healthcheck(
         if recent is not None:
             return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
         if health is None:
-            from .health import evaluate as health
+            from .health import evaluate as health  # NVML and the checks: only past the skip, for start-up speed
         report = health(cfg, node, True)
         if report.healthy:
             warnings = [f.summary for f in report.findings]
             log.write("healthcheck", node=node, verdict="healthy", action="none", warnings=warnings or None)
-            from . import metrics
-
             metrics.for_node(cfg, node).record_check(report)
             return 0
         reason = reason_for(report)
-        from .repair import drain_node  # journaled, through the circuit breaker
-
-        action = drain_node(cfg, slurm_factory(cfg), node, reason, report.findings, source="healthcheck").action
-        from . import metrics
-
+        slurm = slurm_factory(cfg)
+        drain = actions.drain_fault(cfg, slurm, node, reason, report.findings, source="healthcheck")
+        action = drain.action
+        moved = None
+        if drain.drained and policy.evicts_jobs(report.findings):
+            moved = _evict(cfg, slurm, node, reason, log, started, stderr)
         metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
         worst = report.worst
         log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
-                  observed=worst.observed, reason=reason, action=action,
+                  observed=worst.observed, reason=reason, action=action, running_jobs=moved,
                   findings=[f.summary for f in report.findings])
         print(f"slurmagent healthcheck: node {node} unhealthy: {reason} ({action})", file=stderr)
         return 1
@@ -132,16 +136,30 @@ def run_healthcheck(
         return _internal_error(node, cfg, log, exc, slurm_factory, stderr)
 
 
+def _evict(cfg: Config, slurm: Slurm, node: str, reason: str, log: DecisionLog, fault_at: float,
+           stderr: TextIO) -> str:
+    """The running jobs leave the node (flushed ones followed for at most FOLLOW_MAX_S)."""
+    follow = min(float(cfg.watch.flush_deadline_s), FOLLOW_MAX_S)
+    if follow != float(cfg.watch.flush_deadline_s):
+        cfg = replace(cfg, watch=replace(cfg.watch, flush_deadline_s=follow))
+    eviction = actions.FaultEviction(cfg, slurm, node, fault_at, source="healthcheck", reason=reason, log=log)
+    try:
+        leaves = eviction.wait() if eviction.start() else []
+    except SlurmagentError as exc:
+        print(f"slurmagent healthcheck: cannot make the running jobs leave {node}: {exc}", file=stderr)
+        return f"running jobs not moved: {exc}"
+    for leave in leaves:
+        print(f"slurmagent healthcheck: job {leave.job.job_id} on a failed GPU: {leave.action}", file=stderr)
+    return f"{len(leaves)} running job(s) off the node" if leaves else "no running jobs"
+
+
 def _internal_error(node, cfg, log, exc, slurm_factory, stderr) -> int:
     what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
-    policy = cfg.hooks.on_internal_error if cfg else "open"
+    on_error = cfg.hooks.on_internal_error if cfg else "open"
     action, code = "none (fail open)", 0
-    if policy == "closed":
-        action, code = "drain (fail closed)", 1
-        try:
-            drain_unless_other(slurm_factory(cfg), node, make_reason("internal error", what))
-        except Exception as drain_exc:  # noqa: BLE001
-            action += f", drain failed: {drain_exc}"
+    if on_error == "closed":  # through the breaker, like every unplanned drain
+        blocked, action = actions.fail_closed(cfg, slurm_factory, node, what, source="healthcheck")
+        code = 1 if blocked else 0
     log.write("healthcheck", node=node, verdict="internal-error", error=what, action=action)
     print(f"slurmagent healthcheck: internal error (not a GPU fault): {what}; {action}", file=stderr)
     return code

@@ -10,6 +10,8 @@ from .health import evaluate
 from .hooks import HookContext, run_hook
 
 
-def hook_main(hook: str) -> int:
+def hook_main(hook: str, config_path: str | None = None) -> int:
+    """`config_path` is `--config FILE`; without it, $SLURMAGENT_CONFIG or the default file."""
     ctx = HookContext.from_env(hook, os.environ)
-    return run_hook(ctx, lambda: config_mod.load(for_root_hook=os.geteuid() == 0), evaluate, stderr=sys.stderr)
+    return run_hook(ctx, lambda: config_mod.load(config_path, for_root_hook=os.geteuid() == 0), evaluate,
+                    stderr=sys.stderr)

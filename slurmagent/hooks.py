@@ -1,29 +1,34 @@
 """Slurm Prolog/Epilog: check the node, drain it with a precise reason, keep the job PENDING.
 
-Decide first (a pure `HookDecision` from the report and the node's state), then act. A
+Decide first (the health report and the node's state), then act through `actions.py`. A
 failure of slurmagent itself is logged as `internal-error`, distinct from `unhealthy`,
-and handled by `[hooks] on_internal_error` (fail open by default).
+and handled by `[hooks] on_internal_error` (fail open by default; `closed` drains through
+the circuit breaker like any unplanned drain, so a bad rollout cannot drain the cluster).
+
+The healthy prolog path is the hot path: it imports no google library and no click, makes
+no slurmctld call, and reads at most the expiry state file and the journal directory. The
+modules it does not need are imported where they are used, for start-up speed.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, TextIO
 
-from . import metrics
+from . import expiry_state, metrics
 from .checks import Report
 from .config import Config
-from .decisionlog import DecisionLog
+from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError
-from .slurm import JOB_ID, Slurm, conf_value, make_reason, read_conf_lines, slurm_conf_path, valid_node_name
+from .host import node_name
+from .reasons import reason_for
+from .slurm import JOB_ID, Slurm, valid_node_name
+from .timefmt import fmt_time, human, parse_time_limit
 
 HealthFn = Callable[[Config, str, bool], Report]
-
 
 @dataclass(frozen=True)
 class HookContext:
@@ -35,7 +40,7 @@ class HookContext:
 
     @classmethod
     def from_env(cls, hook: str, env: Mapping[str, str]) -> HookContext:
-        node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+        node = node_name(None, env)
         ignored = []
         job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
         if job_id is not None and not JOB_ID.fullmatch(job_id):
@@ -49,34 +54,12 @@ class HookContext:
         return cls(hook=hook, node=node, job_id=job_id, job_exit_code=exit_code, ignored=tuple(ignored))
 
 
-def reason_for(report: Report) -> str:
-    worst = report.worst
-    assert worst is not None
-    return make_reason_from_summary(worst.summary)
-
-
-def make_reason_from_summary(summary: str) -> str:
-    rule, sep, detail = summary.partition(": ")
-    return make_reason(rule, detail) if sep else make_reason(summary, "")
-
-
-def drain_unless_other(slurm: Slurm, node: str, reason: str) -> str:
-    """Drain with our reason unless an admin (or Slurm) already holds the node: their reason wins."""
-    info = slurm.node(node)
-    if info.drained_by_other:
-        return "kept-admin-drain"
-    if info.drained_by_slurmagent and info.reason == reason:
-        return "already-drained"
-    slurm.drain([node], reason)
-    return "drained"
-
-
 def run_hook(
     ctx: HookContext,
     cfg_loader: Callable[[], Config],
     health: HealthFn,
     slurm_factory: Callable[[Config], Slurm] = Slurm.from_config,
-    stderr=sys.stderr,
+    stderr: TextIO = sys.stderr,
 ) -> int:
     """Entry point of `slurmagent prolog|epilog`; returns the hook's exit code."""
     started = time.monotonic()
@@ -93,120 +76,160 @@ def run_hook(
         log.started = started
         report = health(cfg, ctx.node, True)
         if report.healthy:
-            # --- issue 5: expiry prolog guard (slurmagent/expiry.py) ---------------------------
-            # A job whose time limit ends after the VM's termination is requeued off this node.
-            # No termination time: one read of <state_dir>/expiry.json, no scontrol, no google.
-            if ctx.hook == "prolog":
-                from .expiry import prolog_guard
-
-                guard = prolog_guard(cfg, ctx, slurm_factory, log, stderr)
-                if guard is not None:
-                    return guard
-            # --- end issue 5 -------------------------------------------------------------------
-            warnings = [f.summary for f in report.findings]
-            log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", action="none",
-                      warnings=warnings or None)
-            metrics.for_node(cfg, ctx.node).record_check(report)
-            from .journal import needs_attention  # replay a non-empty journal (issue 4)
-
-            if needs_attention(cfg.state_path(ctx.node)):
-                from .repair import after_healthy_hook
-
-                after_healthy_hook(cfg, ctx.node, slurm_factory)
-            return 0
-        reason = reason_for(report)
-        slurm = slurm_factory(cfg)
-        from . import repair  # journaled drain through the circuit breaker (issue 4)
-
-        try:
-            drain = repair.hook_drain(cfg, slurm, ctx, reason, report)
-        except SlurmagentError as exc:
-            # The GPU verdict stands: a failing prolog still makes Slurm drain the node and requeue
-            # the job; failing open here would run the job on a known-bad GPU.
-            drain = repair.DrainOutcome(f"drain-failed: {exc}")
-        actions = [drain.action]
-        if ctx.hook == "prolog" and not drain.blocks_job:
-            code = 0  # breaker open, GPUs still usable: not drained, the job may run (logged loudly)
-        elif ctx.hook == "prolog":
-            if ctx.job_id and not _nohold_configured(cfg):
-                _spawn_release_watch(ctx.job_id, cfg)
-                repair.journal_release(cfg, ctx.node, ctx.job_id)
-                actions.append("release-watch")
-            code = 1  # Slurm requeues the job (PENDING with nohold_on_prolog_fail) and keeps our reason
-        else:
-            code = 0
-            if ctx.hook == "epilog" and ctx.job_id and cfg.hooks.epilog_requeue_failed and ctx.job_exit_code:
-                try:
-                    actions.append(repair.journaled_requeue(cfg, slurm, ctx.node, [ctx.job_id]))
-                except SlurmagentError as exc:
-                    actions.append(f"requeue-failed: {exc}")
-        worst = report.worst
-        log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
-                  observed=worst.observed, reason=reason, action=",".join(actions),
-                  findings=[f.summary for f in report.findings])
-        metrics.for_node(cfg, ctx.node).record_check(
-            report, drained_rule=worst.rule if drain.drained else None,
-            requeued=any(a.startswith("requeued") for a in actions))
-        print(f"slurmagent {ctx.hook}: node {ctx.node} unhealthy: {reason}", file=stderr)
-        return code
+            return _healthy(ctx, cfg, report, slurm_factory, log, stderr)
+        return _unhealthy(ctx, cfg, report, slurm_factory, log, stderr)
     except Exception as exc:  # noqa: BLE001 - a hook must never crash without a decision
         return _internal_error(ctx, cfg, log, exc, slurm_factory, stderr)
 
 
+def _healthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Callable[[Config], Slurm],
+             log: DecisionLog, stderr: TextIO) -> int:
+    # A job whose time limit ends after the VM's termination is requeued off this node.
+    if ctx.hook == "prolog":
+        guard = prolog_guard(cfg, ctx, slurm_factory, log, stderr)
+        if guard is not None:
+            return guard
+    warnings = [f.summary for f in report.findings]
+    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", action="none", warnings=warnings or None)
+    metrics.for_node(cfg, ctx.node).record_check(report)
+    from .journal import needs_attention  # stdlib only; imported here for start-up speed
+
+    if needs_attention(cfg.state_path(ctx.node)):  # replay a non-empty journal, clear a breaker mark
+        from . import actions  # the replay path only, for start-up speed
+
+        actions.after_healthy_hook(cfg, ctx.node, slurm_factory)
+    return 0
+
+
+def _unhealthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Callable[[Config], Slurm],
+               log: DecisionLog, stderr: TextIO) -> int:
+    from . import actions  # the unhealthy path only, for start-up speed
+
+    reason = reason_for(report)
+    slurm = slurm_factory(cfg)
+    try:
+        drain = actions.drain_fault(cfg, slurm, ctx.node, reason, report.findings, source=ctx.hook, job=ctx.job_id,
+                                    takeover_prolog_error=ctx.hook == "prolog")
+    except SlurmagentError as exc:
+        # The GPU verdict stands: a failing prolog still makes Slurm drain the node and requeue
+        # the job; failing open here would run the job on a known-bad GPU.
+        drain = actions.DrainOutcome(f"drain-failed: {exc}")
+    taken = [drain.action]
+    if ctx.hook == "prolog" and not drain.blocks_job:
+        code = 0  # breaker open, GPUs still usable: not drained, the job may run (logged loudly)
+    elif ctx.hook == "prolog":
+        if ctx.job_id:
+            taken += actions.release_held(cfg, ctx.node, ctx.job_id)
+        code = 1  # Slurm requeues the job (PENDING with nohold_on_prolog_fail) and keeps our reason
+    else:
+        code = 0
+        if ctx.hook == "epilog" and ctx.job_id and cfg.hooks.epilog_requeue_failed and ctx.job_exit_code:
+            try:
+                taken.append(actions.requeue_jobs(cfg, slurm, ctx.node, [ctx.job_id]))
+            except SlurmagentError as exc:
+                taken.append(f"requeue-failed: {exc}")
+    worst = report.worst
+    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
+              observed=worst.observed, reason=reason, action=",".join(taken),
+              findings=[f.summary for f in report.findings])
+    metrics.for_node(cfg, ctx.node).record_check(
+        report, drained_rule=worst.rule if drain.drained else None,
+        requeued=any(a.startswith("requeued") for a in taken))
+    print(f"slurmagent {ctx.hook}: node {ctx.node} unhealthy: {reason}", file=stderr)
+    return code
+
+
 def _internal_error(ctx, cfg, log, exc, slurm_factory, stderr) -> int:
-    """slurmagent itself failed: say so distinctly, then fail open or closed per config."""
+    """slurmagent itself failed: say so distinctly, then fail open or closed per config.
+
+    Fail closed is an unplanned drain like a fault: through the circuit breaker. When the
+    breaker holds it back, the prolog lets the job run (a failing prolog would make Slurm
+    drain the node anyway, and a bad rollout would drain the whole cluster)."""
     what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
-    policy = cfg.hooks.on_internal_error if cfg else "open"
+    on_error = cfg.hooks.on_internal_error if cfg else "open"
     action = "none (fail open)"
     code = 0
-    if policy == "closed" and ctx.hook == "prolog" and not valid_node_name(ctx.node):
+    if on_error == "closed" and ctx.hook == "prolog" and not valid_node_name(ctx.node):
         code = 1
         action = "no drain: invalid node name (fail closed)"
-    elif policy == "closed" and ctx.hook == "prolog":
-        code = 1
-        action = "drain (fail closed)"
-        try:
-            drain_unless_other(slurm_factory(cfg), ctx.node, make_reason("internal error", what))
-        except Exception as drain_exc:  # noqa: BLE001
-            action += f", drain failed: {drain_exc}"
+    elif on_error == "closed" and ctx.hook == "prolog":
+        from . import actions  # the failure path only, for start-up speed
+
+        blocked, action = actions.fail_closed(cfg, slurm_factory, ctx.node, what, source=ctx.hook, job=ctx.job_id)
+        code = 1 if blocked else 0
     log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="internal-error", error=what, action=action)
     print(f"slurmagent {ctx.hook}: internal error (not a GPU fault): {what}; {action}", file=stderr)
     return code
 
 
-def decision_log_path(cfg: Config, node: str):
-    if cfg.hooks.log_file:
-        from pathlib import Path
-
-        return Path(cfg.node_path(cfg.hooks.log_file, node))
-    return cfg.state_path(node) / "hooks.log"
+# --- the expiry prolog guard ---------------------------------------------------------------
 
 
-def _nohold_configured(cfg: Config) -> bool:
-    params = conf_value(read_conf_lines(slurm_conf_path(cfg.slurm.conf)), "SchedulerParameters") or ""
-    return "nohold_on_prolog_fail" in params.split(",")
+def prolog_guard(cfg: Config, ctx: HookContext, slurm_factory: Callable[[Config], Slurm], log: Any,
+                 stderr: TextIO) -> int | None:
+    """Keep a job that would outlive the VM off this node. None: let the job run; 1: requeue it.
+
+    When the expiry state has a termination time, a job whose time limit would end after
+    `termination - flush_lead_s` is kept off: the node is drained with the expiry reason
+    (planned: the breaker has no say) and the prolog exits 1, Slurm requeues the job PENDING
+    and it starts elsewhere. `requeue` does this for jobs that cannot flush (their batch script
+    does not exec the wrapper); `requeue-all` for every job; `warn` only logs; `off`.
+    Without a termination time this is one read of the state file: no scontrol, no google."""
+    mode = cfg.expiry.prolog_guard
+    if mode == "off" or not ctx.job_id:
+        return None
+    data = expiry_state.load(cfg, ctx.node)
+    if not data or not data.get("termination_time"):
+        return None
+    end = expiry_state.termination(data)  # None: left over from an earlier life of this VM
+    if end is None:
+        return None
+    from . import actions, reasons  # the guard's slow path only, for start-up speed
+
+    now = time.time()
+    slurm = slurm_factory(cfg)
+    try:
+        job = slurm.job(ctx.job_id)
+        limit_s = parse_time_limit(job.time_limit) if job is not None else None
+    except (SlurmagentError, ValueError) as exc:
+        log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", rule="expiry",
+                  action="expiry-guard-skipped", error=str(exc))
+        return None
+    if job is None:
+        return None
+    latest = end.timestamp() - float(cfg.expiry.flush_lead_s)
+    if limit_s is not None and now + limit_s <= latest:
+        return None
+    # a record whose own text imitates its fields has no time limit we may believe: the long case
+    limit = "unknown (the job's text imitates Slurm's fields)" if job.ambiguous else job.time_limit or "UNLIMITED"
+    detail = (f"job {ctx.job_id}: time limit {limit} ends after the VM's termination at {fmt_time(end)} "
+              f"(in {human(end.timestamp() - now)}, flush lead {float(cfg.expiry.flush_lead_s):g} s)")
+    if mode == "requeue" and _wrapped(slurm, ctx.job_id):
+        # it flushes at the lead and resumes elsewhere: cheaper than idling the node
+        log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", rule="expiry",
+                  action="none (wrapped: flushes at the lead)", detail=detail)
+        return None
+    if mode == "warn":
+        log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", rule="expiry", action="warned",
+                  detail=detail)
+        print(f"slurmagent {ctx.hook}: warning: {detail}", file=stderr)
+        return None
+    drain_reason = str(data.get("drain_reason", ""))
+    reason = drain_reason if reasons.is_planned(drain_reason) else reasons.expiry_reason(
+        end, "expiry", str((data.get("scheduling") or {}).get("provisioning_model", "")))
+    try:
+        action = actions.drain_planned(cfg, slurm, ctx.node, reason, source="prolog-guard")
+    except SlurmagentError as exc:
+        action = f"drain-failed: {exc}"  # exit 1 all the same: Slurm drains ("Prolog error") and requeues
+    taken = [action, "requeue", *actions.release_held(cfg, ctx.node, ctx.job_id)]
+    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="expiry", rule="expiry", reason=reason,
+              action=",".join(taken), detail=detail)
+    print(f"slurmagent {ctx.hook}: {detail}: requeued off {ctx.node} ({reason})", file=stderr)
+    return 1
 
 
-def _spawn_release_watch(job_id: str, cfg: Config) -> None:
-    """Without nohold_on_prolog_fail Slurm requeues the job held: release it once it is."""
-    argv = [sys.executable, "-m", "slurmagent.cli", "release-held", job_id]
-    env = dict(os.environ)
-    subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
-
-
-def release_when_held(slurm: Slurm, job_id: str, deadline_s: float = 60.0, interval_s: float = 0.5) -> bool:
-    """Poll until the job shows up requeued-held, then release it; give up at the deadline."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        job = slurm.job(job_id)
-        if job is None:
-            return False
-        if job.held:
-            slurm.release([job_id])
-            return True
-        if job.state in ("RUNNING", "COMPLETED", "CANCELLED", "FAILED"):
-            if job.state != "RUNNING" or job.restarts > 0:
-                return False
-        time.sleep(interval_s)
-    return False
+def _wrapped(slurm: Slurm, job_id: str) -> bool:
+    try:
+        return slurm.job_is_wrapped(job_id)
+    except SlurmagentError:
+        return False

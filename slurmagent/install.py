@@ -7,6 +7,7 @@ overwritten; the paths inside the shims and units point at this installation.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +44,24 @@ def slurmagent_bin() -> str:
 
 
 def shim_text(hook: str, binary: str) -> str:
+    """Every path quoted: `[ -x /opt/my venv/... ]` is a test error and the hook would pass unchecked."""
     return (
         "#!/bin/sh\n"
         f"# Slurm {hook.capitalize()} for slurmagent, written by `slurmagent install`.\n"
         "# slurmd runs it as root with no PATH and a fixed environment (nothing from the job).\n"
-        f'[ -x {binary} ] && exec {binary} {hook}\n'
-        f'/usr/bin/logger -p daemon.err -t slurmagent "{hook}: {binary} missing; node not checked" 2>/dev/null\n'
+        f"[ -x {shlex.quote(binary)} ] && exec {shlex.quote(binary)} {hook}\n"
+        f"/usr/bin/logger -p daemon.err -t slurmagent {shlex.quote(f'{hook}: {binary} missing; node not checked')}"
+        " 2>/dev/null\n"
         "exit 0\n"
     )
+
+
+def systemd_word(path: str) -> str:
+    """`path` as one word of a unit's ExecStart= (quotes, and `%`/`$` that systemd would expand)."""
+    if not any(c in path for c in " \t\"'\\%$;"):
+        return path
+    escaped = path.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    return f'"{escaped}"'
 
 
 def config_template() -> str:
@@ -61,8 +72,8 @@ def config_template() -> str:
     ]
     section = None
     for row in reference_markdown().splitlines()[2:]:
-        key, default, doc = [c.strip() for c in row.strip("|").split("|", 2)]
-        key, default = key.strip("`"), default.strip("`")
+        key, default, allowed, doc = [c.strip() for c in row.strip("|").split("|", 3)]
+        key, default, allowed = key.strip("`"), default.strip("`"), allowed.strip("`")
         if "." in key:
             sec, name = key.split(".", 1)
             if sec != section:
@@ -70,7 +81,7 @@ def config_template() -> str:
                 section = sec
         else:
             name = key
-        lines.append(f"#{name} = {default}    # {doc}")
+        lines.append(f"#{name} = {default}    # {doc}" + (f" [{allowed}]" if allowed else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -82,7 +93,7 @@ def plan(root: Path, binary: str) -> list[tuple[Path, str, int, bool]]:
     units = data_dir("systemd")
     for unit in sorted(units.iterdir()):
         if unit.suffix in (".service", ".timer"):
-            text = unit.read_text().replace(PLACEHOLDER_BIN, binary)
+            text = unit.read_text().replace(PLACEHOLDER_BIN, systemd_word(binary))
             files.append((root / "etc/systemd/system" / unit.name, text, 0o644, False))
     files.append((root / "etc/slurmagent/config.toml", config_template(), 0o644, True))
     files.append((root / "etc/slurmagent/slurm.conf.example", (data_dir("hooks") / "slurm.conf.example").read_text(), 0o644, False))
@@ -91,36 +102,38 @@ def plan(root: Path, binary: str) -> list[tuple[Path, str, int, bool]]:
 
 def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = None) -> list[Step]:
     binary = binary or slurmagent_bin()
+    if "\n" in binary or "\r" in binary:
+        raise InstallError(f"cannot install: the slurmagent path {binary!r} has a line break")
     steps: list[Step] = []
     for target, content, mode, keep_existing in plan(root, binary):
         try:
-            current = target.read_text() if target.exists() else None
-        except OSError as exc:
-            raise InstallError(f"cannot read {target}: {exc.strerror}") from None
-        if current == content:
-            steps.append(Step(target, "unchanged"))
-            if not dry_run and (target.stat().st_mode & 0o777) != mode:
-                os.chmod(target, mode)
-            continue
-        if current is not None and keep_existing:
-            steps.append(Step(target, "kept", "exists (edited config is never overwritten)"))
-            continue
-        steps.append(Step(target, "update" if current is not None else "install"))
-        if not dry_run:
-            try:
-                atomic_write_text(target, content, mode)
-            except OSError as exc:
-                raise InstallError(f"cannot write {target}: {exc.strerror}") from None
+            steps.append(_put(target, content, mode, keep_existing, dry_run))
+        except OSError as exc:  # a read-only or full root: one line, whatever the call
+            raise InstallError(f"cannot write {exc.filename or target}: {exc.strerror or exc}") from None
     state = root / "var/lib/slurmagent"
     if not state.is_dir():
         steps.append(Step(state, "install", "state dir, mode 0750"))
         if not dry_run:
-            state.mkdir(parents=True, exist_ok=True)
-            state.chmod(0o750)
+            try:
+                state.mkdir(parents=True, exist_ok=True)
+                state.chmod(0o750)
+            except OSError as exc:
+                raise InstallError(f"cannot create {exc.filename or state}: {exc.strerror or exc}") from None
     return steps
 
 
-def missing_slurm_conf_lines(conf: Path) -> list[str]:
-    from .doctor import slurm_conf_results
-
-    return [f"{r.name}: {r.fix}" for r in slurm_conf_results(conf) if not r.ok and r.fix]
+def _put(target: Path, content: str, mode: int, keep_existing: bool, dry_run: bool) -> Step:
+    """One file in place. A file the admin owns (the config) keeps its content and its mode:
+    a config narrowed to 0600 is never widened again."""
+    current = target.read_text() if target.exists() else None
+    if current is not None and keep_existing:
+        if current == content:
+            return Step(target, "unchanged")
+        return Step(target, "kept", "exists (edited config is never overwritten)")
+    if current == content:
+        if not dry_run and (target.stat().st_mode & 0o777) != mode:
+            os.chmod(target, mode)
+        return Step(target, "unchanged")
+    if not dry_run:
+        atomic_write_text(target, content, mode)
+    return Step(target, "update" if current is not None else "install")

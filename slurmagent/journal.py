@@ -10,7 +10,7 @@ half-way. Any hook, timer or command replays what is pending first (`replay`).
 * Bounded: `done/` keeps the newest `max_done` entries; `pending/` holds at most
   `max_pending` (the oldest are dropped with a loud log line) and entries older than
   `max_age_s` are dropped as stale (the next hook judges the node afresh anyway).
-* Idempotent: the handlers (in `repair.py`) look at the current state before acting, so a
+* Idempotent: the handlers (in `actions.py`) look at the current state before acting, so a
   replayed drain on a node already drained with that reason is a no-op, and a replayed
   repair request reuses its Compute `requestId` so the API does not act twice.
 * One replayer at a time per journal (`flock` on `journal/lock`); a second caller skips
@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, unsafe_for_root
+from .repair_state import SUPPRESSED_MARKER
 
 PENDING = "pending"
 DONE = "done"
-SUPPRESSED_MARKER = "breaker-suppressed"  # in the state dir: the breaker kept this node from draining
 
 
 def needs_attention(state_dir: Path) -> bool:
@@ -244,12 +244,10 @@ class Journal:
     def untrusted(self) -> str | None:
         """Why a root process must not replay this journal: a non-root user could have put
         actions in it (drain any node, requeue any job, recreate VMs). None when it is safe."""
-        from .fsutil import unsafe_for_root
-
         for d in (self.dir, self.pending_dir):
-            why = unsafe_for_root(d)
+            why = unsafe_for_root(d)  # names the file, link or directory at fault
             if why:
-                return f"{d} is {why}"
+                return why
         return None
 
     def pending(self) -> list[Entry]:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .fsutil import atomic_write_text
+from . import host
+from .fsutil import UntrustedFile, atomic_write_text, read_state_file
 from .errors import SlurmagentError
 
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 CURSOR_FILE = "kernlog.cursor"
 LOCK_FILE = "kernlog.lock"
 DEFAULT_TIMEOUT_S = 10.0
@@ -374,7 +374,7 @@ class DmesgSource:
         return [ln for ln in all_lines[start:] if _may_hold_xid(ln)], len(all_lines)
 
 
-def _kmsg_readable(path: str = "/dev/kmsg") -> bool:
+def kmsg_readable(path: str = "/dev/kmsg") -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -392,7 +392,7 @@ def _kmsg_readable(path: str = "/dev/kmsg") -> bool:
 
 def default_source() -> Source:
     """/dev/kmsg when readable, else journalctl when installed, else dmesg."""
-    if _kmsg_readable():
+    if kmsg_readable():
         return KmsgSource()
     journalctl = shutil.which("journalctl")
     if journalctl:
@@ -431,15 +431,6 @@ class Batch:
     cursor: Cursor
 
 
-def current_boot_id(path: str = BOOT_ID_PATH) -> str:
-    """This boot's id; empty when unknown (then a reboot cannot be told apart)."""
-    try:
-        with open(path, encoding="ascii", errors="replace") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
 def cursor_path(state_dir: str | os.PathLike[str]) -> Path:
     return Path(state_dir) / CURSOR_FILE
 
@@ -449,17 +440,14 @@ def load_cursor(state_dir: str | os.PathLike[str]) -> Cursor | None:
 
     As root, a cursor file a non-root user could have written is ignored (said on stderr):
     moving it past an XID would hide the fault, and starting over can only judge more."""
-    from .fsutil import unsafe_for_root
-
-    why = unsafe_for_root(cursor_path(state_dir))
-    if why:
+    try:
+        data = json.loads(read_state_file(cursor_path(state_dir)).decode("utf-8"))
+    except UntrustedFile as exc:
         import sys
 
-        print(f"slurmagent: ignoring kernel-log cursor {cursor_path(state_dir)}: {why}; reading this boot's log "
-              "from its start", file=sys.stderr)
+        print(f"slurmagent: ignoring kernel-log cursor {cursor_path(state_dir)}: {exc.why()}; reading this "
+              "boot's log from its start", file=sys.stderr)
         return None
-    try:
-        data = json.loads(cursor_path(state_dir).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
@@ -479,7 +467,7 @@ def locked(state_dir: str | os.PathLike[str], timeout: float) -> Iterator[None]:
     path = Path(state_dir) / LOCK_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise KernlogError(f"cannot open {path}: {e.strerror}") from e
     try:
@@ -509,7 +497,7 @@ def read_since(
     source: Source, state_dir: str | os.PathLike[str], *, boot_id: str | None = None
 ) -> Batch:
     """XIDs logged since the saved cursor, without moving it (see :func:`commit_cursor`)."""
-    bid = current_boot_id() if boot_id is None else boot_id
+    bid = host.boot_id() if boot_id is None else boot_id
     saved = load_cursor(state_dir)
     start: Position = None
     if saved is not None and saved.boot_id == bid and saved.source == source.name:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, read_state_file
 
 HELP = {
     "slurmagent_gpu_healthy": ("gauge", "1 when the GPU passed the last check, 0 when it has a drain finding"),
@@ -27,7 +27,17 @@ HELP = {
     "slurmagent_repairs_total": ("counter", "repair requests sent (MIG recreate / report faulty)"),
     "slurmagent_flush_seconds": ("gauge", "duration of the last checkpoint flush (signal to requeue)"),
     "slurmagent_bytes_synced_total": ("counter", "checkpoint bytes uploaded"),
+    "slurmagent_checkpoint_lag_seconds": (
+        "gauge", "how long the bucket has been behind a running job's checkpoint dir: age of the oldest "
+        "checkpoint file change not yet committed (0: all committed)"),
+    "slurmagent_checkpoint_sync_errors_total": ("counter", "checkpoint syncs that failed (background and final)"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
+    "slurmagent_jobs_requeued_on_fault_total": (
+        "counter", "jobs that left a node whose GPU failed under them, requeued (by: slurmagent, or the job's wrapper)"),
+    "slurmagent_jobs_cancelled_on_fault_total": (
+        "counter", "jobs cancelled on a node whose GPU failed under them (not requeueable)"),
+    "slurmagent_fault_to_leave_seconds": (
+        "gauge", "last job off a failed GPU: seconds from the fault seen to the job off the node"),
 }
 
 
@@ -51,15 +61,10 @@ class Metrics:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, float]]:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.state_dir / "metrics.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        fd = os.open(self.state_dir / "metrics.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                values = json.loads(self.store.read_text())
-                if not isinstance(values, dict):
-                    values = {}
-            except (OSError, ValueError):
-                values = {}
+            values = read_values(self.state_dir)
             yield values
             atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
             atomic_write_text(self.textfile, render(values), 0o644, durable=False)
@@ -109,8 +114,9 @@ def render(values: dict[str, float]) -> str:
 
 
 def read_values(state_dir: Path) -> dict[str, float]:
+    """The stored values; as root none that a user could have written (they start afresh)."""
     try:
-        values = json.loads((Path(state_dir) / "metrics.json").read_text())
+        values = json.loads(read_state_file(Path(state_dir) / "metrics.json"))
         return values if isinstance(values, dict) else {}
     except (OSError, ValueError):
         return {}

@@ -11,29 +11,27 @@ Error mapping (why: a health check must tell "not measured" from "broken"):
 - Any other NVML error on a per-GPU query: the field stays ``None`` and a warning is logged.
 - ``nvmlInit`` / ``nvmlDeviceGetCount`` failing: ``nvml_error`` holds the ``NVML_ERROR_*`` name.
 
-:func:`read_snapshot_with_deadline` runs the read in a forked child so that a hung driver
-call can be abandoned (SIGKILL) instead of hanging a Slurm hook.
+XID events: :class:`NvmlXidEvents` subscribes to XID critical errors (``nvmlEventSetCreate``,
+``nvmlDeviceRegisterEvents``, bounded ``nvmlEventSetWait_v2``) for the watch daemon.
+
+A read with a hard deadline (a child process that is abandoned when the driver hangs) is
+:mod:`slurmagent.nvml_deadline`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import select
-import signal
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import NvmlTimeout, SlurmagentError
+from .errors import SlurmagentError
+from .kernlog import normalize_pci
 from .snapshot import Ecc, GpuState, NodeSnapshot, NvLink, Pcie, RemappedRows, RetiredPages
 
 log = logging.getLogger(__name__)
-
-#: ``nvml_error`` when the forked reader died (signal, or exit without an answer).
-NVML_READ_CRASHED = "NVML_READ_CRASHED"
 
 # Documented NVML return codes, used when a (fake or old) binding lacks the constant.
 _DOCUMENTED_CODES = {
@@ -56,7 +54,7 @@ _UNMEASURED = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERR
 _NO_SUCH_LINK = (*_UNMEASURED, "NVML_ERROR_INVALID_ARGUMENT")
 
 # (snapshot name, suffix of nvmlClocksEventReason*/nvmlClocksThrottleReason*, documented bit)
-_CLOCK_REASONS = (
+CLOCK_REASONS = (
     ("gpu_idle", "GpuIdle", 0x1),
     ("applications_clocks_setting", "ApplicationsClocksSetting", 0x2),
     ("sw_power_cap", "SwPowerCap", 0x4),
@@ -71,7 +69,8 @@ _CLOCK_REASONS = (
 # nvmlValueType_t -> member of the c_nvmlValue_t union.
 _VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
-_KILL_REAP_S = 2.0  # after SIGKILL; a child stuck in the driver (D state) may never die
+NVML_WAIT_MS = 500  # one nvmlEventSetWait_v2: bounds how long a stop waits on the event thread
+_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
 
 
 # --- in-process read ------------------------------------------------------------------------
@@ -79,7 +78,7 @@ _KILL_REAP_S = 2.0  # after SIGKILL; a child stuck in the driver (D state) may n
 
 def read_snapshot(nvml: Any = None, hostname: str | None = None) -> NodeSnapshot:
     """Read every GPU of this node; NVML failing to start is data (``nvml_error``), not an exception."""
-    nv = _load(nvml)
+    nv = load(nvml)
     snap = NodeSnapshot(hostname=hostname or socket.gethostname())
     try:
         nv.nvmlInit()
@@ -87,7 +86,7 @@ def read_snapshot(nvml: Any = None, hostname: str | None = None) -> NodeSnapshot
         snap.nvml_error = error_name(exc, nv)
         return snap
     try:
-        snap.driver_version = _text(_query(nv, "nvmlSystemGetDriverVersion"))
+        snap.driver_version = text(_query(nv, "nvmlSystemGetDriverVersion"))
         try:
             count = int(nv.nvmlDeviceGetCount())
         except nv.NVMLError as exc:
@@ -118,7 +117,7 @@ def decode_clocks_event_reasons(mask: int, nvml: Any = None) -> list[str]:
     """Bitmask -> lower-case reason names; unknown bits appear as ``unknown_0x...`` so none is lost."""
     names: list[str] = []
     known = 0
-    for name, suffix, documented in _CLOCK_REASONS:
+    for name, suffix, documented in CLOCK_REASONS:
         older = getattr(nvml, "nvmlClocksThrottleReason" + suffix, documented)
         bit = int(getattr(nvml, "nvmlClocksEventReason" + suffix, older))
         known |= bit
@@ -132,7 +131,8 @@ def decode_clocks_event_reasons(mask: int, nvml: Any = None) -> list[str]:
     return names
 
 
-def _load(nvml: Any) -> Any:
+def load(nvml: Any = None) -> Any:
+    """The pynvml module (imported here only), or the injected stand-in."""
     if nvml is not None:
         return nvml
     try:
@@ -175,10 +175,10 @@ def _read_gpu(nv: Any, index: int) -> GpuState:
 
 def _fill_gpu(nv: Any, h: Any, gpu: GpuState) -> None:
     """Fill ``gpu`` field by field, so a GPU lost half-way keeps what was read before."""
-    gpu.uuid = _text(_query(nv, "nvmlDeviceGetUUID", h))
-    gpu.name = _text(_query(nv, "nvmlDeviceGetName", h))
+    gpu.uuid = text(_query(nv, "nvmlDeviceGetUUID", h))
+    gpu.name = text(_query(nv, "nvmlDeviceGetName", h))
     pci = _query(nv, "nvmlDeviceGetPciInfo", h)
-    gpu.pci_bus_id = _text(getattr(pci, "busId", None)) or None
+    gpu.pci_bus_id = text(getattr(pci, "busId", None)) or None
     gpu.temperature_c = _query(nv, "nvmlDeviceGetTemperature", h, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
     power_mw = _query(nv, "nvmlDeviceGetPowerUsage", h)
     gpu.power_w = None if power_mw is None else power_mw / 1000.0
@@ -272,121 +272,138 @@ def _read_recovery_action(nv: Any, h: Any) -> int | None:
     return int(getattr(fv.value, member))
 
 
-def _text(value: Any) -> str | None:
+def text(value: Any) -> str | None:
     """Older bindings return bytes for strings; the snapshot wants str."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return None if value is None else str(value)
 
 
-# --- read with a deadline -------------------------------------------------------------------
+# --- XID event subscription ----------------------------------------------------------------
 
 
-def read_snapshot_with_deadline(timeout_s: float, nvml: Any = None, hostname: str | None = None) -> NodeSnapshot:
-    """:func:`read_snapshot` in a forked child that is SIGKILLed at the deadline.
+@dataclass(frozen=True)
+class GpuRef:
+    """What the XID judge needs to know of a GPU: its index and PCI address."""
 
-    Why a fork: a hung NVML call sits in the driver and cannot be interrupted in-process;
-    a forked child costs no interpreter start and can be abandoned. Raises NvmlTimeout at the
-    deadline; a child that dies without answering gives ``nvml_error="NVML_READ_CRASHED"``.
-    An exception raised by the read is raised again here (SlurmagentError as such, others as
-    RuntimeError) so a slurmagent bug is never mistaken for an unhealthy GPU.
-    """
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, not {timeout_s!r}")
-    nv = _load(nvml)  # import errors surface here, not in the child
-    hostname = hostname or socket.gethostname()
-    deadline = time.monotonic() + timeout_s
-    read_fd, write_fd = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(read_fd)
-        os.close(write_fd)
-        raise
-    if pid == 0:  # child: never returns
-        os.close(read_fd)
-        _child(write_fd, nv, hostname)
-    os.close(write_fd)
-    reaped = False
-    try:
-        data = _read_until_eof(read_fd, deadline)
-        if data is None:
-            raise NvmlTimeout(f"NVML read did not finish within {float(timeout_s)} s (hung driver?)")
-        reaped = _reap(pid, deadline)
-    finally:
-        os.close(read_fd)
-        if not reaped:
-            _kill(pid)
-    return _decode(data, hostname)
+    index: int
+    pci_bus_id: str | None = None
 
 
-def _child(write_fd: int, nv: Any, hostname: str) -> None:
-    """Read, send one JSON answer down the pipe, and leave with os._exit (no atexit, no flush)."""
-    code = 0
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+@dataclass
+class XidEvent:
+    xid: int
+    gpu: int | None
+    source: str  # "nvml" | "kernel_log"
+    detail: str = ""
+    raw: str | None = None
+    pci: str | None = None
+    seen: float = field(default_factory=time.monotonic)  # when the watcher saw it
+
+
+class NvmlUnavailable(SlurmagentError):
+    """NVML XID events cannot be followed here (no driver, no library, no supported GPU)."""
+
+
+class NvmlXidEvents:
+    """The pynvml event calls for XID critical errors, with an injectable ``nvml`` module."""
+
+    def __init__(self, nvml: Any = None, wait_ms: int = NVML_WAIT_MS):
+        self._nvml = nvml
+        self.wait_ms = wait_ms
+        self.nv: Any = None
+        self.event_set: Any = None
+        self.gpus: list[GpuRef] = []
+        self.unsupported: list[int] = []  # GPU indices that cannot deliver XID events
+        self._initialized = False
+
+    def error(self, exc: BaseException) -> str:
+        """The NVML_ERROR_* name of an error raised by this binding."""
+        return error_name(exc, self.nv)
+
+    def open(self) -> list[GpuRef]:
+        """nvmlInit, one event set, every GPU registered for XID critical errors."""
         try:
-            answer: dict[str, Any] = {"snapshot": read_snapshot(nv, hostname).to_dict()}
-        except BaseException as exc:  # carried to the parent, raised there
-            answer = {"error": type(exc).__name__, "domain": isinstance(exc, SlurmagentError), "message": str(exc)}
-        data = json.dumps(answer).encode()
-        while data:
-            data = data[os.write(write_fd, data) :]
-    except BaseException:  # even a failed write must end in os._exit
-        code = 70
-    finally:
-        os._exit(code)
+            self.nv = load(self._nvml)
+        except SlurmagentError as exc:
+            raise NvmlUnavailable(str(exc)) from None
+        nv = self.nv
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as exc:
+            raise NvmlUnavailable(f"nvmlInit failed ({self.error(exc)})") from None
+        self._initialized = True
+        try:
+            kind = int(getattr(nv, "nvmlEventTypeXidCriticalError", _XID_CRITICAL))
+            count = int(nv.nvmlDeviceGetCount())
+            self.event_set = nv.nvmlEventSetCreate()
+            self.gpus, self.unsupported = [], []
+            for index in range(count):
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                pci = None
+                with contextlib.suppress(nv.NVMLError, AttributeError):
+                    pci = text(getattr(nv.nvmlDeviceGetPciInfo(handle), "busId", None))
+                try:
+                    nv.nvmlDeviceRegisterEvents(handle, kind, self.event_set)
+                except nv.NVMLError as exc:
+                    if getattr(exc, "value", None) != _const(nv, "NVML_ERROR_NOT_SUPPORTED"):
+                        raise
+                    self.unsupported.append(index)
+                self.gpus.append(GpuRef(index, pci))
+        except nv.NVMLError as exc:
+            self.close()
+            raise NvmlUnavailable(f"cannot register for XID events ({self.error(exc)})") from None
+        except BaseException:
+            self.close()
+            raise
+        if count == 0:
+            self.close()
+            raise NvmlUnavailable("NVML sees no GPU")
+        if len(self.unsupported) == count:
+            self.close()
+            raise NvmlUnavailable("XID events are not supported on these GPUs (NVML_ERROR_NOT_SUPPORTED)")
+        return self.gpus
 
+    def wait(self) -> XidEvent | None:
+        """One bounded wait; the XID event, or None on timeout or another event type.
 
-def _read_until_eof(fd: int, deadline: float) -> bytes | None:
-    """All the child wrote, or None when the deadline passed first."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-    chunks: list[bytes] = []
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        Raises the NVMLError of a failed wait (GPU_IS_LOST included) to the caller."""
+        nv = self.nv
+        waiter = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
+        try:
+            data = waiter(self.event_set, self.wait_ms)
+        except nv.NVMLError as exc:
+            if getattr(exc, "value", None) == _const(nv, "NVML_ERROR_TIMEOUT"):
+                return None
+            raise
+        kind = int(getattr(nv, "nvmlEventTypeXidCriticalError", _XID_CRITICAL))
+        if not int(getattr(data, "eventType", 0)) & kind:
             return None
-        if not poller.poll(max(1, int(remaining * 1000 + 0.999))):
-            continue
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+        return XidEvent(xid=int(data.eventData), gpu=self._index_of(data.device), source="nvml")
 
+    def gpu_lost(self, exc: BaseException) -> bool:
+        return getattr(exc, "value", None) == _const(self.nv, "NVML_ERROR_GPU_IS_LOST")
 
-def _reap(pid: int, deadline: float) -> bool:
-    """Wait for the child to exit until the deadline; True once reaped."""
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return True
-        if done:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.002)
+    def _index_of(self, handle: Any) -> int | None:
+        nv = self.nv
+        with contextlib.suppress(Exception):
+            return int(nv.nvmlDeviceGetIndex(handle))
+        with contextlib.suppress(Exception):
+            pci = normalize_pci(text(nv.nvmlDeviceGetPciInfo(handle).busId) or "")
+            for g in self.gpus:
+                if g.pci_bus_id and normalize_pci(g.pci_bus_id) == pci:
+                    return g.index
+        return None
 
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    if not _reap(pid, time.monotonic() + _KILL_REAP_S):
-        log.warning("NVML reader pid %d did not die after SIGKILL (stuck in the driver?)", pid)
-
-
-def _decode(data: bytes, hostname: str) -> NodeSnapshot:
-    try:
-        answer = json.loads(data)
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict):  # died before answering (signal, os._exit, OOM)
-        return NodeSnapshot(hostname=hostname, nvml_error=NVML_READ_CRASHED)
-    if "snapshot" in answer:
-        return NodeSnapshot.from_dict(answer["snapshot"], source="NVML reader")
-    message = str(answer.get("message", ""))
-    if answer.get("domain"):
-        raise SlurmagentError(message)
-    raise RuntimeError(f"NVML reader raised {answer.get('error')}: {message}")
+    def close(self) -> None:
+        nv = self.nv
+        if nv is None:
+            return
+        if self.event_set is not None:
+            with contextlib.suppress(Exception):
+                nv.nvmlEventSetFree(self.event_set)
+            self.event_set = None
+        if self._initialized:
+            with contextlib.suppress(Exception):
+                nv.nvmlShutdown()
+            self._initialized = False

@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
+from . import expiry_state
 from .config import Config
 from .errors import SlurmagentError
+from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .wrapper import (
+    FLUSH_SIGNALS,
     JobIdentity,
+    RequeueHold,
     RunOptions,
     Supervisor,
     WrapperError,
     default_ckpt_dir,
     expand_node,
+    make_private_dir,
     parse_signal,
 )
-
-EXPIRY_STATE_FILES = ("/run/slurmagent/expiry.json",)
-
 
 def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
                   ckpt_signal="USR1", grace=None, max_requeues=None, sync_interval=None) -> RunOptions:
@@ -36,58 +40,103 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     for name, value in (("--grace", grace), ("--max-requeues", max_requeues), ("--sync-interval", sync_interval)):
         if value is not None and value < 0:
             raise WrapperError(f"{name} must not be negative")
-    node = env.get("SLURMD_NODENAME")
+    node = node_name(None, env)  # this node's expiry state, never another slurmd's on the same host
     return RunOptions(
         cmd=cmd,
-        ckpt_dir=Path(expand_node(ckpt_dir, env)) if ckpt_dir else default_ckpt_dir(env, ident),
+        ckpt_dir=Path(expand_node(ckpt_dir, env)) if ckpt_dir else make_private_dir(default_ckpt_dir(env, ident)),
         remote=remote or "",
         ckpt_signal=parse_signal(ckpt_signal),
         grace_s=ck.grace_s if grace is None else grace,
         max_requeues=ck.max_requeues if max_requeues is None else max_requeues,
         sync_interval_s=ck.sync_interval_s if sync_interval is None else max(sync_interval, 0.5),
         flush_lead_s=cfg.expiry.flush_lead_s,
-        expiry_files=(cfg.state_path(node) / "expiry.json", *map(Path, EXPIRY_STATE_FILES)),
+        expiry_files=expiry_state.files_for(cfg, node),
+        multi_node=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) > 1,
     )
 
 
-def run_command(cfg: Config, cmd: list[str], **opts) -> int:
+def _int(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts) -> int:
+    # From here to our exit a flush signal is recorded, never the default action: one that
+    # comes before the supervisor starts is acted on by it; one after (Slurm signals the batch
+    # step again once requeued) is a no-op. A Python handler, unlike SIG_IGN, is reset to the
+    # default in the child by exec.
+    early: list[int] = []
+    for s in FLUSH_SIGNALS:
+        signal.signal(s, lambda signum, _frame: early.append(signum))
     env = dict(os.environ)
     ident = JobIdentity.from_env(env)
     options = build_options(cfg, cmd, env, ident, **opts)
     store = None
     if options.remote:
-        from .gcp.storage import GcsCheckpointStore
+        from .gcp.storage import GcsCheckpointStore  # google only with a remote: start-up speed
 
         store = GcsCheckpointStore(options.remote)
+    # A multi-node job's batch step covers every node's --ckpt-dir through node agents.
+    from .allocation import allocation_store  # start-up speed: single-node runs never load it
+
+    whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope)
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
-    sup = Supervisor(options, ident, store, (lambda job: slurm.requeue([job])) if slurm else None, env)
-    if slurm is not None:
-        _warn_if_not_requeueable(sup, slurm, ident.job_id)
-    if store is None:
-        sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
-    outcome = sup.run()
-    _record_metrics(cfg, env.get("SLURMD_NODENAME"), outcome)
+    hold = _requeue_hold(cfg, env, ident) if slurm is not None else None
+    metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
+    sup = Supervisor(options, ident, whole_job or store, (lambda job: slurm.requeue([job])) if slurm else None, env,
+                     hold=hold, metrics=metrics)
+    if whole_job is not None:
+        whole_job.trainer_running = sup.child_running
+    try:
+        if slurm is not None:
+            warn_if_not_requeueable(sup, slurm, ident.job_id)
+        if store is None:
+            sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
+        sup.pending.extend(early)
+        outcome = sup.run()
+    finally:
+        if hold is not None:
+            hold.cleanup()
+    if metrics is not None:
+        _record_metrics(metrics, outcome)
+    sup.say(outcome.summary)
     return outcome.exit_code
 
 
-def _record_metrics(cfg: Config, node: str | None, outcome) -> None:
-    """Flush duration and bytes synced, when this (possibly unprivileged) job may write them."""
-    from . import metrics
+def _requeue_hold(cfg: Config, env, ident: JobIdentity) -> RequeueHold | None:
+    """Our `scontrol` first on the child's PATH, holding its requeue of its own job."""
+    real = shutil.which(cfg.slurm.scontrol, path=env.get("PATH"))
+    if real is None or not ident.aliases:
+        return None
+    return RequeueHold(ident.aliases, os.path.abspath(real))
+
+
+def _job_metrics(cfg: Config, node: str | None):
+    """The node's metrics when this (possibly unprivileged) job may write them, else None."""
+    from . import metrics  # only for a job that may write them: start-up speed
 
     m = metrics.for_node(cfg, node)
-    if not os.access(m.state_dir, os.W_OK):
-        return
+    return m if os.access(m.state_dir, os.W_OK) else None
+
+
+def _record_metrics(m, outcome) -> None:
+    """Flush duration and bytes synced."""
     gauges = {("slurmagent_flush_seconds", ()): outcome.flush_seconds} if outcome.flushed else {}
-    m.update(set_=gauges, add={("slurmagent_bytes_synced_total", ()): outcome.bytes_synced})
+    add = {("slurmagent_bytes_synced_total", ()): outcome.bytes_synced}
+    if outcome.requeued:
+        add[("slurmagent_requeues_total", ())] = 1
+    m.update(set_=gauges, add=add)
 
 
-def _warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
+def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
     try:
         job = slurm.job(job_id)
     except SlurmagentError as exc:
         sup.say(f"cannot read job {job_id} from Slurm ({exc}); requeue may fail")
         return
-    if job is not None and not job.requeue:
+    if job is not None and not job.ambiguous and not job.requeue:
         sup.say(f"WARNING: job {job_id} is not requeueable (Requeue=0): submit with --requeue "
                 "(slurmagent sbatch does) or it will end instead of restarting")
 
@@ -95,7 +144,7 @@ def _warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None
 WRAPPER_SCRIPT = """#!/bin/sh
 # Written by `slurmagent sbatch`: the batch step IS the wrapper, so the end-of-time
 # signal (--signal=B:USR1@LEAD) and `scancel --batch` reach it. Arguments come from argv.
-exec {python} -m slurmagent.entry run "$@"
+exec {slurmagent} run "$@"
 """
 
 
@@ -118,7 +167,7 @@ def submit(cfg: Config, args: list[str]) -> int:
     fd, script = tempfile.mkstemp(prefix="slurmagent-sbatch-", suffix=".sh")
     try:
         with os.fdopen(fd, "w") as fh:
-            fh.write(WRAPPER_SCRIPT.format(python=sys.executable))
+            fh.write(WRAPPER_SCRIPT.format(slurmagent=" ".join(shlex.quote(a) for a in slurmagent_argv())))
         os.chmod(script, 0o755)
         proc = Slurm.from_config(cfg).sbatch([*sbatch_opts, *extra, script, *run_args])
     finally:

@@ -1,7 +1,9 @@
-"""The Slurm seam: scontrol/sbatch as argv lists with deadlines, named by intent.
+"""The Slurm seam: every scontrol/squeue/scancel/sbatch argv, with deadlines, named by intent.
 
-Node state is a set of flags with small pure predicates (aws-parallelcluster style); every
-call that takes nodes takes a list and sends one hostlist, so mass events stay cheap.
+Each binary has its own configurable path (`[slurm] scontrol`, `squeue`, `scancel`,
+`sbatch`); every call that takes nodes or jobs takes a list and sends one hostlist (or one
+comma list), so mass events stay cheap. What comes back is parsed by `nodes.py` (ONE model).
+Changing Slurm state is `actions.py`'s business: it calls the writes below.
 """
 
 from __future__ import annotations
@@ -9,15 +11,17 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from . import hostlist
 from .errors import SlurmError
-from .policy import PREFIX as REASON_PREFIX, DrainFlags
+from .nodes import (RUNNING_JOB_FIELDS, JobInfo, NodeInfo, RunningJob, job_from_text, nodes_from_text,
+                    parse_kv, running_jobs_from_text, script_execs_wrapper)
+from .reasons import clean_reason
+from .timefmt import parse_time_limit
 
-MAX_REASON = 200
+DEFAULT_TIMEOUT_S = 10.0  # one scontrol/squeue/scancel/sbatch call, unless [slurm] timeout_s says otherwise
 
 
 class Runner(Protocol):
@@ -45,106 +49,22 @@ def valid_node_name(name: str | None) -> bool:
     return bool(name) and NODE_NAME.fullmatch(name) is not None
 
 
-def clean_reason(text: str) -> str:
-    """A drain reason that reads well in `sinfo -R` and cannot smuggle anything into scontrol."""
-    text = re.sub(r"[^A-Za-z0-9 _.,:;/()@+#%-]", " ", text)
-    text = re.sub(r"\s+", " ", text).strip()
-    return text[:MAX_REASON]
-
-
-def make_reason(rule: str, detail: str) -> str:
-    return clean_reason(f"{REASON_PREFIX} {rule}: {detail}" if detail else f"{REASON_PREFIX} {rule}")
-
-
-@dataclass(frozen=True)
-class NodeInfo(DrainFlags):
-    name: str
-    flags: frozenset[str]
-    reason: str = ""
-    gres: str = ""
-    partitions: str = ""
-
-    @property
-    def drained_by_slurmagent(self) -> bool:
-        return self.ours
-
-    @property
-    def drained_by_other(self) -> bool:
-        """Drained by an admin or by Slurm itself: slurmagent never touches those."""
-        return self.held_by_other
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    job_id: str
-    state: str
-    reason: str = ""
-    restarts: int = 0
-    requeue: bool = True
-    node_list: str = ""
-    batch_flag: bool = True
-    time_limit: str = ""
-    end_time: str = ""
-    raw: dict | None = None
-
-    @property
-    def held(self) -> bool:
-        return self.state == "PENDING" and (
-            self.reason in ("JobHeldAdmin", "JobHeldUser") or "held" in self.reason.lower()
-        )
-
-
-def parse_kv(line: str) -> dict[str, str]:
-    """`scontrol -o` output: Key=Value tokens; Reason/Comment values may contain spaces."""
-    out: dict[str, str] = {}
-    key = None
-    for token in line.strip().split(" "):
-        name, eq, value = token.partition("=")
-        if eq and re.fullmatch(r"[A-Za-z][A-Za-z0-9_:/]*", name):
-            key = name
-            out[key] = value
-        elif key is not None:
-            out[key] += " " + token
-    return out
-
-
-def node_from_kv(kv: dict[str, str]) -> NodeInfo:
-    flags = frozenset(f for f in re.split(r"[+*]", kv.get("State", "")) if f)
-    reason = kv.get("Reason", "")
-    reason = re.sub(r" \[[^\]]*@[^\]]*\]$", "", reason)  # drop scontrol's "[user@time]" suffix
-    if reason == "(null)":
-        reason = ""
-    return NodeInfo(
-        name=kv.get("NodeName", ""),
-        flags=flags,
-        reason=reason,
-        gres=kv.get("Gres", ""),
-        partitions=kv.get("Partitions", ""),
-    )
-
-
-def job_from_kv(kv: dict[str, str]) -> JobInfo:
-    return JobInfo(
-        job_id=kv.get("JobId", ""),
-        state=kv.get("JobState", ""),
-        reason=kv.get("Reason", ""),
-        restarts=int(kv.get("Restarts", "0") or 0),
-        requeue=kv.get("Requeue", "1") == "1",
-        node_list=kv.get("NodeList", ""),
-        batch_flag=kv.get("BatchFlag", "1") == "1",
-        time_limit=kv.get("TimeLimit", ""),
-        end_time=kv.get("EndTime", ""),
-        raw=kv,
-    )
+def unreachable(exc: BaseException) -> bool:
+    """slurmctld (or the Slurm command itself) cannot be reached: stop, retry later."""
+    text = str(exc).lower()
+    return any(s in text for s in ("unable to contact", "timed out", "connect failure", "connection refused",
+                                   "cannot run", "socket timed out", "zero bytes"))
 
 
 class Slurm:
-    """scontrol wrapped in intent-named, batched calls with named deadlines."""
+    """Slurm's commands wrapped in intent-named, batched calls with named deadlines."""
 
-    def __init__(self, scontrol: str = "scontrol", timeout_s: float = 10.0, runner: Runner = run_argv,
-                 sbatch: str = "sbatch"):
+    def __init__(self, scontrol: str = "scontrol", timeout_s: float = DEFAULT_TIMEOUT_S, runner: Runner = run_argv,
+                 sbatch: str = "sbatch", squeue: str = "squeue", scancel: str = "scancel"):
         self.scontrol = scontrol
         self.sbatch_bin = sbatch
+        self.squeue = squeue
+        self.scancel = scancel
         self.timeout_s = timeout_s
         self.runner = runner
         self.calls = 0
@@ -153,22 +73,27 @@ class Slurm:
     def from_config(cls, cfg) -> Slurm:
         if cfg.slurm.conf:
             os.environ.setdefault("SLURM_CONF", cfg.slurm.conf)
-        return cls(cfg.slurm.scontrol, cfg.slurm.timeout_s, sbatch=cfg.slurm.sbatch)
+        s = cfg.slurm
+        return cls(s.scontrol, s.timeout_s, sbatch=s.sbatch, squeue=s.squeue, scancel=s.scancel)
 
-    def _scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def _call(self, binary: str, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
         self.calls += 1
-        proc = self.runner([self.scontrol, *args], self.timeout_s)
+        proc = self.runner([binary, *args], self.timeout_s)
         if check and proc.returncode != 0:
             msg = (proc.stderr or proc.stdout).strip().splitlines()
-            raise SlurmError(f"scontrol {args[0]} {args[1] if len(args) > 1 else ''}: {msg[-1] if msg else 'failed'}")
+            raise SlurmError(f"{os.path.basename(binary)} {args[0]} {args[1] if len(args) > 1 else ''}: "
+                             f"{msg[-1] if msg else 'failed'}")
         return proc
+
+    def _scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self._call(self.scontrol, list(args), check)
 
     # --- reads --------------------------------------------------------------------------
 
     def nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
+        """All nodes (one call), or those named (one hostlist)."""
         args = ["-o", "show", "node"] + ([hostlist.compress(names)] if names else [])
-        out = self._scontrol(*args).stdout
-        return [node_from_kv(parse_kv(line)) for line in out.splitlines() if line.startswith("NodeName=")]
+        return nodes_from_text(self._scontrol(*args).stdout)
 
     def node(self, name: str) -> NodeInfo:
         found = self.nodes([name])
@@ -182,30 +107,110 @@ class Slurm:
             if "Invalid job id" in proc.stderr:
                 return None
             raise SlurmError(f"scontrol show job {job_id}: {proc.stderr.strip() or 'failed'}")
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("JobId=")]
-        return job_from_kv(parse_kv(lines[0])) if lines else None
+        job = job_from_text(proc.stdout, job_id)
+        if job is not None and job.ambiguous:
+            return self._job_without_free_text(job)
+        return job
 
-    # --- actions ------------------------------------------------------------------------
+    # squeue's fields that hold no text a job chose; Reason (it may hold spaces) last
+    _SQUEUE_JOB_FIELDS = "JobID:0|,State:0|,RestartCnt:0|,Requeue:0|,BatchFlag:0|,TimeLimit:0|,EndTime:0|,NodeList:0|,Reason:0"
+
+    def _job_without_free_text(self, job: JobInfo) -> JobInfo:
+        """The fields of a job whose own text imitates scontrol's (see `job_from_text`), from a
+        squeue listing that prints none of its free text; the unknown JobInfo when that fails."""
+        try:
+            proc = self._call(self.squeue, ["-h", "-j", job.job_id, "-t", "all", "-O", self._SQUEUE_JOB_FIELDS],
+                              check=False)
+        except SlurmError:
+            return job
+        lines = proc.stdout.splitlines() if proc.returncode == 0 else []
+        parts = lines[0].split("|", 8) if len(lines) == 1 else []
+        if len(parts) != 9 or not parts[2].isdigit():
+            return job
+        _, state, restarts, requeue, batch, limit, end, nodes, reason = parts
+        return JobInfo(job_id=job.job_id, state=state, reason=reason.strip(), restarts=int(restarts),
+                       requeue=requeue == "1", node_list=nodes, batch_flag=batch == "1", time_limit=limit,
+                       end_time=end, raw={})
+
+    def jobs_on_node(self, node: str, states: tuple[str, ...] = ("RUNNING",)) -> list[str]:
+        """Ids of the jobs in these states on the node (`squeue -h -w NODE -t ... -o %A`), in order, once each."""
+        proc = self._call(self.squeue, ["-h", "-w", node, "-t", ",".join(states), "-o", "%A"])
+        return list(dict.fromkeys(proc.stdout.split()))
+
+    def running_jobs(self, node: str) -> list[RunningJob]:
+        """The jobs running on the node with their restart count, requeue flag and node count, in
+        one call (`squeue -h -w NODE -t RUNNING -O JobID:|,RestartCnt:|,Requeue:|,NumNodes:|`)."""
+        fmt = ",".join(f"{f}:|" for f in RUNNING_JOB_FIELDS)
+        proc = self._call(self.squeue, ["-h", "-w", node, "-t", "RUNNING", "-O", fmt])
+        return running_jobs_from_text(proc.stdout)
+
+    def job_is_wrapped(self, job_id: str) -> bool:
+        """Does the job's batch script exec the slurmagent wrapper (so a signal to its batch step
+        means 'flush')? One `scontrol write batch_script` call."""
+        script = self.job_script(job_id)
+        return script is not None and script_execs_wrapper(script)
+
+    def job_script(self, job_id: str) -> str | None:
+        """The job's batch script (`scontrol write batch_script JOB -`); None when there is none."""
+        proc = self._scontrol("write", "batch_script", job_id, "-", check=False)
+        return proc.stdout if proc.returncode == 0 else None
+
+    def partition_max_times(self, names: list[str]) -> list[float | None]:
+        """MaxTime of each named partition that exists, in seconds (None = unlimited); one call."""
+        out = self._scontrol("-o", "show", "partition").stdout
+        limits = []
+        for line in out.splitlines():
+            kv = parse_kv(line)
+            if kv.get("PartitionName") in names:
+                limits.append(parse_time_limit(kv.get("MaxTime", "UNLIMITED")))
+        return limits
+
+    # --- writes (actions.py calls these) --------------------------------------------------
+
+    def update_nodes(self, nodes: list[str], **fields: str) -> None:
+        """`scontrol update NodeName=<hostlist> K=V ...` in one call; a Reason is cleaned."""
+        if not nodes:
+            return
+        args = ["update", f"NodeName={hostlist.compress(nodes)}"]
+        for key, value in fields.items():
+            args.append(f"{key}={clean_reason(value) if key == 'Reason' else value}")
+        self._scontrol(*args)
 
     def drain(self, nodes: list[str], reason: str) -> None:
-        if nodes:
-            self._scontrol("update", f"NodeName={hostlist.compress(nodes)}", "State=DRAIN", f"Reason={clean_reason(reason)}")
+        self.update_nodes(nodes, State="DRAIN", Reason=reason)
 
     def set_reason(self, nodes: list[str], reason: str) -> None:
-        if nodes:
-            self._scontrol("update", f"NodeName={hostlist.compress(nodes)}", f"Reason={clean_reason(reason)}")
+        self.update_nodes(nodes, Reason=reason)
+
+    def set_reasons(self, reasons: dict[str, str], **extra: str) -> int:
+        """Set each node's reason, one call per distinct reason. Returns the calls made."""
+        groups: dict[str, list[str]] = {}
+        for node, reason in reasons.items():
+            groups.setdefault(reason, []).append(node)
+        for reason, nodes in groups.items():
+            self.update_nodes(nodes, Reason=reason, **extra)
+        return len(groups)
 
     def resume(self, nodes: list[str]) -> None:
-        if nodes:
-            self._scontrol("update", f"NodeName={hostlist.compress(nodes)}", "State=RESUME")
+        self.update_nodes(nodes, State="RESUME")
 
     def requeue(self, job_ids: list[str]) -> None:
         if job_ids:
             self._scontrol("requeue", ",".join(job_ids))
 
+    def cancel(self, job_ids: list[str]) -> None:
+        """`scancel JOB...` in one call."""
+        if job_ids:
+            self._call(self.scancel, list(job_ids))
+
     def release(self, job_ids: list[str]) -> None:
         if job_ids:
             self._scontrol("release", ",".join(job_ids))
+
+    def signal_jobs(self, job_ids: list[str], signal: str, batch: bool = True) -> None:
+        """`scancel [--batch] --signal=SIG JOB...` in one call (batch: the batch step only)."""
+        if job_ids:
+            self._call(self.scancel, [*(["--batch"] if batch else []), f"--signal={signal}", *job_ids])
 
     def sbatch(self, args: list[str]) -> subprocess.CompletedProcess:
         self.calls += 1

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SnapshotError
-from .fsutil import atomic_write_text
 
 SCHEMA = 1
 
@@ -118,7 +117,7 @@ class NodeSnapshot:
         if not isinstance(gpus_raw, list):
             raise SnapshotError(f"{source}: 'gpus' must be a list")
         try:
-            return cls(
+            snap = cls(
                 hostname=_opt(data, "hostname", str, "snapshot"),
                 driver_version=_opt(data, "driver_version", str, "snapshot"),
                 nvml_error=_opt(data, "nvml_error", str, "snapshot"),
@@ -126,6 +125,12 @@ class NodeSnapshot:
             )
         except (TypeError, ValueError) as exc:
             raise SnapshotError(f"{source}: {exc}") from None
+        first_at: dict[int, int] = {}
+        for position, gpu in enumerate(snap.gpus):  # one GPU listed twice would count twice toward expected_gpus
+            if gpu.index in first_at:
+                raise SnapshotError(f"{source}: gpus[{position}].index {gpu.index} repeats gpus[{first_at[gpu.index]}]'s")
+            first_at[gpu.index] = position
+        return snap
 
 
 def load(path: str | os.PathLike[str]) -> NodeSnapshot:
@@ -140,12 +145,11 @@ def load(path: str | os.PathLike[str]) -> NodeSnapshot:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"snapshot {path} is not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # the parser's own limit; a real snapshot nests four levels deep
+        raise SnapshotError(f"snapshot {path} is not a snapshot: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise SnapshotError(f"snapshot {path} is not a snapshot: {exc}") from None
     return NodeSnapshot.from_dict(data, source=f"snapshot {path}")
-
-
-def save(snapshot: NodeSnapshot, path: str | os.PathLike[str]) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a snapshot."""
-    atomic_write_text(path, snapshot.to_json())
 
 
 # --- conversion helpers -------------------------------------------------------------------
@@ -184,6 +188,8 @@ def _gpu_from_dict(d: Any, position: int) -> GpuState:
     index = d.get("index", position)
     if not isinstance(index, int) or isinstance(index, bool):
         raise TypeError(f"{where}.index must be an integer")
+    if index < 0:
+        raise ValueError(f"{where}.index must not be negative, not {index}")
     kwargs: dict[str, Any] = {"index": index}
     for key, typ in (
         ("uuid", str),

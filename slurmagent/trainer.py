@@ -1,5 +1,5 @@
 """For training code run under `slurmagent run`: know when to checkpoint, where, and whether
-this run resumes one. Stdlib only; no dependency on torch.
+this run resumes one. Stdlib only; torch is used only when the caller already imported it.
 
     from slurmagent import trainer
 
@@ -7,20 +7,24 @@ this run resumes one. Stdlib only; no dependency on torch.
         state = load(trainer.ckpt_dir()) if trainer.resumed() else fresh()
         for step in range(state.step, total):
             train_step(state)
-            if trainer.checkpoint_requested():  # the flag is checked between steps
+            if trainer.any_rank(trainer.checkpoint_requested()):   # every rank stops together
                 trainer.atomic_write(trainer.ckpt_dir() / "state.json", dump(state))
                 sys.exit(0)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 _requested = False
+_resumed_at_start: bool | None = None
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -30,13 +34,15 @@ def _on_signal(signum: int, _frame) -> None:
 
 
 def checkpoint_requested() -> bool:
-    """True once the wrapper (or Slurm) asked for a checkpoint; cheap, call it every step."""
+    """True once the wrapper (or Slurm) asked for a checkpoint; cheap, call it every step.
+    Under torch.distributed only the ranks that got the signal see it: wrap it in `any_rank`."""
     return _requested
 
 
 def reset() -> None:
-    global _requested
+    global _requested, _resumed_at_start
     _requested = False
+    _resumed_at_start = None
 
 
 @contextmanager
@@ -58,8 +64,20 @@ def ckpt_dir() -> Path:
 
 
 def resumed() -> bool:
-    """True when a checkpoint was restored into ckpt_dir() before this run started."""
-    return os.environ.get("SLURMAGENT_RESUMED") == "1"
+    """True when this run starts from a checkpoint: the wrapper restored or found one
+    (`SLURMAGENT_RESUMED=1`), or, bucket or not, the directory held checkpoint files when this
+    process first asked (a shared file system, a run without the wrapper). Decided once, so
+    the checkpoints this run writes later do not change the answer."""
+    global _resumed_at_start
+    if _resumed_at_start is None:
+        _resumed_at_start = os.environ.get("SLURMAGENT_RESUMED") == "1" or _holds_checkpoint(ckpt_dir())
+    return _resumed_at_start
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    from .checkpoint import scan_checkpoint_dir  # start-up speed (a trainer pays only when it asks); the syncer's own rule
+
+    return bool(scan_checkpoint_dir(path))
 
 
 def restart_count() -> int:
@@ -67,11 +85,40 @@ def restart_count() -> int:
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Write to a `.tmp` name, fsync, rename: the syncer never uploads half a file."""
+    """Write to a unique temporary name beside `path`, fsync, rename: the syncer never uploads
+    half a file, and several ranks may write the same name at once (the last rename wins; none
+    fails). The temporary file is created exclusively and never through a symlink."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data.encode() if isinstance(data, str) else data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    payload = data.encode() if isinstance(data, str) else bytes(data)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on at least one: the ranks agree to checkpoint
+    (and stop) at the same step, instead of one rank leaving while the others hang in the next
+    collective. An all-reduce (MAX) of the flag when a torch.distributed process group is
+    initialized; otherwise the flag itself (torch is never imported here)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return bool(flag)
+    torch = sys.modules["torch"]
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -2,11 +2,9 @@
 
 Two inputs feed one judge:
 
-* NVML XID critical-error events (``nvmlEventSetCreate`` / ``nvmlDeviceRegisterEvents`` /
-  ``nvmlEventSetWait_v2`` with a short timeout) in a daemon thread, so a driver call that
-  hangs never stops the rest. The pynvml calls live in :class:`NvmlXidEvents`, which takes
-  an injectable ``nvml`` module like :func:`slurmagent.nvml.read_snapshot`; pynvml itself is
-  imported only by :mod:`slurmagent.nvml`.
+* NVML XID critical-error events (:class:`slurmagent.nvml.NvmlXidEvents`, with an
+  injectable ``nvml`` module) in a daemon thread, so a driver call that hangs never stops
+  the rest; pynvml itself is imported only by :mod:`slurmagent.nvml`.
 * The kernel log through the same :mod:`slurmagent.kernlog` source and cursor the Prolog
   uses. ``/dev/kmsg`` wakes the loop itself (``poll`` on an fd at its end); a plain file
   (``[health] kernel_log``) is ``stat``-ed every ``interval`` seconds; journalctl/dmesg are
@@ -19,6 +17,16 @@ the checks give (``slurmagent: xid 79 on gpu 3 (fallen off the bus)``), never ov
 admin's drain; application-class XIDs are counted and logged. One decision line per event
 (event ``watch``). The same XID on the same GPU seen by both inputs within 30 s is one event.
 
+When the XID leaves a GPU unusable under a running job (``policy.evicts_jobs``: its immediate
+action is a GPU reset or a node reboot) and our drain stands (not held back by the circuit
+breaker, not an admin's drain), the jobs running on the node leave it at once
+(``actions.FaultEviction``: wrapped jobs flush, the others are requeued); the loop follows
+the flushed ones until they are off the node or their deadline passed (event ``fault-evict``).
+
+The daemon runs threads, so it never forks a child itself: a GPU snapshot (to map kernel-log
+XIDs to GPU indices) is read through :class:`slurmagent.nvml_deadline.ThreadSafeReader`,
+whose forkserver starts before the event thread.
+
 systemd: ``Type=notify`` (READY=1, WATCHDOG=1, STOPPING=1 over ``$NOTIFY_SOCKET``, a plain
 unix datagram socket). SIGTERM/SIGINT stop it cleanly with exit status 0.
 """
@@ -30,195 +38,31 @@ import os
 import queue
 import select
 import signal
-import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from . import kernlog
+from . import actions, kernlog, policy
 from .checks import Finding, Report, Severity, xid_finding
 from .config import Config
-from .decisionlog import DecisionLog
+from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError, SlurmError
-from .hooks import decision_log_path, reason_for
+from .health import read_snapshot
+from .host import sd_notify, watchdog_interval
+from .nvml import NVML_WAIT_MS, GpuRef, NvmlUnavailable, NvmlXidEvents, XidEvent
+from .nvml_deadline import ThreadSafeReader
+from .reasons import reason_for
 from .slurm import Slurm
 
 DEFAULT_INTERVAL_S = 0.25  # kernel-log poll period
-NVML_WAIT_MS = 500  # one nvmlEventSetWait_v2; bounds how long a stop waits on the NVML thread
 NVML_RETRY_S = 60.0  # NVML unavailable: try again this often (said once, not every time)
 SLOW_SOURCE_S = 5.0  # journalctl/dmesg cost a process each: poll them this often
 DUPLICATE_WINDOW_S = 30.0  # the NVML event and the NVRM line of one XID arrive within this
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # after a failed drain or a busy kernlog lock
 EVENT_WAIT_S = 1.0  # loop period when every input wakes it (kmsg fd, NVML pipe): watchdog, retries
-
-_NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
-_TIMEOUT = 10  # NVML_ERROR_TIMEOUT
-_GPU_IS_LOST = 15  # NVML_ERROR_GPU_IS_LOST
-_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
-
-
-# --- systemd notify ---------------------------------------------------------------------
-
-
-def sd_notify(message: str, env: dict[str, str] | os._Environ = os.environ) -> bool:
-    """Send one notification to systemd over ``$NOTIFY_SOCKET``; False when there is none."""
-    addr = env.get("NOTIFY_SOCKET")
-    if not addr:
-        return False
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.connect(addr)
-            sock.sendall(message.encode())
-        return True
-    except OSError:
-        return False
-
-
-def watchdog_interval(env: dict[str, str] | os._Environ = os.environ) -> float | None:
-    """Half of systemd's WatchdogSec (``$WATCHDOG_USEC``) when it is meant for this process."""
-    usec = env.get("WATCHDOG_USEC", "")
-    pid = env.get("WATCHDOG_PID", "")
-    if not usec.isdigit() or int(usec) <= 0:
-        return None
-    if pid and pid != str(os.getpid()):
-        return None
-    return int(usec) / 2e6
-
-
-# --- events -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GpuRef:
-    """What the judge needs to know of a GPU: its index and PCI address."""
-
-    index: int
-    pci_bus_id: str | None = None
-
-
-@dataclass
-class XidEvent:
-    xid: int
-    gpu: int | None
-    source: str  # "nvml" | "kernel_log"
-    detail: str = ""
-    raw: str | None = None
-    pci: str | None = None
-    seen: float = field(default_factory=time.monotonic)  # when the watcher saw it
-
-
-class NvmlUnavailable(SlurmagentError):
-    """NVML XID events cannot be followed here (no driver, no library, no supported GPU)."""
-
-
-class NvmlXidEvents:
-    """The pynvml event calls for XID critical errors, with an injectable ``nvml`` module."""
-
-    def __init__(self, nvml: Any = None, wait_ms: int = NVML_WAIT_MS):
-        self._nvml = nvml
-        self.wait_ms = wait_ms
-        self.nv: Any = None
-        self.event_set: Any = None
-        self.gpus: list[GpuRef] = []
-        self.unsupported: list[int] = []  # GPU indices that cannot deliver XID events
-        self._initialized = False
-
-    def _err(self, exc: BaseException) -> str:
-        from . import nvml as nvml_mod
-
-        return nvml_mod.error_name(exc, self.nv)
-
-    def open(self) -> list[GpuRef]:
-        """nvmlInit, one event set, every GPU registered for XID critical errors."""
-        from . import nvml as nvml_mod
-
-        try:
-            self.nv = nvml_mod._load(self._nvml)
-        except SlurmagentError as exc:
-            raise NvmlUnavailable(str(exc)) from None
-        nv = self.nv
-        try:
-            nv.nvmlInit()
-        except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"nvmlInit failed ({self._err(exc)})") from None
-        self._initialized = True
-        try:
-            kind = int(getattr(nv, "nvmlEventTypeXidCriticalError", _XID_CRITICAL))
-            count = int(nv.nvmlDeviceGetCount())
-            self.event_set = nv.nvmlEventSetCreate()
-            self.gpus, self.unsupported = [], []
-            for index in range(count):
-                handle = nv.nvmlDeviceGetHandleByIndex(index)
-                pci = None
-                with contextlib.suppress(nv.NVMLError, AttributeError):
-                    pci = nvml_mod._text(getattr(nv.nvmlDeviceGetPciInfo(handle), "busId", None))
-                try:
-                    nv.nvmlDeviceRegisterEvents(handle, kind, self.event_set)
-                except nv.NVMLError as exc:
-                    if getattr(exc, "value", None) != int(getattr(nv, "NVML_ERROR_NOT_SUPPORTED", _NOT_SUPPORTED)):
-                        raise
-                    self.unsupported.append(index)
-                self.gpus.append(GpuRef(index, pci))
-        except nv.NVMLError as exc:
-            self.close()
-            raise NvmlUnavailable(f"cannot register for XID events ({self._err(exc)})") from None
-        except BaseException:
-            self.close()
-            raise
-        if count == 0:
-            self.close()
-            raise NvmlUnavailable("NVML sees no GPU")
-        if len(self.unsupported) == count:
-            self.close()
-            raise NvmlUnavailable("XID events are not supported on these GPUs (NVML_ERROR_NOT_SUPPORTED)")
-        return self.gpus
-
-    def wait(self) -> XidEvent | None:
-        """One bounded wait; the XID event, or None on timeout or another event type.
-
-        Raises the NVMLError of a failed wait (GPU_IS_LOST included) to the caller."""
-        nv = self.nv
-        waiter = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
-        try:
-            data = waiter(self.event_set, self.wait_ms)
-        except nv.NVMLError as exc:
-            if getattr(exc, "value", None) == int(getattr(nv, "NVML_ERROR_TIMEOUT", _TIMEOUT)):
-                return None
-            raise
-        kind = int(getattr(nv, "nvmlEventTypeXidCriticalError", _XID_CRITICAL))
-        if not int(getattr(data, "eventType", 0)) & kind:
-            return None
-        return XidEvent(xid=int(data.eventData), gpu=self._index_of(data.device), source="nvml")
-
-    def _index_of(self, handle: Any) -> int | None:
-        nv = self.nv
-        with contextlib.suppress(Exception):
-            return int(nv.nvmlDeviceGetIndex(handle))
-        with contextlib.suppress(Exception):
-            from . import nvml as nvml_mod
-
-            pci = kernlog.normalize_pci(nvml_mod._text(nv.nvmlDeviceGetPciInfo(handle).busId) or "")
-            for g in self.gpus:
-                if g.pci_bus_id and kernlog.normalize_pci(g.pci_bus_id) == pci:
-                    return g.index
-        return None
-
-    def close(self) -> None:
-        nv = self.nv
-        if nv is None:
-            return
-        if self.event_set is not None:
-            with contextlib.suppress(Exception):
-                nv.nvmlEventSetFree(self.event_set)
-            self.event_set = None
-        if self._initialized:
-            with contextlib.suppress(Exception):
-                nv.nvmlShutdown()
-            self._initialized = False
+FOLLOW_S = 0.5  # loop period while flushed jobs are followed off a failed GPU
+EVICTED_KEPT = 1000  # jobs remembered as already moved off this node (a repeated XID skips them)
 
 
 # --- change detection for the kernel-log source --------------------------------------------
@@ -353,6 +197,7 @@ class Watcher:
         env: dict[str, str] | os._Environ = os.environ,
         nvml_retry_s: float = NVML_RETRY_S,
         nvml_wait_ms: int = NVML_WAIT_MS,
+        snapshot_reader: ThreadSafeReader | None = None,
     ):
         self.cfg = cfg
         self.node = node
@@ -367,6 +212,7 @@ class Watcher:
             self.source = kernlog.source_for(cfg.node_path(cfg.health.kernel_log, node))
         self.use_nvml = use_nvml
         self.nvml_events = NvmlXidEvents(nvml, wait_ms=nvml_wait_ms)
+        self.snapshot_reader = snapshot_reader or ThreadSafeReader()
         self.nvml_retry_s = nvml_retry_s
         self.nvml_gpus: list[GpuRef] = []
         self.nvml_state = "off" if not use_nvml else "starting"
@@ -375,6 +221,8 @@ class Watcher:
         self.recent: dict[tuple[int | None, int], tuple[float, str]] = {}
         self.app_xids = 0
         self.drains = 0
+        self.evictions: list[actions.FaultEviction] = []  # flushed jobs followed until off the node
+        self.evicted: dict[tuple[str, int], None] = {}  # (job, restarts) already made to leave, oldest first
         self.judged = 0
         self._stopping = False
         self._stopped = threading.Event()  # set by the main loop on its way out: wakes the NVML thread
@@ -412,6 +260,8 @@ class Watcher:
     def run(self) -> int:
         """The main loop; returns 0 once stopped."""
         detector = change_detector(self.source) if self.source is not None else None
+        if not self.cfg.health.snapshot:
+            self.snapshot_reader.start()  # its forkserver starts before any thread of ours
         if self.use_nvml:
             self._thread = threading.Thread(target=self._nvml_loop, name="nvml-xid-events", daemon=True)
             self._thread.start()
@@ -434,6 +284,7 @@ class Watcher:
                     first = False
                 self._wait(detector)
                 self._drain_queue()
+                self._follow_evictions()
                 if ping_every is not None and time.monotonic() >= next_ping:
                     sd_notify("WATCHDOG=1", self.env)
                     next_ping = time.monotonic() + ping_every
@@ -482,14 +333,12 @@ class Watcher:
                         self.events.put(event)
                         self._wake()
             except Exception as exc:  # noqa: BLE001
-                nv = ev.nv
-                value = getattr(exc, "value", None)
-                if value == int(getattr(nv, "NVML_ERROR_GPU_IS_LOST", _GPU_IS_LOST)):
+                if ev.gpu_lost(exc):
                     # The driver also logs Xid 79 with the GPU's address; the kernel log names it.
                     self.say("NVML event wait: a GPU is lost (NVML_ERROR_GPU_IS_LOST)")
                     last_problem = "gpu-lost"
                 else:
-                    last_problem = f"event wait failed ({ev._err(exc) if hasattr(exc, 'value') else exc})"
+                    last_problem = f"event wait failed ({ev.error(exc) if hasattr(exc, 'value') else exc})"
                     self.say(f"NVML XID events: {last_problem}; following the kernel log, retrying")
                 self.nvml_state = "unavailable"
             finally:
@@ -516,6 +365,8 @@ class Watcher:
             self._polled_fd = fd
         event_driven = detector is None or fd is not None
         timeout = EVENT_WAIT_S if event_driven else self.interval
+        if self.evictions:
+            timeout = min(timeout, FOLLOW_S)
         try:
             ready = self._poller.poll(timeout * 1000)
         except InterruptedError:
@@ -569,10 +420,8 @@ class Watcher:
     def gpu_refs(self) -> list[Any]:
         """Index and PCI address of each GPU: the replay snapshot, else NVML's view."""
         if self.cfg.health.snapshot or not self.nvml_gpus:
-            from .health import read_snapshot
-
             try:
-                return list(read_snapshot(self.cfg, self.node).gpus)
+                return list(read_snapshot(self.cfg, self.node, self.snapshot_reader).gpus)
             except Exception as exc:  # noqa: BLE001 - the XID is judged anyway, as "gpu ?"
                 self.say(f"cannot map XIDs to GPU indices: {exc}", "gpu-map")
                 return list(self.nvml_gpus)
@@ -598,14 +447,14 @@ class Watcher:
             judged.append((e, xid_finding(e.xid, e.gpu, e.detail), self._duplicate(e)))
         drains = [f for _, f, _ in judged if f.severity is Severity.DRAIN]
         action = reason = None
+        evict = False
         if drains:
             reason = reason_for(Report(findings=drains))
-            from .repair import drain_node  # journaled, through the circuit breaker
-
-            outcome = drain_node(self.cfg, self.slurm, self.node, reason, drains, source="watch")
+            outcome = actions.drain_fault(self.cfg, self.slurm, self.node, reason, drains, source="watch")
             if outcome.action.startswith("drain-failed"):
                 raise SlurmError(outcome.action)  # keep the events: retried here, and by the journal
             action = outcome.action
+            evict = outcome.drained and policy.evicts_jobs(drains)
         for e, f, dup in judged:
             if dup and (f.severity is not Severity.DRAIN or action != "drained"):
                 continue  # already judged through the other input
@@ -624,7 +473,40 @@ class Watcher:
             self.log.write("watch", **fields)
             if f.severity is Severity.DRAIN:
                 self.say(f"{f.summary}: {action} ({reason})")
+        if evict and reason:  # right after the drain (and its decision line)
+            self._evict(reason, min(e.seen for e, f, _ in judged if f.severity is Severity.DRAIN))
         return action
+
+
+    # --- running jobs on a failed GPU ---------------------------------------------------------
+
+    def _evict(self, reason: str, fault_at: float) -> None:
+        """Right after the drain: the node's running jobs leave it (never raises: the drain stands)."""
+        eviction = actions.FaultEviction(self.cfg, self.slurm, self.node, fault_at, source="watch", reason=reason,
+                                         log=self.log)
+        try:
+            leaves = eviction.start(skip=self.evicted)
+        except Exception as exc:  # noqa: BLE001 - said; the drain keeps new jobs off, Slurm's own timeouts remain
+            self.say(f"cannot make the running jobs leave {self.node}: {_describe(exc)}")
+            return
+        for leave in leaves:
+            self.evicted[(leave.job.job_id, leave.job.restarts)] = None
+            while len(self.evicted) > EVICTED_KEPT:
+                del self.evicted[next(iter(self.evicted))]
+            self.say(f"job {leave.job.job_id} on a failed GPU: {leave.action}")
+        if not eviction.done:
+            self.evictions.append(eviction)
+
+    def _follow_evictions(self) -> None:
+        for eviction in list(self.evictions):
+            try:
+                for leave in eviction.poll():
+                    took = f" ({leave.left_after_s:.1f} s after the fault)" if leave.left_after_s is not None else ""
+                    self.say(f"job {leave.job.job_id}: {leave.action}{took}")
+            except Exception as exc:  # noqa: BLE001 - keep following; said once
+                self.say(f"following the jobs off {self.node}: {_describe(exc)}", "follow-evictions")
+            if eviction.done:
+                self.evictions.remove(eviction)
 
 
 def _describe(exc: BaseException) -> str:

@@ -3,17 +3,35 @@
 SIGTERM / SIGUSR1 to the wrapper (Slurm's end-of-time signal, preemption, maintenance) or
 the VM's expiry lead starts ONE flush: the checkpoint signal to the child's process group,
 up to `--grace` for it to write and exit, a final sync to Cloud Storage, `scontrol requeue`
-(capped by our own `--max-requeues` against SLURM_RESTART_COUNT), exit 143. The signal
-handler only records; the main loop acts (submitit style).
+(unless the job keeps restarting without progress: `--max-requeues` consecutive attempts
+whose committed checkpoint is the one they restored), exit 143. The signal handler only
+records; the main loop acts (submitit style).
+
+A child that requeues its own job (PyTorch Lightning's auto-requeue, submitit) finds our
+`scontrol` first on its PATH: the request is recorded and held until the final sync is
+done, then issued once, so Slurm's kill timer never starts while the upload runs.
+
+A fault flush (`nodes.FAULT_FLUSH_SIGNAL`, SIGPWR, sent by `watch`/`healthcheck` when a GPU
+died under the job) is the same flush with at most FAULT_GRACE_S for the trainer, which may
+hang on the dead GPU: the last committed checkpoint is what counts. A child that does not
+die after SIGKILL (stuck in the kernel on that GPU) is left behind after REAP_WAIT_S, so the
+sync and the requeue still happen.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import re
+import shlex
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,20 +39,46 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, TextIO
 
+from .checkpoint import Manifest, entry_content_id, no_progress_after, scan_checkpoint_dir
 from .errors import SlurmagentError
+from .expiry_state import termination_time
+from .fsutil import atomic_write_text
+from .host import node_name
+from .nodes import FAULT_FLUSH_SIGNAL
 
-EXIT_FLUSHED = 143
-FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
+EXIT_REQUEUE_REFUSED = 75  # EX_TEMPFAIL: flushed, but the job was NOT requeued
+FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, FAULT_FLUSH_SIGNAL)
+FAULT_GRACE_S = 5.0  # a fault flush waits at most this long for the trainer (instead of --grace)
+REAP_WAIT_S = 10.0  # after SIGKILL: a child stuck in uninterruptible sleep is left behind after this
 FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGHUP, signal.SIGINT)
+UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+SELF_REQUEUE_CAUSE = "the job requeued itself"
+
+
+class SyncResultLike(Protocol):
+    files_sent: int
+    bytes_sent: int
+    manifest: Manifest | None
 
 
 class CheckpointStore(Protocol):
-    def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ...): ...
-    def restore(self, ckpt_dir, *, deadline_s: float = ...): ...
+    url: str
+
+    def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ..., restored: Manifest | None = ...
+             ) -> SyncResultLike: ...
+
+    def restore(self, ckpt_dir, *, deadline_s: float = ...) -> Manifest | None: ...
+
+    def latest_manifest(self, *, deadline_s: float = ...) -> Manifest | None: ...
+
+
+class MetricsSink(Protocol):
+    def update(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None: ...
 
 
 class WrapperError(SlurmagentError):
-    """The wrapper cannot start the job safely (bad option, restore failed)."""
+    """The wrapper cannot start the job safely (bad option, unsafe directory, restore failed)."""
 
 
 @dataclass(frozen=True)
@@ -45,17 +89,22 @@ class JobIdentity:
     job_id: str  # what `scontrol requeue` takes (ARRAYJOBID_TASKID for array tasks)
     name: str  # the remote prefix's last part
     restart_count: int
+    aliases: tuple[str, ...] = ()  # every id the job's own code may name it by (SLURM_JOB_ID too)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JobIdentity:
         if env.get("SLURM_JOB_ID"):
             array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
             job_id = f"{array_job}_{task}" if array_job and task else env["SLURM_JOB_ID"]
-            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")))
+            aliases = tuple(dict.fromkeys(i for i in (job_id, env["SLURM_JOB_ID"]) if _JOB_ID_RE.fullmatch(i)))
+            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")), aliases)
         if env.get("CLOUD_RUN_JOB"):
             job, index = env["CLOUD_RUN_JOB"], env.get("CLOUD_RUN_TASK_INDEX", "0")
             return cls("cloud-run", job, f"{job}-task-{index}", _int(env.get("CLOUD_RUN_TASK_ATTEMPT")))
         return cls("local", str(os.getpid()), f"local-{os.getpid()}", 0)
+
+
+_JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?")
 
 
 def _int(value: str | None) -> int:
@@ -78,67 +127,192 @@ class RunOptions:
     expiry_files: tuple[Path, ...] = ()
     restore_deadline_s: float = 600.0
     final_sync_floor_s: float = 15.0
+    multi_node: bool = False  # restore always takes the committed manifest
+    stop_wait_s: float = 10.0  # after a held requeue: SIGTERM, this long, then SIGKILL
+    progress_report_s: float = 15.0  # a restore that takes longer says what it is doing this often
+    error_report_s: float = 300.0  # a background sync that keeps failing is said at most this often
+    sync_deadline_s: float = 30.0  # a background sync may take the longer of this and the interval
 
 
 @dataclass
 class Outcome:
-    """What happened, for the exit code, the log line and the tests."""
+    """What happened, for the exit code, the last log line and the tests."""
 
     exit_code: int
     flushed: bool = False
     flush_cause: str = ""
     requeued: bool = False
+    requeue_refused: str = ""  # why the job was not requeued after a flush
+    held_requeue: bool = False  # the job asked for its own requeue (held by our scontrol)
     child_killed: bool = False
+    child_code: int | None = None
     synced: bool = False
     resumed: bool = False
+    no_progress: int = 0  # this attempt's no-progress streak (0: it made progress)
     flush_seconds: float = 0.0
     bytes_synced: int = 0
-    messages: list[str] = field(default_factory=list)
+    summary: str = ""  # the last stderr line: which exit code and why
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def parse_signal(name: str) -> int:
-    name = name.upper()
-    if name.isdigit():
-        return int(name)
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    try:
-        return int(getattr(signal, name))
-    except AttributeError:
-        raise WrapperError(f"unknown signal {name!r}") from None
+    """A catchable signal by name (USR1, SIGUSR1) or number; anything else is a usage error."""
+    raw = name.strip().upper()
+    if raw.isdigit():
+        num = int(raw)
+        if num not in signal.valid_signals():
+            raise WrapperError(f"--ckpt-signal {name}: no such signal on this system (1..{signal.NSIG - 1})")
+    else:
+        try:
+            num = int(getattr(signal, raw if raw.startswith("SIG") else "SIG" + raw))
+        except (AttributeError, TypeError):
+            raise WrapperError(f"--ckpt-signal {name}: unknown signal name") from None
+    if num in UNCATCHABLE:
+        raise WrapperError(f"--ckpt-signal {name}: {signal_name(num)} cannot be caught, so the job could never checkpoint")
+    return num
 
 
-def default_ckpt_dir(env: Mapping[str, str], ident: JobIdentity) -> Path:
-    return Path(env.get("TMPDIR") or "/tmp") / "slurmagent" / ident.name
+# --- the default checkpoint directory: private to the user ------------------------------
+
+
+def default_ckpt_dir(env: Mapping[str, str], ident: JobIdentity, uid: int | None = None) -> Path:
+    """`${TMPDIR:-/tmp}/slurmagent-<uid>/<job>`: a per-user parent, so no other user can
+    create, replace or read a job's directory (see `make_private_dir`)."""
+    uid = os.geteuid() if uid is None else uid
+    return Path(env.get("TMPDIR") or "/tmp") / f"slurmagent-{uid}" / ident.name
+
+
+def make_private_dir(path: Path, uid: int | None = None) -> Path:
+    """Create `path` and its per-user parent with mode 0700, or accept them when they exist as
+    real directories owned by `uid`. A symlink or a directory of another user (planted in a
+    shared /tmp to read or replace the checkpoint) is refused, never followed or used."""
+    uid = os.geteuid() if uid is None else uid
+    for d in (path.parent, path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise WrapperError(f"cannot create checkpoint dir {d}: {exc.strerror}; pass --ckpt-dir") from None
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            why = "it is a symlink" if os.path.islink(d) else (exc.strerror or str(exc))
+            raise WrapperError(f"refusing checkpoint dir {d}: {why} (not created by you); "
+                               "remove it or pass --ckpt-dir") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != uid:
+                raise WrapperError(f"refusing checkpoint dir {d}: owned by uid {st.st_uid}, not by you (uid {uid}); "
+                                   "remove it or pass --ckpt-dir")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                os.fchmod(fd, 0o700)  # ours: make it private again
+        finally:
+            os.close(fd)
+    return path
 
 
 def expand_node(path: str, env: Mapping[str, str]) -> str:
     """`%n` -> this node's name, so per-node paths work when several slurmd share a host."""
-    return path.replace("%n", env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0])
+    return path.replace("%n", node_name(None, env))
 
 
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
+# --- the job's own requeue, held ----------------------------------------------------------
+
+SHIM = """#!/bin/sh
+# Written by `slurmagent run` for this job only. The job's own `scontrol requeue` of itself
+# (PyTorch Lightning's auto-requeue, submitit) is held: the wrapper requeues the job once,
+# after its final checkpoint sync. Every other scontrol call goes to the real one.
+if [ "$#" -eq 2 ] && [ "$1" = requeue ]; then
+  case "$2" in
+    {ids})
+      printf '%s\\n' "$2" >> {request}
+      echo "slurmagent: requeue of job $2 held until the checkpoint is synced" >&2
+      exit 0 ;;
+  esac
+fi
+exec {real} "$@"
+"""
 
 
-def termination_time(files: tuple[Path, ...], boot_id: str | None = None) -> datetime | None:
-    """The VM's termination time from the expiry watch's state file, if any. A file from an
-    earlier boot (a flex VM stopped and started on the same disk) is ignored."""
-    boot_id = _boot_id() if boot_id is None else boot_id
-    for path in files:
+class RequeueHold:
+    """A private directory (0700) put first on the child's PATH, holding an `scontrol` that
+    records the child's requeue of its own job in a file there and exits 0."""
+
+    def __init__(self, job_ids: tuple[str, ...], real_scontrol: str, base: str | None = None):
+        if not job_ids or not all(_JOB_ID_RE.fullmatch(i) for i in job_ids):
+            raise ValueError(f"not Slurm job ids: {job_ids!r}")
+        self.dir = Path(tempfile.mkdtemp(prefix="slurmagent-hold-", dir=base))
+        self.request = self.dir / "requeue-requested"
+        shim = self.dir / "scontrol"
+        shim.write_text(SHIM.format(ids="|".join(job_ids), request=shlex.quote(str(self.request)),
+                                    real=shlex.quote(real_scontrol)))
+        shim.chmod(0o700)
+
+    def child_path(self, path: str | None) -> str:
+        return f"{self.dir}{os.pathsep}{path}" if path else str(self.dir)
+
+    def requested(self) -> bool:
+        return self.request.exists()
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- what this directory last matched: a committed manifest, or (no remote) a scan -------
+
+
+def manifest_id(m: Manifest) -> str:
+    """Identifies one committed manifest (attempt, time, names and content hashes)."""
+    files = {rel: entry_content_id(e) for rel, e in m.files.items()}
+    return hashlib.sha256(json.dumps([m.attempt, m.created, files], sort_keys=True).encode()).hexdigest()
+
+
+def stat_scan(ckpt_dir: Path) -> dict[str, list[int]]:
+    """{relpath: [size, mtime_ns]} of the checkpoint files (cheap: no file is read)."""
+    return {f.relpath: [f.size, f.mtime_ns] for f in scan_checkpoint_dir(ckpt_dir)}
+
+
+class DirRecord:
+    """A small JSON file beside the checkpoint directory (never inside it): which committed
+    manifest the directory last held (restored, or synced from it), and, without a remote,
+    the file list and no-progress streak of the last attempt."""
+
+    def __init__(self, ckpt_dir: Path):
+        self.path = Path(str(ckpt_dir).rstrip("/") + ".slurmagent-run.json")
+
+    def read(self) -> dict:
         try:
-            data = json.loads(path.read_text())
-            if data.get("boot_id") and boot_id and data["boot_id"] != boot_id:
-                continue
-            raw = data.get("termination_time")
-            if raw:
-                return datetime.fromisoformat(raw.replace("Z", "+00:00"))
-        except (OSError, ValueError, AttributeError):
-            continue
-    return None
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def write(self, **data) -> None:
+        try:
+            atomic_write_text(self.path, json.dumps({"version": 1, **data}, sort_keys=True), 0o600)
+        except OSError:
+            pass  # only costs a full restore next time
+
+
+class _LastRetry(logging.Handler):
+    """Keeps the storage layer's last retry message, so a slow restore can say what it waits on."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.last = record.getMessage()
+        except Exception:  # noqa: BLE001 - a log record must never break the restore
+            pass
 
 
 class Supervisor:
@@ -151,6 +325,8 @@ class Supervisor:
         env: Mapping[str, str],
         err: TextIO = sys.stderr,
         clock: Callable[[], float] = time.monotonic,
+        hold: RequeueHold | None = None,
+        metrics: MetricsSink | None = None,
     ):
         self.opts = opts
         self.ident = ident
@@ -159,90 +335,247 @@ class Supervisor:
         self.env = env
         self.err = err
         self.clock = clock
+        self.hold = hold
+        self.metrics = metrics
         self.pending: list[int] = []  # signals recorded by the handler, acted on by the loop
         self.sync_lock = threading.Lock()
         self.stop_sync = threading.Event()
         self.state_file = Path(str(opts.ckpt_dir).rstrip("/") + ".sync-state.json")
+        self.record = DirRecord(opts.ckpt_dir)
         self.last_sync_error = ""
         self.bytes_synced = 0
+        self.baseline: Manifest | None = None  # the committed checkpoint this attempt started from
+        self.committed: Manifest | None = None  # the checkpoint committed now (baseline until a sync)
+        self.start_scan: dict[str, list[int]] = {}
+        self.committed_scan: dict[str, list[int]] = {}  # files as they were when last committed
+        self.dirty_since: dict[str, float] = {}  # file -> mtime of its first change not committed
+        self.sync_failures = 0
+        self.failing_since = 0.0
+        self.last_error_said = float("-inf")
+        self.child: subprocess.Popen | None = None
+
+    def child_running(self) -> bool:
+        """True while the command runs (a multi-node store then commits consistent cuts only)."""
+        return self.child is not None and self.child.poll() is None
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
 
-    # --- phases ---------------------------------------------------------------------------
+    @property
+    def remote(self) -> str:
+        return self.opts.remote or getattr(self.store, "url", "")
 
-    def restore(self) -> bool:
-        self.opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    # --- start: the directory ---------------------------------------------------------------
+
+    def prepare_dir(self) -> bool:
+        """Put the committed checkpoint in place (or keep a newer local one); True when the
+        directory then holds a checkpoint (SLURMAGENT_RESUMED=1)."""
+        ckpt = self.opts.ckpt_dir
+        ckpt.mkdir(parents=True, exist_ok=True)
+        local = stat_scan(ckpt)
         if self.store is None:
-            return False
-        manifest = self.store.restore(self.opts.ckpt_dir, deadline_s=self.opts.restore_deadline_s)
+            return bool(local)
+        manifest = self.store.latest_manifest(deadline_s=self.opts.restore_deadline_s)
         if manifest is None:
-            self.say(f"no checkpoint at {self.opts.remote}: starting fresh")
-            return False
-        self.say(f"restored checkpoint of attempt {manifest.attempt} ({len(manifest.files)} files) from {self.opts.remote}")
+            self.say(f"no checkpoint at {self.remote}: starting " + ("with the files in " + str(ckpt) if local else "fresh"))
+            return bool(local)
+        record = self.record.read()
+        if not self.opts.multi_node and local and record.get("manifest") == manifest_id(manifest):
+            changed = sorted(rel for rel, st in local.items() if (record.get("files") or {}).get(rel) != st)
+            self.say(f"kept the local checkpoint in {ckpt}: it holds the committed checkpoint of attempt "
+                     f"{manifest.attempt} (the last one in {self.remote})"
+                     + (f" and {len(changed)} newer file(s) the last sync did not commit" if changed else "")
+                     + "; not restoring over it")
+            self.baseline = self.committed = manifest
+            return True
+        restored = self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s)
+        if restored is None:  # deleted between the two reads
+            self.say(f"no checkpoint at {self.remote}: starting fresh")
+            return bool(stat_scan(ckpt))
+        self.baseline = self.committed = restored
+        self.record.write(manifest=manifest_id(restored), files=stat_scan(ckpt))
+        self.say(f"restored checkpoint of attempt {restored.attempt} ({len(restored.files)} files) from {self.remote}")
         return True
+
+    def _prepare_dir_watched(self) -> bool | None:
+        """`prepare_dir` in a thread: flush signals stay handled (None: one came, do not start)
+        and a slow restore (bucket down, large checkpoint) says what it is doing."""
+        box: dict = {}
+        watcher = _LastRetry()
+        store_log = logging.getLogger("slurmagent.gcp.storage")
+        old_level = store_log.level
+        store_log.addHandler(watcher)
+        store_log.setLevel(logging.DEBUG)
+
+        def work() -> None:
+            try:
+                box["resumed"] = self.prepare_dir()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="ckpt-restore", daemon=True)
+        started = self.clock()
+        next_report = started + self.opts.progress_report_s
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(0.1)
+                if any(s in FLUSH_SIGNALS for s in self.pending):
+                    return None
+                now = self.clock()
+                if worker.is_alive() and now >= next_report:
+                    next_report = now + self.opts.progress_report_s
+                    last = f"; last: {watcher.last}" if watcher.last else ""
+                    self.say(f"still restoring from {self.remote} after {now - started:.0f} s "
+                             f"(gives up at {self.opts.restore_deadline_s:g} s){last}")
+        finally:
+            store_log.removeHandler(watcher)
+            store_log.setLevel(old_level)
+        if "error" in box:
+            raise box["error"]
+        return box["resumed"]
+
+    # --- sync ---------------------------------------------------------------------------------
 
     def sync(self, deadline_s: float, final: bool = False) -> bool:
         if self.store is None:
             return False
         with self.sync_lock:
+            started = self.clock()
+            before = stat_scan(self.opts.ckpt_dir)
             try:
-                result = self.store.sync(self.opts.ckpt_dir, self.ident.restart_count, self.state_file, deadline_s=deadline_s)
-            except SlurmagentError as exc:
-                self.last_sync_error = str(exc)
-                if final:
-                    self.say(f"final sync failed: {exc}; the local checkpoint in {self.opts.ckpt_dir} is kept")
+                result = self.store.sync(self.opts.ckpt_dir, self.ident.restart_count, self.state_file,
+                                         deadline_s=deadline_s, restored=self.baseline)
+            except Exception as exc:  # noqa: BLE001 - any failure is one line; the job goes on
+                self._sync_failed(exc, final)
                 return False
+            if result.manifest is not None:
+                self.committed = result.manifest
+                self.committed_scan = before
+                self.record.write(manifest=manifest_id(result.manifest), files=before)
         self.bytes_synced += result.bytes_sent
+        if self.sync_failures and not final:
+            self.say(f"background sync to {self.remote} works again after {self.sync_failures} failed tries")
+        self.sync_failures = 0
         if final:
-            self.say(f"final sync: {result.files_sent} file(s), {result.bytes_sent} bytes sent to {self.opts.remote}")
+            self.say(f"final sync: {result.files_sent} file(s), {result.bytes_sent} bytes sent to {self.remote} "
+                     f"in {self.clock() - started:.1f} s")
         return True
+
+    def _sync_failed(self, exc: BaseException, final: bool) -> None:
+        text = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+        self.last_sync_error = text.splitlines()[0] if text else type(exc).__name__
+        self._metric(add={("slurmagent_checkpoint_sync_errors_total", ()): 1})
+        if final:
+            self.say(f"final sync failed: {self.last_sync_error}; the local checkpoint in {self.opts.ckpt_dir} is kept")
+            return
+        now = self.clock()
+        self.sync_failures += 1
+        if self.sync_failures == 1:
+            self.failing_since = now
+        if now - self.last_error_said >= self.opts.error_report_s:
+            self.last_error_said = now
+            again = (f" (failing for {now - self.failing_since:.0f} s, {self.sync_failures} tries)"
+                     if self.sync_failures > 1 else "")
+            self.say(f"background sync to {self.remote} failed{again}: {self.last_sync_error}; retrying every "
+                     f"{self.opts.sync_interval_s:g} s, the bucket lags behind {self.opts.ckpt_dir}")
+
+    def lag_seconds(self, now: float | None = None) -> float:
+        """How long the bucket has been behind the disk: the age of the oldest change to a
+        checkpoint file that no commit holds yet (0 when everything is committed). A file
+        rewritten again and again keeps the time of its first uncommitted change."""
+        now = time.time() if now is None else now
+        scan = stat_scan(self.opts.ckpt_dir)
+        for rel in [r for r in self.dirty_since if self.committed_scan.get(r) == scan.get(r) or r not in scan]:
+            del self.dirty_since[rel]
+        for rel, st in scan.items():
+            if self.committed_scan.get(rel) != st:
+                self.dirty_since.setdefault(rel, st[1] / 1e9)
+        return max(0.0, now - min(self.dirty_since.values())) if self.dirty_since else 0.0
+
+    def _metric(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.update(set_=set_, add=add, replace_prefix=replace_prefix)
+            except Exception:  # noqa: BLE001 - metrics never fail the job
+                pass
+
+    @property
+    def _lag_key(self) -> tuple:
+        return ("slurmagent_checkpoint_lag_seconds", (("job", self.ident.name),))
 
     def _background_sync(self) -> None:
         while not self.stop_sync.wait(self.opts.sync_interval_s):
-            self.sync(deadline_s=max(self.opts.sync_interval_s, 30.0))
+            self.sync(deadline_s=max(self.opts.sync_interval_s, self.opts.sync_deadline_s))
+            if self.metrics is not None and not self.stop_sync.is_set():
+                try:
+                    self._metric(set_={self._lag_key: self.lag_seconds()})
+                except OSError:
+                    pass
 
-    # --- main loop ------------------------------------------------------------------------
+    # --- main loop ----------------------------------------------------------------------------
 
     def _record(self, signum: int, _frame) -> None:
         self.pending.append(signum)
 
     def run(self) -> Outcome:
         outcome = Outcome(exit_code=0)
-        try:
-            outcome.resumed = self.restore()
-        except SlurmagentError as exc:
-            raise WrapperError(f"cannot restore the checkpoint ({exc}); not starting, so it cannot be overwritten") from None
-        child_env = dict(self.env)
-        child_env.update(
-            SLURMAGENT_CKPT_DIR=str(self.opts.ckpt_dir),
-            SLURMAGENT_RESTART_COUNT=str(self.ident.restart_count),
-        )
-        child_env.pop("SLURMAGENT_RESUMED", None)
-        if outcome.resumed:
-            child_env["SLURMAGENT_RESUMED"] = "1"
-        previous = {s: signal.signal(s, self._record) for s in (*FLUSH_SIGNALS, *FORWARD_SIGNALS, signal.SIGCONT)}
+        handled = (*FLUSH_SIGNALS, *FORWARD_SIGNALS, signal.SIGCONT)
+        previous = {s: signal.signal(s, self._record) for s in handled}  # a signal during the restore too
         try:
             try:
-                child = subprocess.Popen(self.opts.cmd, env=child_env, start_new_session=True)
-            except OSError as exc:
-                raise WrapperError(f"cannot start {self.opts.cmd[0]}: {exc.strerror or exc}") from None
-            syncer = threading.Thread(target=self._background_sync, name="ckpt-sync", daemon=True)
-            if self.store is not None:
-                syncer.start()
-            cause = self._supervise(child)
-            self.stop_sync.set()
-            if cause is None:
-                code = child.returncode
-                outcome.exit_code = code if code >= 0 else 128 - code
-                outcome.synced = self.sync(deadline_s=300.0, final=True)
-                outcome.bytes_synced = self.bytes_synced
+                resumed = self._prepare_dir_watched()
+            except SlurmagentError as exc:
+                raise WrapperError(f"cannot restore the checkpoint ({exc}); not starting, so it cannot be overwritten") from None
+            if resumed is None:
+                cause = signal_name(next(s for s in self.pending if s in FLUSH_SIGNALS))
+                self.say(f"{cause} during the restore: not starting the job")
+                outcome.flushed, outcome.flush_cause, outcome.exit_code = True, cause, EXIT_FLUSHED
+                self._hand_back(outcome, streak=None, what=f"stopped during the restore by {cause} (the job never started)")
                 return outcome
-            return self._flush(child, cause, outcome)
+            outcome.resumed = resumed
+            self.start_scan = self.committed_scan = stat_scan(self.opts.ckpt_dir)
+            return self._run_child(outcome)
         finally:
             self.stop_sync.set()
+            if self.hold is not None:
+                self.hold.cleanup()
             for s, h in previous.items():
                 signal.signal(s, h)
+
+    def _child_env(self, resumed: bool) -> dict[str, str]:
+        env = dict(self.env)
+        env.update(SLURMAGENT_CKPT_DIR=str(self.opts.ckpt_dir), SLURMAGENT_RESTART_COUNT=str(self.ident.restart_count))
+        env.pop("SLURMAGENT_RESUMED", None)
+        if resumed:
+            env["SLURMAGENT_RESUMED"] = "1"
+        if self.hold is not None:
+            env["PATH"] = self.hold.child_path(env.get("PATH"))
+        return env
+
+    def _run_child(self, outcome: Outcome) -> Outcome:
+        try:
+            child = subprocess.Popen(self.opts.cmd, env=self._child_env(outcome.resumed), start_new_session=True)
+        except OSError as exc:
+            raise WrapperError(f"cannot start {self.opts.cmd[0]}: {exc.strerror or exc}") from None
+        self.child = child
+        if self.store is not None:
+            threading.Thread(target=self._background_sync, name="ckpt-sync", daemon=True).start()
+        cause = self._supervise(child)
+        if cause is None and self.hold is not None and self.hold.requested():
+            cause = SELF_REQUEUE_CAUSE  # it asked for its requeue, then exited: it has checkpointed
+        if cause is None:
+            self.stop_sync.set()
+            code = child.returncode
+            outcome.child_code = code
+            outcome.exit_code = code if code >= 0 else 128 - code
+            outcome.synced = self.sync(deadline_s=300.0, final=True)
+            outcome.bytes_synced = self.bytes_synced
+            outcome.summary = f"exit {outcome.exit_code}: the job's own exit code (it ended by itself)" + (
+                "" if outcome.synced or self.store is None else "; its last checkpoint is NOT in the bucket")
+            self._metric(replace_prefix=_series(self._lag_key))
+            return outcome
+        return self._flush(child, cause, outcome)
 
     def _supervise(self, child: subprocess.Popen) -> str | None:
         """Wait for the child; return the flush cause, or None when the child exited by itself."""
@@ -256,9 +589,11 @@ class Supervisor:
             while self.pending:
                 signum = self.pending.pop(0)
                 if signum in FLUSH_SIGNALS:
-                    return signal.Signals(signum).name
+                    return signal_name(signum)
                 if signum in FORWARD_SIGNALS:
                     _killpg(child, signum)
+            if self.hold is not None and self.hold.requested():
+                return SELF_REQUEUE_CAUSE
             now = self.clock()
             if self.opts.expiry_files and now >= next_expiry_check:
                 next_expiry_check = now + 5.0
@@ -271,43 +606,141 @@ class Supervisor:
     def _flush(self, child: subprocess.Popen, cause: str, outcome: Outcome) -> Outcome:
         started = self.clock()
         outcome.flushed, outcome.flush_cause = True, cause
-        self.say(f"{cause}: asking the job to checkpoint ({signal.Signals(self.opts.ckpt_signal).name}, grace {self.opts.grace_s:g} s)")
-        _killpg(child, self.opts.ckpt_signal)
-        deadline = started + self.opts.grace_s
-        while child.poll() is None and self.clock() < deadline:
-            time.sleep(0.05)  # further signals are recorded but start no second flush
-        if child.poll() is None:
-            outcome.child_killed = True
-            self.say(f"the job did not exit within {self.opts.grace_s:g} s: stopping it; the last complete checkpoint stays")
-            _killpg(child, signal.SIGTERM)
-            try:
-                child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                _killpg(child, signal.SIGKILL)
-                child.wait()
+        grace = flush_grace(self.opts.grace_s, cause)
+        deadline = started + grace
+        if cause == SELF_REQUEUE_CAUSE:
+            outcome.held_requeue = True
+            self._stop_child(child, outcome, "it asked for its own requeue (held until the checkpoint is synced)")
+        else:
+            self.say(f"{cause}: asking the job to checkpoint ({signal_name(self.opts.ckpt_signal)}, grace {grace:g} s"
+                     + (": a GPU failed under the job, the last committed checkpoint counts)" if is_fault(cause) else ")"))
+            _killpg(child, self.opts.ckpt_signal)
+            while child.poll() is None and self.clock() < deadline:
+                if self.hold is not None and self.hold.requested():
+                    outcome.held_requeue = True
+                    self._stop_child(child, outcome, "it checkpointed and asked for its requeue (held until the "
+                                     "checkpoint is synced)")
+                    break
+                time.sleep(0.05)  # further signals are recorded but start no second flush
+            if child.poll() is None:
+                outcome.child_killed = True
+                self.say(f"the job did not exit within {grace:g} s: stopping it; the last complete "
+                         "checkpoint stays")
+                _terminate_group(child, 5.0, self.say)
+        outcome.child_code = child.returncode
+        self.stop_sync.set()
+        if self.hold is not None:
+            self.hold.cleanup()  # the job is gone; nothing is left behind if we are killed later
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
         outcome.synced = self.sync(deadline_s=left, final=True)
-        self._maybe_requeue(outcome)
-        outcome.exit_code = EXIT_FLUSHED
+        self._hand_back(outcome, streak=self.no_progress_streak())
         outcome.flush_seconds = self.clock() - started
         outcome.bytes_synced = self.bytes_synced
+        self._metric(replace_prefix=_series(self._lag_key))
         return outcome
 
-    def _maybe_requeue(self, outcome: Outcome) -> None:
+    def _stop_child(self, child: subprocess.Popen, outcome: Outcome, why: str) -> None:
+        if child.poll() is not None:
+            return
+        self.say(f"{why}: stopping the job")
+        if not _terminate_group(child, self.opts.stop_wait_s, self.say):
+            outcome.child_killed = True
+
+    # --- requeue ------------------------------------------------------------------------------
+
+    def no_progress_streak(self) -> int:
+        """Consecutive attempts, this one included, whose committed checkpoint equals the one
+        they started from; 0 when this attempt made progress."""
+        if self.store is not None:
+            if self.committed is None:  # nothing was ever committed: no attempt made progress
+                return self.ident.restart_count + 1
+            return no_progress_after(self.baseline, self.committed.files)
+        now = stat_scan(self.opts.ckpt_dir)
+        if not now:
+            return self.ident.restart_count + 1
+        rec = self.record.read()
+        streak = 0 if now != self.start_scan else (
+            (rec.get("no_progress", 0) if rec.get("files") == self.start_scan else self.ident.restart_count) + 1)
+        self.record.write(files=now, no_progress=streak)
+        return streak
+
+    def _hand_back(self, outcome: Outcome, streak: int | None, what: str = "") -> None:
+        """Requeue (Slurm) or hand back for a retry (Cloud Run), and set the exit code and summary."""
+        outcome.no_progress = streak or 0
+        flushed = what or ("checkpoint flushed" if outcome.synced or self.store is None
+                           else "flushed, but the final sync failed")
         if self.ident.platform != "slurm" or self.requeue is None:
+            outcome.exit_code = EXIT_FLUSHED
+            retry = "so Cloud Run retries the task" if self.ident.platform == "cloud-run" else "(rerun to resume)"
+            outcome.summary = f"exit {EXIT_FLUSHED}: {flushed}; exiting {EXIT_FLUSHED} {retry}"
             if self.ident.platform == "cloud-run":
-                self.say("exiting 143 so Cloud Run retries the task")
+                self.say(f"exiting {EXIT_FLUSHED} so Cloud Run retries the task")
             return
-        count, cap = self.ident.restart_count, self.opts.max_requeues
-        if count >= cap:
-            self.say(f"not requeueing job {self.ident.job_id}: it was restarted {count} times (--max-requeues {cap})")
-            return
-        try:
-            self.requeue(self.ident.job_id)
-            outcome.requeued = True
-            self.say(f"requeued job {self.ident.job_id} (restart {count + 1} of at most {cap})")
-        except SlurmagentError as exc:
-            self.say(f"requeue of job {self.ident.job_id} failed: {exc}")
+        job, cap = self.ident.job_id, self.opts.max_requeues
+        if streak is not None and streak > cap:
+            outcome.requeue_refused = (f"{streak} attempts in a row committed no new checkpoint "
+                                       f"(--max-requeues {cap})")
+            self.say(f"not requeueing job {job}: {outcome.requeue_refused}")
+        else:
+            try:
+                self.requeue(job)
+                outcome.requeued = True
+                if streak:
+                    budget = f" without progress {streak} of at most {cap}"
+                elif streak is None:
+                    budget = ""
+                else:
+                    budget = ", it made progress"
+                self.say(f"requeued job {job} (restart {self.ident.restart_count + 1}{budget})")
+            except SlurmagentError as exc:
+                outcome.requeue_refused = f"scontrol requeue failed: {exc}"
+                self.say(f"requeue of job {job} failed: {exc}")
+        if outcome.requeued:
+            outcome.exit_code = EXIT_FLUSHED
+            outcome.summary = f"exit {EXIT_FLUSHED}: {flushed}, job {job} requeued"
+        else:
+            outcome.exit_code = EXIT_REQUEUE_REFUSED
+            outcome.summary = f"exit {EXIT_REQUEUE_REFUSED}: {flushed}, job {job} NOT requeued: {outcome.requeue_refused}"
+
+
+def _series(key: tuple) -> str:
+    name, labels = key
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels))
+    return f"{name}{{{inner}}}"
+
+
+def _terminate_group(child: subprocess.Popen, wait_s: float, say: Callable[[str], None]) -> bool:
+    """SIGTERM to the child's group, then SIGKILL after `wait_s`; True when it left by itself."""
+    _killpg(child, signal.SIGTERM)
+    try:
+        child.wait(timeout=wait_s)
+        return True
+    except subprocess.TimeoutExpired:
+        _killpg(child, signal.SIGKILL)
+        if not reap(child, REAP_WAIT_S):
+            say(f"the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
+                "leaving it behind to sync and requeue")
+        return False
+
+
+def is_fault(cause: str) -> bool:
+    """Was the flush started by the fault flush signal (a GPU died under the job)?"""
+    return cause == signal.Signals(FAULT_FLUSH_SIGNAL).name
+
+
+def flush_grace(grace_s: float, cause: str) -> float:
+    """How long the trainer may take to checkpoint: `--grace`, at most FAULT_GRACE_S on a fault."""
+    return min(grace_s, FAULT_GRACE_S) if is_fault(cause) else grace_s
+
+
+def reap(child: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for a killed child at most `timeout_s`; False when it is still there (a process in
+    uninterruptible sleep, e.g. a driver call on a dead GPU, dies only when that call returns)."""
+    try:
+        child.wait(timeout=timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _killpg(child: subprocess.Popen, signum: int) -> None:

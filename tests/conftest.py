@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures for every test module)
-from slurmagent.localcluster import LocalSlurmCluster, slurm_available
+from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 from slurmagent.snapshot import NodeSnapshot
 
 REPO = Path(__file__).resolve().parent.parent

@@ -5,6 +5,8 @@ client library and google-auth talk to it through `[gcp] compute_endpoint` and
 `GCE_METADATA_HOST`):
 
 * GET  /compute/v1/projects/P/zones/Z/instances/I                        instances.get
+* GET  /compute/v1/projects/P/zones/Z/instances?filter=name eq "(a|b)"   instances.list
+* GET  /compute/v1/projects/P/aggregated/instances?filter=...            instances.aggregatedList
 * POST /compute/v1/projects/P/zones/Z/instances/I/reportHostAsFaulty     instances.reportHostAsFaulty
 * POST /compute/v1/projects/P/zones/Z/instanceGroupManagers/M/recreateInstances
 * POST /compute/v1/projects/P/regions/R/instanceGroupManagers/M/recreateInstances
@@ -14,6 +16,13 @@ client library and google-auth talk to it through `[gcp] compute_endpoint` and
 Every request is recorded (`calls`); `fail(kind, 429, 429)` makes the next requests of a
 kind answer those HTTP errors, then succeed. A `requestId` seen before returns the same
 operation without acting again, as the real API does.
+
+An instance carries what `repair` reads (machine type, `scheduling.provisioningModel`,
+`reservationAffinity`, GPUs, status). `reportHostAsFaulty` refuses, as Google documents, a VM
+that is not RUNNING (INSTANCE_SHOULD_BE_RUNNING), not an A3 Ultra/A4/A4X/A3 Mega/A3 High 8g
+(MACHINE_TYPE_NOT_SUPPORTED) or not reservation-bound (INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED):
+with HTTP 400 and Compute's error body, or, with `refuse_in_operation`, as an operation that
+ends DONE with that error code.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ class Call:
     status: int = 200
 
 
+REPORTABLE_TYPES = ("a3-ultragpu-", "a4-highgpu-", "a4x-highgpu-", "a3-megagpu-8g", "a3-highgpu-8g")
+
+
 @dataclass
 class FakeInstance:
     name: str
@@ -49,6 +61,26 @@ class FakeInstance:
     created_by: str | None = None
     status: str = "RUNNING"
     recreated: int = 0
+    reported: int = 0
+    machine_type: str = "a3-highgpu-8g"
+    provisioning_model: str = ""  # "" = not sent (STANDARD)
+    reservation: str = ""  # reservationAffinity.consumeReservationType
+    gpus: int = 8
+    extra: dict = field(default_factory=dict)  # more instance JSON (resourceStatus, scheduling keys, ...)
+    refuse: str | None = None  # refuse reportHostAsFaulty with this code whatever the VM (e.g. RATE_LIMIT...)
+
+    def refusal(self) -> str | None:
+        """Why reportHostAsFaulty is refused for this VM (Google's error code), None: accepted."""
+        if self.refuse:
+            return self.refuse
+        if self.status != "RUNNING":
+            return "INSTANCE_SHOULD_BE_RUNNING"
+        if not self.machine_type.startswith(REPORTABLE_TYPES):
+            return "MACHINE_TYPE_NOT_SUPPORTED"
+        if self.provisioning_model != "RESERVATION_BOUND" and not (
+                self.provisioning_model in ("", "STANDARD") and self.reservation == "SPECIFIC_RESERVATION"):
+            return "INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED"
+        return None
 
 
 @dataclass
@@ -63,6 +95,7 @@ class FakeGcp:
     polls_until_done: int = 1
     op_errors: list[dict] = field(default_factory=list)  # the next operations end DONE with these errors
     on_recreate: Callable[[str, list[str]], None] | None = None
+    refuse_in_operation: bool = False  # reportHostAsFaulty refusals come as a failed operation, not HTTP 400
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _request_ids: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,9 +108,10 @@ class FakeGcp:
         return f"projects/{self.project_number}/{where}/instanceGroupManagers/{name}"
 
     def add_instance(self, name: str, zone: str = "us-central1-a", mig: str | None = None,
-                     region: str | None = None) -> FakeInstance:
+                     region: str | None = None, **facts: Any) -> FakeInstance:
+        """`facts`: FakeInstance fields (machine_type, provisioning_model, reservation, gpus, status, extra)."""
         created_by = self.mig_path(mig, zone=None if region else zone, region=region) if mig else None
-        inst = FakeInstance(name, zone, created_by)
+        inst = FakeInstance(name, zone, created_by, **facts)
         self.instances[(zone, name)] = inst
         return inst
 
@@ -112,6 +146,7 @@ class FakeGcp:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK wait
 
             def log_message(self, *args):  # quiet
                 pass
@@ -169,13 +204,16 @@ class FakeGcp:
         status, payload = handler(query, body, **args)
         call.status = status
         if status >= 400:
-            return self._error(h, status, payload)
+            reason, message = payload if isinstance(payload, tuple) else (None, payload)
+            return self._error(h, status, message, reason)
         self._send(h, status, payload)
 
     def _route(self, method: str, path: str):
         p = r"/compute/v1/projects/(?P<project>[^/]+)"
         routes = [
             ("GET", p + r"/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)$", "instances.get", self._instance_get),
+            ("GET", p + r"/zones/(?P<zone>[^/]+)/instances$", "instances.list", self._instance_list),
+            ("GET", p + r"/aggregated/instances$", "instances.aggregatedList", self._instance_aggregated),
             ("POST", p + r"/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/reportHostAsFaulty$",
              "instances.reportHostAsFaulty", self._report_faulty),
             ("POST", p + r"/(?P<scope>zones)/(?P<location>[^/]+)/instanceGroupManagers/(?P<mig>[^/]+)/recreateInstances$",
@@ -201,16 +239,56 @@ class FakeGcp:
         inst = self.instances.get((zone, instance))
         if inst is None:
             return 404, f"The resource 'projects/{self.project}/zones/{zone}/instances/{instance}' was not found"
+        return 200, self._instance_json(inst)
+
+    def _instance_json(self, inst: FakeInstance) -> dict:
+        zone, instance = inst.zone, inst.name
         items = [{"key": "enable-oslogin", "value": "TRUE"}]
         if inst.created_by:
             items.append({"key": "created-by", "value": inst.created_by})
-        return 200, {
+        out = {
             "kind": "compute#instance", "id": str(abs(hash((zone, instance))) % 10**15), "name": instance,
             "zone": f"{API}/projects/{self.project}/zones/{zone}", "status": inst.status,
-            "machineType": f"{API}/projects/{self.project}/zones/{zone}/machineTypes/a3-highgpu-8g",
+            "machineType": f"{API}/projects/{self.project}/zones/{zone}/machineTypes/{inst.machine_type}",
             "metadata": {"kind": "compute#metadata", "fingerprint": "abc=", "items": items},
             "selfLink": f"{API}/projects/{self.project}/zones/{zone}/instances/{instance}",
+            "scheduling": {"onHostMaintenance": "TERMINATE" if inst.gpus else "MIGRATE", "automaticRestart": True},
         }
+        if inst.provisioning_model:
+            out["scheduling"]["provisioningModel"] = inst.provisioning_model
+        if inst.reservation:
+            out["reservationAffinity"] = {"consumeReservationType": inst.reservation}
+        if inst.gpus:
+            out["guestAccelerators"] = [{"acceleratorCount": inst.gpus, "acceleratorType": (
+                f"{API}/projects/{self.project}/zones/{zone}/acceleratorTypes/nvidia-h100-80gb")}]
+        for key, value in inst.extra.items():
+            out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    def _matching(self, query) -> Callable[[str], bool]:
+        """`name eq "RE2"` (Compute's regular-expression filter; the whole name must match)."""
+        flt = query.get("filter", "")
+        if not flt:
+            return lambda name: True
+        m = re.fullmatch(r'\s*name\s+eq\s+"(.*)"\s*', flt)
+        assert m, f"fake: unsupported filter {flt!r}"
+        pattern = re.compile(m[1])
+        return lambda name: pattern.fullmatch(name) is not None
+
+    def _instance_list(self, query, body, zone: str):
+        match = self._matching(query)
+        items = [self._instance_json(i) for (z, n), i in sorted(self.instances.items()) if z == zone and match(n)]
+        return 200, {"kind": "compute#instanceList", "id": f"projects/{self.project}/zones/{zone}/instances",
+                     "items": items, "selfLink": f"{API}/projects/{self.project}/zones/{zone}/instances"}
+
+    def _instance_aggregated(self, query, body):
+        match = self._matching(query)
+        scoped: dict[str, dict] = {}
+        for (zone, name), inst in sorted(self.instances.items()):
+            if match(name):
+                scoped.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(self._instance_json(inst))
+        return 200, {"kind": "compute#instanceAggregatedList", "id": f"projects/{self.project}/aggregated/instances",
+                     "items": scoped, "selfLink": f"{API}/projects/{self.project}/aggregated/instances"}
 
     def _new_op(self, query, op_type: str, scope: str, location: str, target: str) -> dict:
         rid = query.get("requestId")
@@ -271,10 +349,20 @@ class FakeGcp:
         if body.get("disruptionSchedule") not in ("IMMEDIATE", "FUTURE") or not reasons or any(
                 r.get("behavior") not in valid for r in reasons):
             return 400, f"Invalid value in reportHostAsFaulty request: {body}"
+        refusal = inst.refusal()
+        if refusal and not self.refuse_in_operation:
+            return 400, (refusal, f"{refusal}: reportHostAsFaulty is not supported for instance "
+                                  f"'projects/{self.project}/zones/{zone}/instances/{instance}'")
         target = f"{API}/projects/{self.project}/zones/{zone}/instances/{instance}"
         with self._lock:
             op = self._new_op(query, "reportHostAsFaulty", "zones", zone, target)
-            op.pop("_new", False)
+            fresh = op.pop("_new", False)
+            if fresh and refusal:
+                op["_error"] = {"error": {"errors": [{"code": refusal, "message": f"{refusal}: not supported for "
+                                                                                   f"{instance}"}]},
+                                "httpErrorStatusCode": 400, "httpErrorMessage": "BAD REQUEST"}
+        if fresh and not refusal:
+            inst.reported += 1
         return 200, self._public(op)
 
     def _op_get(self, query, body, op: str, location: str | None = None):
@@ -322,6 +410,6 @@ class FakeGcp:
         h.end_headers()
         h.wfile.write(data)
 
-    def _error(self, h: BaseHTTPRequestHandler, code: int, message: str) -> None:
+    def _error(self, h: BaseHTTPRequestHandler, code: int, message: str, reason: str | None = None) -> None:
         self._send(h, code, {"error": {"code": code, "message": message, "errors": [
-            {"message": message, "domain": "global", "reason": ERROR_REASONS.get(code, "error")}]}})
+            {"message": message, "domain": "global", "reason": reason or ERROR_REASONS.get(code, "error")}]}})

@@ -3,6 +3,7 @@
 * `instances.get` also answers `scheduling` (provisioningModel, maxRunDuration,
   instanceTerminationAction, terminationTime) and `resourceStatus.scheduling.terminationTimestamp`
   for instances given them with `set_scheduling`.
+* `set_maintenance` gives an instance `resourceStatus.upcomingMaintenance` (a scheduled window).
 * `instance/maintenance-event` (default `NONE`) and `instance/preempted` (default `FALSE`)
   speak the metadata server's long poll: an `ETag` header on every answer, and with
   `?wait_for_change=true` the answer waits until the value's ETag differs from `last_etag`
@@ -53,6 +54,17 @@ class FakeGcpExpiry(FakeGcp):
             extra["lastStartTimestamp"] = last_start
         self.scheduling[instance] = {"scheduling": sched, **extra}
 
+    def set_maintenance(self, instance: str, window_start: str | None, can_reschedule: bool = True,
+                        zone: str = "us-central1-a") -> None:
+        """`resourceStatus.upcomingMaintenance` of a scheduled host maintenance (None: none)."""
+        extra = self.instances[(zone, instance)].extra
+        if window_start is None:
+            extra.pop("resourceStatus", None)
+            return
+        extra["resourceStatus"] = {"upcomingMaintenance": {
+            "type": "SCHEDULED", "canReschedule": can_reschedule, "windowStartTime": window_start,
+            "maintenanceStatus": "PENDING"}}
+
     def set_event(self, key: str, value: str) -> None:
         with self._cond:
             self.events[key] = value
@@ -65,11 +77,11 @@ class FakeGcpExpiry(FakeGcp):
 
     # --- overrides -------------------------------------------------------------------------
 
-    def _instance_get(self, query, body, zone: str, instance: str):
-        status, payload = super()._instance_get(query, body, zone=zone, instance=instance)
-        if status == 200 and instance in self.scheduling:
-            payload = {**payload, **self.scheduling[instance]}
-        return status, payload
+    def _instance_json(self, inst) -> dict:
+        payload = super()._instance_json(inst)
+        for key, value in self.scheduling.get(inst.name, {}).items():
+            payload[key] = {**payload[key], **value} if isinstance(payload.get(key), dict) else value
+        return payload
 
     def _metadata(self, h: BaseHTTPRequestHandler, path: str) -> None:
         key = path.strip("/")

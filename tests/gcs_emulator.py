@@ -1,11 +1,11 @@
-"""pytest fixtures around slurmagent.localgcs.GcsEmulator (a Cloud Storage emulator on 127.0.0.1).
+"""pytest fixtures around slurmagent.devtools.localgcs.GcsEmulator (a Cloud Storage emulator on 127.0.0.1).
 
     tests/conftest.py imports the fixtures, so every test module can ask for them.
 """
 
 from __future__ import annotations
 
-from slurmagent.localgcs import DEFAULT_BUCKET, GcsEmulator
+from slurmagent.devtools.localgcs import DEFAULT_BUCKET, GcsEmulator
 
 try:
     import pytest

@@ -43,7 +43,7 @@ from slurmagent.checkpoint import (  # noqa: E402
 )
 from slurmagent.errors import SlurmagentError  # noqa: E402
 from slurmagent.gcp.storage import GcsCheckpointStore, make_client  # noqa: E402
-from slurmagent.localgcs import GcsEmulator  # noqa: E402
+from slurmagent.devtools.localgcs import GcsEmulator  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB

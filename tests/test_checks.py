@@ -8,8 +8,8 @@ import pytest
 
 from conftest import healthy_snapshot_dict, xid_snapshot_dict
 from slurmagent.checks import RULE_ORDER, Limits, Report, Severity, run_checks, timeout_report
-from slurmagent.hooks import reason_for
-from slurmagent.snapshot import NodeSnapshot
+from slurmagent.reasons import reason_for
+from slurmagent.snapshot import GpuState, NodeSnapshot
 
 REASON_CHARS = re.compile(r"^[A-Za-z0-9 _.,:;/()@+#%-]*$")
 DRAIN_XIDS = [48, 62, 64, 74, 79, 95, 109, 119, 120]
@@ -350,3 +350,11 @@ def test_dropping_any_key_stays_healthy(key: str) -> None:
     for g in d["gpus"]:
         del g[key]
     assert judge(d).findings == []
+
+
+def test_a_gpu_listed_twice_counts_once() -> None:
+    """Whatever built the snapshot, the count check counts GPUs (distinct indexes), not list entries."""
+    gpus = [GpuState(index=i % 4) for i in range(8)]
+    report = run_checks(NodeSnapshot(gpus=gpus), expected_gpus=8)
+    assert report.gpus_seen == 4 and not report.healthy
+    assert [f.summary for f in report.findings if f.rule == "gpu-count"] == ["gpu-count: found 4 of 8 GPUs"]

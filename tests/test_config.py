@@ -39,7 +39,7 @@ def test_defaults_when_default_file_absent() -> None:
     assert cfg.state_dir == "/var/lib/slurmagent"
     assert cfg.health.timeout_s == 15.0
     assert cfg.health.expected_gpus == 0
-    assert cfg.repair.strategy == "recreate"
+    assert cfg.repair.strategy == "auto"
     assert cfg.hooks.on_internal_error == "open"
     assert cfg.expiry.drain_lead_s == 1800
 
@@ -164,7 +164,47 @@ def test_bad_choice_hooks_policy(tmp_path) -> None:
 )
 def test_negative_numbers_refused(tmp_path, text: str, key: str) -> None:
     path, msg = load_text(tmp_path, text)
-    assert key in msg and "negative" in msg and str(path) in msg
+    assert key in msg and "out of range" in msg and str(path) in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("[health]\ntimeout_s = 0\n", "'health.timeout_s' = 0 is out of range (0.5 .. 3600)"),
+        ("[health]\ntimeout_s = 1e308\n", "'health.timeout_s' = 1e+308 is out of range (0.5 .. 3600)"),
+        ("[slurm]\ntimeout_s = 1e308\n", "'slurm.timeout_s' = 1e+308 is out of range (0.5 .. 3600)"),
+        ("[checkpoint]\nsync_interval_s = 0\n", "'checkpoint.sync_interval_s' = 0 is out of range (0.1 .. 86400)"),
+        ("[health]\nexpected_gpus = 100000000000000000000000\n",
+         "'health.expected_gpus' = 100000000000000000000000 is out of range (0 .. 1024)"),
+        ("[repair]\nmax_drained_fraction = 5\n", "'repair.max_drained_fraction' = 5 is out of range (0 .. 1)"),
+        ("[checkpoint]\nsignal_lead_s = 70000\n", "'checkpoint.signal_lead_s' = 70000 is out of range (0 .. 65535)"),
+        ("[expiry]\nmetadata_timeout_s = 0\n", "'expiry.metadata_timeout_s' = 0 is out of range (0.1 .. 600)"),
+    ],
+)
+def test_numbers_outside_their_range_are_refused_at_load(tmp_path, text: str, shown: str) -> None:
+    """A zero deadline spins and 1e308 overflows a timer (an XID-79 prolog failed open on it): refused at load."""
+    path, msg = load_text(tmp_path, text)
+    assert msg == f"config {path}: {shown}"
+
+
+def test_range_bounds_are_allowed() -> None:
+    cfg = parse({"health": {"timeout_s": 0.5, "expected_gpus": 1024}, "repair": {"max_drained_fraction": 1},
+                 "checkpoint": {"sync_interval_s": 86400, "signal_lead_s": 65535}})
+    assert cfg.health.timeout_s == 0.5 and cfg.health.expected_gpus == 1024
+    assert cfg.repair.max_drained_fraction == 1.0 and cfg.checkpoint.signal_lead_s == 65535
+
+
+def test_every_number_key_has_a_range_that_holds_its_default() -> None:
+    """A new numeric key must say its bounds: the README's `range` column and the load check come from them."""
+    for section in fields(Config):
+        if section.name in ("state_dir", "source"):
+            continue
+        for f in fields(section.default_factory()):
+            if str(f.type) not in ("int", "float"):
+                continue
+            low, high = f.metadata["range"]
+            assert low is not None and high is not None, f"{section.name}.{f.name} has no range"
+            assert 0 <= low <= f.default <= high, f"{section.name}.{f.name}: default outside its range"
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-nan"])
@@ -342,7 +382,8 @@ def test_reference_shows_defaults_as_toml() -> None:
             for line in reference_markdown().splitlines()[2:]}
     assert rows["health.timeout_s"] == "15.0"
     assert rows["hooks.syslog"] == "true"
-    assert rows["repair.strategy"] == '"recreate"'
+    assert rows["repair.strategy"] == '"auto"'
+    assert rows["gcp.zones"] == "[]"
     assert rows["state_dir"] == '"/var/lib/slurmagent"'
 
 
@@ -373,6 +414,8 @@ def run_cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.C
         ('[health]\ntimeout_s = "soon"\n', "health.timeout_s"),
         ("[health]\nbogus = 1\n", "health.bogus"),
         ('[repair]\nstrategy = "pray"\n', "repair.strategy"),
+        ("[health]\ntimeout_s = 1e308\n", "health.timeout_s"),
+        ("[health]\nexpected_gpus = 100000000000000000000000\n", "health.expected_gpus"),
     ],
 )
 def test_cli_bad_config_exits_2_with_one_line(tmp_path, text: str, key: str) -> None:
@@ -394,3 +437,14 @@ def test_cli_missing_env_config_exits_2(tmp_path) -> None:
     proc = run_cli("check", "--snapshot", str(tmp_path / "s.json"), env_extra={config_mod.ENV_VAR: str(missing)})
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and str(missing) in proc.stderr
+
+
+def test_list_keys_take_lists_of_strings_only(tmp_path) -> None:
+    cfg = parse({"gcp": {"zones": ["us-central1-a", "us-central1-b"]}, "repair": {"exclude_nodes": ["n[1-2]"]}})
+    assert cfg.gcp.zones == ("us-central1-a", "us-central1-b") and cfg.repair.exclude_nodes == ("n[1-2]",)
+    assert Config().gcp.zones == () and Config().repair.exclude_nodes == ()
+    for bad in ("us-central1-a", ["a", 1]):
+        with pytest.raises(ConfigError, match="'gcp.zones' must be a list of strings"):
+            parse({"gcp": {"zones": bad}})
+    for strategy in ("auto", "recreate", "report-faulty", "power-down", "none"):
+        assert parse({"repair": {"strategy": strategy}}).repair.strategy == strategy

@@ -73,7 +73,13 @@ def make_config(tmp_path: Path, *, compute_endpoint: str, remote: str = "gs://ck
 
 
 def doctor(capsys, cfg: Path) -> tuple[int, dict[str, tuple[str, str, str]], str]:
-    """Run `slurmagent --config CFG doctor` in this process: (exit code, {name: (mark, detail, fix)}, output)."""
+    """Run `slurmagent --config CFG doctor` in this process: (exit code, {name: (mark, detail, fix)}, output).
+
+    The Google client libraries are loaded first: a cold import of google.cloud.compute_v1 costs
+    ~4 s of CPU (12-18 s on a busy 2-core machine) inside the compute check's thread, where it
+    would count against the external checks' 7 s deadline. These tests judge the endpoints'
+    answers; the cold start is the subprocess tests' (they bound only a hung endpoint's cost)."""
+    from google.cloud import compute_v1, storage  # noqa: F401
     from slurmagent.cli import main
 
     capsys.readouterr()
@@ -242,3 +248,20 @@ def test_external_checks_are_bounded_even_when_one_never_returns():
         ("fast", True, "fine", ""), ("stuck", False, "no answer within 0.5 s", "fix-b"),
         ("broken", False, "ZeroDivisionError: division by zero", "fix-c")]
 
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown and the root-only state dir check")
+def test_a_state_dir_a_user_created_fails_with_fix(gcp, emu, tmp_path, capsys):
+    """A `%n` state dir under a world-writable directory that a user made first: root ignores
+    every file in it (expiry state, journal, cursor, decision log), so doctor says so."""
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    state = tmp_path / "state" / "n1"
+    state.mkdir(parents=True)
+    os.chown(state, 65534, 65534)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1
+    mark, detail, fix = rows["state dir"]
+    assert mark == "FAIL" and detail == f"{state} is owned by uid 65534: root would ignore the files in {state}", out
+    assert fix.startswith(f"rm -r {state} and let root create it")
+    os.chown(state, 0, 0)
+    assert doctor(capsys, cfg)[1]["state dir"][0] == "ok"

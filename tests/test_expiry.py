@@ -21,13 +21,19 @@ import pytest
 
 from conftest import REPO, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
-from slurmagent import expiry
+from fakes.slurm import FakeSlurm
+from slurmagent import expiry, expiry_state, host, reasons
 from slurmagent.config import parse
 from slurmagent.decisionlog import DecisionLog, read_records
-from slurmagent.expiry import (Events, ExpiryWatch, expiry_reason, flush_jobs, parse_time, parse_time_limit,
-                               prolog_guard, scheduling_from_instance)
+from slurmagent.errors import ExpiryError
+from slurmagent.expiry import ExpiryWatch, flush_jobs
 from slurmagent.gcp import metadata
-from slurmagent.hooks import HookContext
+from slurmagent.gcp.compute import SchedulingInfo, read_scheduling, scheduling_from_instance
+from slurmagent.gcp.events import EventWatcher, Events
+from slurmagent.hooks import HookContext, prolog_guard
+from slurmagent.nodes import script_execs_wrapper
+from slurmagent.reasons import expiry_reason, is_expiry_reason
+from slurmagent.timefmt import fmt_time, from_epoch, parse_time, parse_time_limit
 from slurmagent.slurm import Slurm
 
 NODE = "n1"
@@ -41,53 +47,13 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class FakeSlurmCli:
-    """scontrol/squeue/scancel for one node, recording every argv."""
-
-    def __init__(self, state: str = "IDLE", reason: str = "", jobs: dict[str, str] | None = None,
-                 time_limit: str = "01:00:00", partitions_max: str = "UNLIMITED"):
-        self.state, self.reason = state, reason
-        self.jobs = dict(jobs or {})  # job id -> batch script ("" = unreadable)
-        self.time_limit = time_limit
-        self.partitions_max = partitions_max
-        self.argvs: list[list[str]] = []
-        self.fail: set[str] = set()
-
-    def __call__(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        assert isinstance(argv, list) and timeout > 0
-        self.argvs.append(argv)
-        tool, args = os.path.basename(argv[0]), argv[1:]
-        ok = lambda out="": subprocess.CompletedProcess(argv, 0, out, "")  # noqa: E731
-        bad = lambda err: subprocess.CompletedProcess(argv, 1, "", err)  # noqa: E731
-        if tool in self.fail:
-            return bad(f"{tool}: error: Unable to contact slurm controller")
-        if tool == "squeue":
-            return ok("".join(f"{j}\n" for j in self.jobs))
-        if tool == "scancel":
-            return ok()
-        if args[:3] == ["-o", "show", "node"]:
-            reason = self.reason or "(null)"
-            return ok(f"NodeName={NODE} State={self.state} Partitions=gpu Reason={reason}\n")
-        if args[:3] == ["-o", "show", "job"]:
-            return ok(f"JobId={args[3]} JobState=CONFIGURING Requeue=1 Restarts=0 TimeLimit={self.time_limit}\n")
-        if args[:3] == ["-o", "show", "partition"]:
-            return ok(f"PartitionName=gpu MaxTime={self.partitions_max} Nodes={NODE}\n")
-        if args[:2] == ["write", "batch_script"]:
-            script = self.jobs.get(args[2], "")
-            return ok(script) if script else bad("scontrol: error: Job has no batch script")
-        if args[0] == "update":
-            kv = dict(a.split("=", 1) for a in args[1:])
-            if kv.get("State") == "DRAIN":
-                self.state, self.reason = self.state.split("+")[0] + "+DRAIN", kv["Reason"]
-            elif kv.get("State") == "RESUME":
-                self.state, self.reason = self.state.split("+")[0], ""
-            return ok()
-        if args[0] == "requeue":
-            return ok()
-        raise AssertionError(f"unexpected call {argv}")
-
-    def of(self, tool: str, *prefix: str) -> list[list[str]]:
-        return [a for a in self.argvs if os.path.basename(a[0]) == tool and a[1:1 + len(prefix)] == list(prefix)]
+def slurm_with(state: str = "IDLE", reason: str = "", jobs: dict[str, str] | None = None,
+               partitions_max: str = "UNLIMITED") -> FakeSlurm:
+    """Slurm with one node running `jobs` (job id -> batch script; "" = unreadable)."""
+    fake = FakeSlurm([NODE], state=state, reason=reason, max_time=partitions_max)
+    for job, script in (jobs or {}).items():
+        fake.add_job(job, node=NODE, script=script)
+    return fake
 
 
 def make_cfg(tmp_path: Path, **expiry_keys) -> object:
@@ -109,13 +75,13 @@ def scheduling_reader(termination: float | None, calls: list | None = None, fail
         if calls is not None:
             calls.append(node)
         if fail:
-            raise expiry.ExpiryError("instances.get: HTTP 503 backendError")
-        return expiry.SchedulingInfo(expiry.from_epoch(termination) if termination else None, "FLEX_START", "DELETE",
+            raise ExpiryError("instances.get: HTTP 503 backendError")
+        return SchedulingInfo(from_epoch(termination) if termination else None, "FLEX_START", "DELETE",
                                      3600.0, "resourceStatus.scheduling.terminationTimestamp")
     return read
 
 
-def watch(tmp_path, cli: FakeSlurmCli, termination: float | None, clock=None, calls=None, boot=BOOT, **keys):
+def watch(tmp_path, cli: FakeSlurm, termination: float | None, clock=None, calls=None, boot=BOOT, **keys):
     cfg = make_cfg(tmp_path, **keys)
     return ExpiryWatch(cfg, NODE, Slurm(runner=cli), clock=clock or Clock(), boot_id=boot,
                        scheduling_reader=scheduling_reader(termination, calls))
@@ -130,7 +96,7 @@ def watch(tmp_path, cli: FakeSlurmCli, termination: float | None, clock=None, ca
     ("2026-11-30T11:00:00+01:00", "2026-11-30T10:00:00Z"),
 ])
 def test_parse_time(text, expected):
-    assert expiry.fmt_time(parse_time(text)) == expected
+    assert fmt_time(parse_time(text)) == expected
 
 
 def test_parse_time_refuses_naive():
@@ -147,14 +113,12 @@ def test_parse_time_limit(text, seconds):
 
 
 def test_reason_format_is_rule_expiry_never_repaired():
-    from slurmagent import policy
-
     reason = expiry_reason(parse_time("2026-11-30T10:00:00Z"))
     assert reason == "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
-    assert policy.rule_of(reason) == "expiry" and not policy.repairable(reason)
+    assert reasons.rule_of(reason) == "expiry" and not reasons.repairable(reason)
     for kind in ("maintenance", "preempt"):
         r = expiry_reason(parse_time("2026-11-30T10:00:00Z"), kind)
-        assert r.startswith(f"slurmagent: {kind}: ") and not policy.repairable(r) and expiry.is_expiry_reason(r)
+        assert r.startswith(f"slurmagent: {kind}: ") and not reasons.repairable(r) and is_expiry_reason(r)
 
 
 # --- the Compute API ----------------------------------------------------------------------------
@@ -169,14 +133,14 @@ def test_scheduling_from_instance_fields():
     a = scheduling_from_instance(inst({"name": "x", "scheduling": {"provisioningModel": "FLEX_START",
                                        "maxRunDuration": {"seconds": "3600"}, "instanceTerminationAction": "DELETE"},
                                        "resourceStatus": {"scheduling": {"terminationTimestamp": "2026-11-30T02:00:00.000-08:00"}}}))
-    assert (expiry.fmt_time(a.termination_time), a.provisioning_model, a.instance_termination_action,
+    assert (fmt_time(a.termination_time), a.provisioning_model, a.instance_termination_action,
             a.max_run_duration_s) == ("2026-11-30T10:00:00Z", "FLEX_START", "DELETE", 3600.0)
     assert a.field == "resourceStatus.scheduling.terminationTimestamp"
     b = scheduling_from_instance(inst({"name": "x", "scheduling": {"terminationTime": "2026-11-30T10:00:00Z"}}))
-    assert expiry.fmt_time(b.termination_time) == "2026-11-30T10:00:00Z" and b.field == "scheduling.terminationTime"
+    assert fmt_time(b.termination_time) == "2026-11-30T10:00:00Z" and b.field == "scheduling.terminationTime"
     c = scheduling_from_instance(inst({"name": "x", "lastStartTimestamp": "2026-11-30T09:00:00.000-00:00",
                                        "scheduling": {"maxRunDuration": {"seconds": "7200"}}}))
-    assert expiry.fmt_time(c.termination_time) == "2026-11-30T11:00:00Z"
+    assert fmt_time(c.termination_time) == "2026-11-30T11:00:00Z"
     d = scheduling_from_instance(inst({"name": "x", "scheduling": {"provisioningModel": "STANDARD"}}))
     assert d.termination_time is None and d.provisioning_model == "STANDARD"
 
@@ -197,17 +161,62 @@ def gcp(monkeypatch):
 def test_read_scheduling_through_the_real_client(gcp, tmp_path):
     gcp.set_scheduling(NODE, termination="2026-11-30T02:00:00.000-08:00", max_run_duration_s=86400)
     cfg = parse({"gcp": {"compute_endpoint": gcp.url}, "expiry": {"api_timeout_s": 10}})  # project/zone: metadata
-    info = expiry.read_scheduling(cfg, NODE)
-    assert expiry.fmt_time(info.termination_time) == "2026-11-30T10:00:00Z"
+    info = read_scheduling(cfg, NODE)
+    assert fmt_time(info.termination_time) == "2026-11-30T10:00:00Z"
     assert info.provisioning_model == "FLEX_START" and info.max_run_duration_s == 86400
-    with pytest.raises(expiry.ExpiryError, match="no instance 'nope'"):
-        expiry.read_scheduling(cfg, "nope")
+    with pytest.raises(ExpiryError, match="no instance 'nope'"):
+        read_scheduling(cfg, "nope")
+
+
+def test_read_scheduling_sees_a_gpu_vm_and_its_maintenance_window(gcp, tmp_path):
+    gcp.set_scheduling(NODE, termination=None, model="STANDARD")
+    gcp.set_maintenance(NODE, "2026-11-30T11:00:00Z")
+    cfg = parse({"gcp": {"compute_endpoint": gcp.url, "project": "test-proj", "zone": ZONE}})
+    info = read_scheduling(cfg, NODE)
+    assert info.gpu_vm and info.on_host_maintenance == "TERMINATE" and info.maintenance_can_reschedule
+    assert fmt_time(info.maintenance_window_start) == "2026-11-30T11:00:00Z" and info.termination_time is None
+    assert SchedulingInfo.from_dict(info.to_dict()) == info
+    vm = gcp.instances[(ZONE, NODE)]
+    vm.gpus, vm.machine_type = 0, "n2-standard-8"
+    gcp.set_maintenance(NODE, None)
+    info = read_scheduling(cfg, NODE)
+    assert not info.gpu_vm and info.maintenance_window_start is None
+
+
+def test_an_hour_notice_on_a_gpu_vm_drains_at_the_lead_and_flushes_at_the_flush_lead(gcp, tmp_path):
+    """The watch with a compressed clock: the API re-read on the event change gives the window."""
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
+    gcp.set_scheduling(NODE, termination=None, model="STANDARD")
+    gcp.set_maintenance(NODE, iso(T0 + 3600))
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
+                 "gcp": {"project": "test-proj", "zone": ZONE, "compute_endpoint": gcp.url},
+                 "expiry": {"publish_run_file": False}})
+    clock = Clock()
+    w = ExpiryWatch(cfg, NODE, Slurm(runner=cli), clock=clock, boot_id=BOOT)
+    res = w.check(Events())
+    assert res.state["source"] == "upcoming-maintenance" and cli.argvs == []  # known, 60 min away: nothing yet
+    reads = len(gcp.calls_of("instances.get"))
+    clock.t += 60
+    res = w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert len(gcp.calls_of("instances.get")) == reads + 1  # read again on the event change
+    assert res.state["termination_time"] == iso(T0 + 3600) and cli.argvs == []
+    clock.t = T0 + 3600 - 1800
+    w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert cli.reason == f"slurmagent: maintenance: TERMINATE_ON_HOST_MAINTENANCE (VM stops at about {iso(T0 + 3600)})"
+    assert cli.of("scancel") == []  # drained, the job runs on
+    clock.t = T0 + 3600 - 121
+    w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert cli.of("scancel") == []
+    clock.t += 1
+    res = w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
+    assert cli.of("scancel") == [["scancel", "--batch", "--signal=USR1", "41"]]
+    assert res.state["flush_cause"] == "TERMINATE_ON_HOST_MAINTENANCE notice"
 
 
 def test_once_via_cli_against_fake_caches_the_api_answer(gcp, tmp_path, monkeypatch, capsys):
     from slurmagent.cli import main
 
-    cli = FakeSlurmCli()
+    cli = slurm_with()
     monkeypatch.setattr(Slurm, "from_config", classmethod(lambda cls, cfg: cls(runner=cli)))
     end = time.time() + 600
     gcp.set_scheduling(NODE, termination=iso(end))
@@ -230,7 +239,7 @@ def test_once_via_cli_against_fake_caches_the_api_answer(gcp, tmp_path, monkeypa
 
 
 def test_ten_minutes_left_with_30_min_lead_drains(tmp_path):
-    cli = FakeSlurmCli()
+    cli = slurm_with()
     res = watch(tmp_path, cli, T0 + 600).check(Events())
     assert cli.reason == f"slurmagent: expiry: flex expiry at {iso(T0 + 600)}" and "DRAIN" in cli.state
     assert res.remaining_s == 600 and any(a.startswith("drained") for a in res.actions)
@@ -240,7 +249,7 @@ def test_ten_minutes_left_with_30_min_lead_drains(tmp_path):
 
 
 def test_three_hours_left_not_drained(tmp_path):
-    cli = FakeSlurmCli()
+    cli = slurm_with()
     res = watch(tmp_path, cli, T0 + 3 * 3600).check(Events())
     assert cli.argvs == [] and res.actions == [] and "DRAIN" not in cli.state
     assert res.state["termination_time"] == iso(T0 + 3 * 3600)
@@ -248,7 +257,7 @@ def test_three_hours_left_not_drained(tmp_path):
 
 
 def test_no_termination_time_nothing_to_do_and_cached(tmp_path):
-    cli, calls, clock = FakeSlurmCli(), [], Clock()
+    cli, calls, clock = slurm_with(), [], Clock()
     w = watch(tmp_path, cli, None, clock=clock, calls=calls)
     res = w.check(Events())
     assert res.termination is None and cli.argvs == [] and "termination_time" not in res.state
@@ -261,20 +270,20 @@ def test_no_termination_time_nothing_to_do_and_cached(tmp_path):
 
 
 def test_admin_drained_node_keeps_its_reason(tmp_path):
-    cli = FakeSlurmCli(state="IDLE+DRAIN", reason="admin: swap PSU [root@2026-11-30T09:00:00]")
+    cli = slurm_with(state="IDLE+DRAIN", reason="admin: swap PSU [root@2026-11-30T09:00:00]")
     res = watch(tmp_path, cli, T0 + 600).check(Events())
     assert cli.reason.startswith("admin: swap PSU") and not cli.of("scontrol", "update")
     assert res.state["drain"] == "kept-admin-drain"
 
 
 def test_slurmagent_hardware_drain_is_not_replaced(tmp_path):
-    cli = FakeSlurmCli(state="IDLE+DRAIN", reason="slurmagent: xid 79 on gpu 3 (fallen off the bus)")
+    cli = slurm_with(state="IDLE+DRAIN", reason="slurmagent: xid 79 on gpu 3 (fallen off the bus)")
     res = watch(tmp_path, cli, T0 + 600).check(Events())
     assert cli.reason.startswith("slurmagent: xid 79") and res.state["drain"] == "kept-slurmagent-drain"
 
 
 def test_flush_at_lead_signals_wrapped_requeues_unwrapped_once(tmp_path):
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT, "42": "#!/bin/bash\npython train.py\n", "43": ""})
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT, "42": "#!/bin/bash\npython train.py\n", "43": ""})
     clock = Clock()
     w = watch(tmp_path, cli, T0 + 100, clock=clock)
     res = w.check(Events())
@@ -285,7 +294,7 @@ def test_flush_at_lead_signals_wrapped_requeues_unwrapped_once(tmp_path):
     assert st["flushed"] and st["flushed_jobs"] == ["41"] and st["requeued_jobs"] == ["42", "43"]
     assert st["flush_cause"] == "VM expiry in 100 s"
     clock.t += 30
-    cli.jobs["44"] = WRAPPED_SCRIPT
+    cli.add_job("44", node=NODE, script=WRAPPED_SCRIPT)
     w.check(Events())
     assert cli.of("scancel")[-1] == ["scancel", "--batch", "--signal=USR1", "44"]  # only the new one
     assert len(cli.of("scontrol", "requeue")) == 1
@@ -293,15 +302,15 @@ def test_flush_at_lead_signals_wrapped_requeues_unwrapped_once(tmp_path):
 
 @pytest.mark.parametrize("policy,signaled,requeued", [("signal", ["41", "42"], []), ("leave", ["41"], [])])
 def test_unwrapped_jobs_policy(tmp_path, policy, signaled, requeued):
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT, "42": "#!/bin/bash\nslurmagent run -- python x.py\n"})  # no exec
-    out = flush_jobs(Slurm(runner=cli), NODE, set(), policy)
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT, "42": "#!/bin/bash\nslurmagent run -- python x.py\n"})  # no exec
+    out = flush_jobs(make_cfg(tmp_path), Slurm(runner=cli), NODE, set(), policy)
     assert out.signaled == signaled and out.requeued == requeued
     assert out.left == ([] if policy == "signal" else ["42"])
 
 
-def test_classification_budget_spent_counts_the_rest_as_unwrapped():
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT, "42": WRAPPED_SCRIPT})
-    out = flush_jobs(Slurm(runner=cli), NODE, set(), "requeue", classify_budget_s=0.0)
+def test_classification_budget_spent_counts_the_rest_as_unwrapped(tmp_path):
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT, "42": WRAPPED_SCRIPT})
+    out = flush_jobs(make_cfg(tmp_path), Slurm(runner=cli), NODE, set(), "requeue", classify_budget_s=0.0)
     assert out.signaled == [] and out.requeued == ["41", "42"] and not cli.of("scontrol", "write")
 
 
@@ -313,11 +322,11 @@ def test_wrapped_detection():
         ("#!/bin/bash\nslurmagent run -- python train.py\n", False),  # not exec'd: USR1 would hit bash
         ("#!/bin/bash\nexec python train.py  # slurmagent run later\n", False),
     ]:
-        assert bool(expiry.WRAPPED_RE.search(script)) is wrapped, script
+        assert script_execs_wrapper(script) is wrapped, script
 
 
 def test_maintenance_notice_drains_and_flushes_at_once(tmp_path):
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT})
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
     res = watch(tmp_path, cli, None).check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
     assert cli.reason.startswith("slurmagent: maintenance: TERMINATE_ON_HOST_MAINTENANCE")
     assert cli.of("scancel") == [["scancel", "--batch", "--signal=USR1", "41"]]
@@ -327,14 +336,14 @@ def test_maintenance_notice_drains_and_flushes_at_once(tmp_path):
 
 
 def test_preemption_notice_beats_a_later_flex_expiry(tmp_path):
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT})
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
     res = watch(tmp_path, cli, T0 + 5 * 86400).check(Events(preempted="TRUE"))
     assert res.state["source"] == "preempted" and res.state["termination_time"] == iso(T0 + 30)
     assert cli.reason.startswith("slurmagent: preempt:") and cli.of("scancel")
 
 
 def test_notice_that_passes_without_a_stop_is_cleared_and_our_drain_undone(tmp_path):
-    cli, clock = FakeSlurmCli(), Clock()
+    cli, clock = slurm_with(), Clock()
     w = watch(tmp_path, cli, None, clock=clock)
     w.check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
     assert cli.reason.startswith("slurmagent: maintenance:")
@@ -348,15 +357,15 @@ def test_notice_that_passes_without_a_stop_is_cleared_and_our_drain_undone(tmp_p
 
 
 def test_migrate_is_logged_not_acted_on(tmp_path):
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT})
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
     res = watch(tmp_path, cli, None).check(Events(maintenance="MIGRATE_ON_HOST_MAINTENANCE"))
     assert cli.argvs == [] and any("live migration" in a for a in res.actions)
 
 
 def test_state_of_an_earlier_boot_is_discarded(tmp_path):
-    cli = FakeSlurmCli()
+    cli = slurm_with()
     watch(tmp_path, cli, T0 + 100, boot="old-boot").check(Events(maintenance="TERMINATE_ON_HOST_MAINTENANCE"))
-    cli2 = FakeSlurmCli()
+    cli2 = slurm_with()
     res = watch(tmp_path, cli2, T0 + 5 * 86400, boot="new-boot").check(Events())
     assert any("earlier boot (old-boot)" in a for a in res.actions)
     assert res.state["boot_id"] == "new-boot" and "notice" not in res.state and not res.state.get("flushed")
@@ -364,7 +373,7 @@ def test_state_of_an_earlier_boot_is_discarded(tmp_path):
 
 
 def test_api_failure_keeps_cached_time_and_never_undrains(tmp_path):
-    cli, clock = FakeSlurmCli(), Clock()
+    cli, clock = slurm_with(), Clock()
     cfg = make_cfg(tmp_path, refresh_s=60)
     good = ExpiryWatch(cfg, NODE, Slurm(runner=cli), clock=clock, boot_id=BOOT, scheduling_reader=scheduling_reader(T0 + 600))
     good.check(Events())
@@ -378,7 +387,7 @@ def test_api_failure_keeps_cached_time_and_never_undrains(tmp_path):
 
 
 def test_termination_moved_later_undoes_our_drain_only(tmp_path):
-    cli, clock = FakeSlurmCli(), Clock()
+    cli, clock = slurm_with(), Clock()
     cfg = make_cfg(tmp_path, refresh_s=60)
     ExpiryWatch(cfg, NODE, Slurm(runner=cli), clock=clock, boot_id=BOOT, scheduling_reader=scheduling_reader(T0 + 600)).check()
     assert "DRAIN" in cli.state
@@ -390,16 +399,16 @@ def test_termination_moved_later_undoes_our_drain_only(tmp_path):
 
 
 def test_drain_at_max_time_only_with_finite_maxtime(tmp_path):
-    cli = FakeSlurmCli(partitions_max="1-00:00:00")
+    cli = slurm_with(partitions_max="1-00:00:00")
     watch(tmp_path, cli, T0 + 20 * 3600, drain_at_max_time=True).check(Events())
     assert "DRAIN" in cli.state
-    cli = FakeSlurmCli(partitions_max="UNLIMITED")
+    cli = slurm_with(partitions_max="UNLIMITED")
     watch(tmp_path / "b", cli, T0 + 20 * 3600, drain_at_max_time=True).check(Events())
     assert "DRAIN" not in cli.state
 
 
 def test_slurm_down_is_an_error_line_not_a_crash(tmp_path):
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT})
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
     cli.fail = {"scontrol", "squeue"}
     res = watch(tmp_path, cli, T0 + 60).check(Events())
     assert any("drain failed" in e for e in res.errors) and any("flush failed" in e for e in res.errors)
@@ -409,12 +418,12 @@ def test_slurm_down_is_an_error_line_not_a_crash(tmp_path):
 def test_state_file_is_what_wrapper_and_status_read(tmp_path):
     from slurmagent.wrapper import termination_time
 
-    watch(tmp_path, FakeSlurmCli(), T0 + 3 * 3600).check(Events())
+    watch(tmp_path, slurm_with(), T0 + 3 * 3600).check(Events())
     path = tmp_path / "state" / NODE / "expiry.json"
     assert termination_time((path,), boot_id=BOOT).timestamp() == T0 + 3 * 3600
     assert termination_time((path,), boot_id="a-later-boot") is None  # stale after a restart
     assert (path.stat().st_mode & 0o777) == 0o644
-    watch(tmp_path / "none", FakeSlurmCli(), None).check(Events())
+    watch(tmp_path / "none", slurm_with(), None).check(Events())
     assert termination_time((tmp_path / "none" / "state" / NODE / "expiry.json",), boot_id=BOOT) is None
 
 
@@ -427,13 +436,14 @@ class GuardHarness:
         self.cfg = replace(self.cfg, slurm=replace(self.cfg.slurm, conf=str(tmp_path / "slurm.conf")))
         tmp_path.mkdir(parents=True, exist_ok=True)
         (tmp_path / "slurm.conf").write_text("SchedulerParameters=nohold_on_prolog_fail\n")
-        self.cli = FakeSlurmCli()
+        self.cli = slurm_with()
+        self.cli.add_job("77", "CONFIGURING", node=NODE)
         self.log_path = tmp_path / "hooks.log"
         self.err = io.StringIO()
         self.state = tmp_path / "state" / NODE / "expiry.json"
 
     def write_state(self, termination: float | None, boot: str | None = None) -> None:
-        data = {"schema": 1, "boot_id": boot or expiry.current_boot_id()}
+        data = {"schema": 1, "boot_id": boot or host.boot_id()}
         if termination is not None:
             data["termination_time"] = iso(termination)
         self.state.parent.mkdir(parents=True, exist_ok=True)
@@ -447,8 +457,8 @@ class GuardHarness:
 def test_guard_fast_path_no_file_or_no_time_makes_no_slurm_call(tmp_path, monkeypatch):
     h = GuardHarness(tmp_path)
     reads = []
-    real = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or real(self))
+    real = expiry_state.read_state_file
+    monkeypatch.setattr(expiry_state, "read_state_file", lambda path: reads.append(path) or real(path))
     assert h.run() is None and h.cli.argvs == []
     h.write_state(None)
     assert h.run() is None and h.cli.argvs == []
@@ -458,7 +468,7 @@ def test_guard_fast_path_no_file_or_no_time_makes_no_slurm_call(tmp_path, monkey
 def test_guard_requeues_job_longer_than_the_lifetime(tmp_path):
     h = GuardHarness(tmp_path)
     h.write_state(time.time() + 1800)
-    h.cli.time_limit = "01:00:00"
+    h.cli.jobs["77"]["TimeLimit"] = "01:00:00"
     assert h.run() == 1
     assert h.cli.reason.startswith("slurmagent: expiry: flex expiry at") and "DRAIN" in h.cli.state
     assert len(h.cli.of("scontrol", "-o", "show", "job")) == 1 and len(h.cli.of("scontrol", "write")) == 1
@@ -470,12 +480,12 @@ def test_guard_requeues_job_longer_than_the_lifetime(tmp_path):
 def test_guard_lets_a_wrapped_job_run_it_flushes_at_the_lead(tmp_path):
     h = GuardHarness(tmp_path)
     h.write_state(time.time() + 1800)
-    h.cli.jobs["77"] = WRAPPED_SCRIPT
+    h.cli.scripts["77"] = WRAPPED_SCRIPT
     assert h.run() is None and "DRAIN" not in h.cli.state
     assert read_records(h.log_path)[-1]["action"] == "none (wrapped: flushes at the lead)"
     h2 = GuardHarness(tmp_path / "all", prolog_guard="requeue-all")
     h2.write_state(time.time() + 1800)
-    h2.cli.jobs["77"] = WRAPPED_SCRIPT
+    h2.cli.scripts["77"] = WRAPPED_SCRIPT
     assert h2.run() == 1 and "DRAIN" in h2.cli.state
     assert not h2.cli.of("scontrol", "write")  # requeue-all does not need to read the script
 
@@ -484,7 +494,7 @@ def test_guard_lets_a_wrapped_job_run_it_flushes_at_the_lead(tmp_path):
 def test_guard_keeps_the_flush_lead(tmp_path, limit, expected):
     h = GuardHarness(tmp_path)  # flush lead 120 s: a 29 min job on a 30 min VM would be cut by the flush
     h.write_state(time.time() + 1800)
-    h.cli.time_limit = limit
+    h.cli.jobs["77"]["TimeLimit"] = limit
     assert h.run() == expected
 
 
@@ -540,7 +550,7 @@ def test_healthy_prolog_path_imports_no_google_and_calls_no_scontrol(tmp_path):
 def test_event_watcher_long_polls_with_etag_and_wakes_on_change(gcp):
     wake, stop = threading.Event(), threading.Event()
     said = []
-    w = expiry.EventWatcher(1.0, 5.0, wake, stop, said.append).start()
+    w = EventWatcher(1.0, 5.0, wake, stop, said.append).start()
     try:
         wait_for(lambda: len(gcp.waits) >= 2, 10, "both keys long-polled")
         wake.clear()
@@ -588,7 +598,7 @@ def test_unreachable_metadata_loop_says_it_once(blackhole, tmp_path):
     cfg = make_cfg(tmp_path, termination_time=iso(time.time() + 86400), metadata_timeout_s=0.3)
     out, err, stop = io.StringIO(), io.StringIO(), threading.Event()
     th = threading.Thread(target=expiry.run_expiry_watch, args=(cfg, NODE),
-                          kwargs=dict(interval_s=0.3, out=out, err=err, slurm=Slurm(runner=FakeSlurmCli()), stop=stop))
+                          kwargs=dict(interval_s=0.3, out=out, err=err, slurm=Slurm(runner=slurm_with()), stop=stop))
     th.start()
     time.sleep(3)
     stop.set()
@@ -599,8 +609,10 @@ def test_unreachable_metadata_loop_says_it_once(blackhole, tmp_path):
 
 
 def test_loop_reacts_to_maintenance_within_a_second(gcp, tmp_path):
-    cli = FakeSlurmCli(jobs={"41": WRAPPED_SCRIPT})
+    cli = slurm_with(jobs={"41": WRAPPED_SCRIPT})
     gcp.set_scheduling(NODE, termination=None, model="STANDARD")
+    vm = gcp.instances[(ZONE, NODE)]
+    vm.gpus, vm.machine_type = 0, "n2-standard-8"  # no GPU: the notice means T = now + 60 s, flush at once
     cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
                  "gcp": {"project": "test-proj", "zone": ZONE, "compute_endpoint": gcp.url},
                  "expiry": {"publish_run_file": False}})

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
-from slurmagent.expiry import current_boot_id
+from slurmagent.host import boot_id as current_boot_id
 from slurmagent.gcp import metadata
 
 pytestmark = pytest.mark.slurm
@@ -155,6 +155,8 @@ def test_wrapped_job_flushes_at_lead_and_resumes_elsewhere_before_termination(en
 def test_maintenance_notice_flushes_at_once_and_requeues_unwrapped(env, gcp, gcs_emulator, tmp_path):
     c = env.cluster
     gcp.set_scheduling("n3", model="STANDARD")  # no termination time: only the notice
+    vm = gcp.instances[(ZONE, "n3")]
+    vm.gpus, vm.machine_type = 0, "n2-standard-8"  # no GPU: the notice means T = now + 60 s, flush at once
     base = (cluster_config_text(env.root) + gcp_section(gcp) + '[checkpoint]\nremote = "gs://ckpt/jobs"\n'
             'sync_interval_s = 1.0\ngrace_s = 10.0\n[expiry]\npublish_run_file = false\n')
     config = tmp_path / "c.toml"
@@ -224,3 +226,77 @@ def test_prolog_guard_requeues_job_longer_than_the_lifetime(env, tmp_path):
     job = c.wait_job(long, ("COMPLETED", "FAILED"), 90)
     assert job["JobState"] == "COMPLETED" and job["NodeList"] in ("n2", "n3") and int(job["Restarts"]) >= 1
     assert "ran on n" in out.read_text()
+
+
+@pytest.mark.slow
+def test_gpu_vm_hour_notice_drains_at_the_lead_flushes_only_at_the_flush_lead(env, gcp, gcs_emulator, tmp_path,
+                                                                              monkeypatch):
+    """A GPU VM whose metadata says TERMINATE_ON_HOST_MAINTENANCE with a window 60 min away, the
+    watch on a compressed clock: drained at T - drain lead with the wrapped job still training,
+    not flushed until T - flush lead; then flushed, requeued, and running again elsewhere."""
+    from slurmagent.config import load
+    from slurmagent.expiry import ExpiryWatch
+    from slurmagent.gcp.events import probe_events
+    from slurmagent.slurm import Slurm
+
+    c = env.cluster
+    monkeypatch.setenv("SLURM_CONF", str(c.conf))
+    start = time.time()
+    window = start + 3600
+    gcp.set_scheduling("n3", model="STANDARD")  # a GPU VM (a3-highgpu-8g, 8 GPUs) without an end of its own
+    gcp.set_maintenance("n3", iso(window))
+    config = tmp_path / "c.toml"
+    config.write_text(cluster_config_text(env.root) + gcp_section(gcp) + '[checkpoint]\nremote = "gs://ckpt/jobs"\n'
+                      'sync_interval_s = 1.0\ngrace_s = 10.0\n[expiry]\npublish_run_file = false\n')
+    ledger, out = tmp_path / "ledger", tmp_path / "out"
+    env_job = dict(c.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=gcs_emulator.url)
+    for n in ("n1", "n2"):  # both jobs start on n3; the restarts may go anywhere
+        c.run(["scontrol", "update", f"nodename={n}", "state=drain", "reason=test: keep off"])
+    wrapped = submit_wrapped(c, env_job, out, tmp_path / "ckpt-%n", ledger, 100000)
+    plain = c.sbatch("-o", "/dev/null", "--wrap", "sleep 300")
+    assert c.wait_job(wrapped, ("RUNNING",), 60)["NodeList"] == "n3"
+    assert c.wait_job(plain, ("RUNNING",), 60)["NodeList"] == "n3"
+    c.resume("n1", "n2")
+    wait_for(lambda: ledger.exists() and len(ledger_steps(ledger)) >= 10, 60, "10 steps")
+
+    class Clock:
+        t = start
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    cfg = load(str(config))
+    watch = ExpiryWatch(cfg, "n3", Slurm.from_config(cfg), clock=clock)
+    gcp.set_event("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+
+    res = watch.check(probe_events(2.0))  # T - 60 min
+    assert res.state["termination_time"] == iso(window) and res.state["source"] == "maintenance-event"
+    assert "DRAIN" not in c.node("n3")["State"] and not res.state.get("flushed")
+
+    clock.t = window - 1800 + 1  # T - drain lead
+    res = watch.check(probe_events(2.0))
+    assert node_reason(c, "n3") == f"slurmagent: maintenance: TERMINATE_ON_HOST_MAINTENANCE (VM stops at about {iso(window)})"
+    assert "DRAIN" in c.node("n3")["State"] and not res.state.get("flushed")
+    steps = len(ledger_steps(ledger))
+    wait_for(lambda: len(ledger_steps(ledger)) >= steps + 10, 60, "the job training on while drained")
+    assert c.job(wrapped)["JobState"] == "RUNNING" and c.job(plain)["JobState"] == "RUNNING"
+    assert "ckpt" not in ledger.read_text() and "SIGUSR1" not in out.read_text()
+
+    clock.t = window - 120 + 1  # T - flush lead
+    res = watch.check(probe_events(2.0))
+    assert res.state["flushed"] and res.state["flush_cause"] == "TERMINATE_ON_HOST_MAINTENANCE notice"
+    assert res.state["flushed_jobs"] == [wrapped] and res.state["requeued_jobs"] == [plain]
+    wait_for(lambda: "requeued job" in out.read_text(), 60, "the wrapper's flush and requeue")
+
+    def restarted():
+        j = c.job(wrapped)
+        return j if j["JobState"] == "RUNNING" and int(j.get("Restarts", 0)) >= 1 else None
+
+    again = wait_for(restarted, 90, "the wrapped job running again")
+    assert again["NodeList"] != "n3"
+    assert int(c.job(plain).get("Restarts", 0)) >= 1
+    wait_for(lambda: "resumed=1" in ledger.read_text(), 60, "the restart from the checkpoint")
+    ckpt = [int(line.split()[1]) for line in ledger.read_text().splitlines() if line.startswith("ckpt")]
+    resumed = [line for line in ledger.read_text().splitlines() if line.startswith("start ") and "resumed=1" in line]
+    assert ckpt and resumed and int(resumed[0].split()[1]) == ckpt[0]  # no step lost after the flush

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -24,16 +25,18 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, xid_snapshot_dict
+from fakes.slurm import FakeSlurm
 from fake_gcp import FakeGcp
 from test_hostile import DRAIN_N1, XID79, Node
-from test_repair_runtime import FakeScontrol
 
-from slurmagent import kernlog, policy
+from slurmagent import host, kernlog, policy, reasons
 from slurmagent.config import parse
 from slurmagent.gcp import metadata
 from slurmagent.gcp.compute import Compute
 from slurmagent.journal import Journal
-from slurmagent.repair import Runtime, run_repair
+from slurmagent.actions import Actions
+from slurmagent.nodes import node_from_kv
+from slurmagent.repair import run_repair
 from slurmagent.slurm import Slurm
 
 ZONE = "us-central1-a"
@@ -126,26 +129,40 @@ def test_malformed_remote_manifest_keeps_the_job_from_starting_and_the_checkpoin
 
 
 class Canned:
-    """An HTTP server answering every request with one canned reply (or never, when hang)."""
+    """An HTTP server answering every request with one canned reply (or, when hang, not before
+    `hang` seconds). stop() ends every handler: a hung one returns without answering, so none
+    outlives its test to write into a socket its client closed long ago, in another test."""
 
     def __init__(self, status: int = 200, body: bytes = b"", headers: dict[str, str] | None = None,
                  hang: float = 0.0):
         canned = self
         self.requests = 0
+        self.stopping = threading.Event()
+        self.connections: list[socket.socket] = []
+        self.lock = threading.Lock()
 
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK wait
 
             def log_message(self, *a):
                 pass
+
+            def setup(self):
+                super().setup()
+                with canned.lock:
+                    canned.connections.append(self.connection)
+                    if canned.stopping.is_set():  # accepted as stop() began
+                        canned.end(self.connection)
 
             def _reply(self):
                 canned.requests += 1
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)
-                if hang:
-                    time.sleep(hang)
+                if hang and canned.stopping.wait(hang):
+                    self.close_connection = True  # stopped: the client gave up long ago
+                    return
                 self.send_response(status)
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
@@ -156,14 +173,23 @@ class Canned:
             do_GET = do_POST = _reply
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
+        self.server.daemon_threads = False  # server_close() joins the handlers
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.host = f"127.0.0.1:{self.server.server_address[1]}"
         self.url = f"http://{self.host}"
 
     def stop(self):
+        with self.lock:
+            self.stopping.set()
+            for conn in self.connections:  # a kept-alive connection's handler waits for a next request
+                self.end(conn)
         self.server.shutdown()
         self.server.server_close()
+
+    @staticmethod
+    def end(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
 
 
 def drained_cluster(node: Node, *names: str) -> None:
@@ -255,7 +281,7 @@ def seeded_state(node: Node) -> tuple[Path, bytes, Path]:
     """A judged kernel log (cursor at its end) and one pending journal entry, as before the disk filled."""
     state = node.state()
     node.kern.write_text("[ 1.0] NVRM: Xid (PCI:0000:18:00): 13, pid=1, name=x, Graphics Exception\n")
-    kernlog.commit_cursor(state, kernlog.Cursor(kernlog.current_boot_id(), f"file:{node.kern}",
+    kernlog.commit_cursor(state, kernlog.Cursor(host.boot_id(), f"file:{node.kern}",
                                                 node.kern.stat().st_size))
     entry = Journal(state / "journal").add("release", job_id="41", node="n1")
     return kernlog.cursor_path(state), kernlog.cursor_path(state).read_bytes(), state / "journal" / "pending" / entry.file
@@ -311,17 +337,17 @@ def test_short_writes_never_leave_a_torn_journal_entry_or_cursor(tmp_path, monke
 def test_clock_stepping_back_does_not_reorder_the_journal(tmp_path, monkeypatch):
     """drain then resume while slurmctld is down; the clock steps back 1 h in between (NTP).
     The replay must apply them in the order they were asked: the node ends resumed."""
-    sc = FakeScontrol(4)
+    sc = FakeSlurm.cluster(4)
     cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "repair": {"max_drained_fraction": 1.0}})
     real_ns = time.time_ns
     step = [0]
     monkeypatch.setattr(time, "time_ns", lambda: real_ns() - step[0])
     sc.down = True
-    assert Runtime(cfg, Slurm(runner=sc), "n1").run("drain", node="n1", reason=XID79)[1].startswith("pending")
+    assert Actions(cfg, Slurm(runner=sc), "n1").run("drain", node="n1", reason=XID79)[1].startswith("pending")
     step[0] = 3600 * 10**9
-    assert Runtime(cfg, Slurm(runner=sc), "n1").run("resume", node="n1", reason=XID79)[1].startswith("pending")
+    assert Actions(cfg, Slurm(runner=sc), "n1").run("resume", node="n1", reason=XID79)[1].startswith("pending")
     sc.down = False
-    results = Runtime(cfg, Slurm(runner=sc), "n1").replay()
+    results = Actions(cfg, Slurm(runner=sc), "n1").replay()
     assert [(e.kind, o) for e, o in results] == [("drain", "drained"), ("resume", "resumed")]
     assert sc.nodes["n1"]["State"] == "IDLE" and sc.nodes["n1"]["Reason"] == ""
 
@@ -340,11 +366,11 @@ def test_breaker_and_repair_plan_with_marks_from_the_future():
     """slurmctld's clock ahead of ours (or ours stepped back): a suppression mark and a repair
     request stamped in the future still count, so nothing is drained or repaired twice."""
     future = time.time() + 3600
-    nodes = [policy.node_view({"NodeName": "n1", "State": "IDLE",
-                               "Comment": policy.suppressed_comment(future, "xid 79 on gpu 3 (fallen off the bus)")}),
-             policy.node_view({"NodeName": "n2", "State": "IDLE+DRAIN",
-                               "Reason": f"{policy.repairing_reason(XID79)} [root@{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(future))}]"}),
-             policy.node_view({"NodeName": "n3", "State": "IDLE"}), policy.node_view({"NodeName": "n4", "State": "IDLE"})]
+    nodes = [node_from_kv({"NodeName": "n1", "State": "IDLE",
+                               "Comment": reasons.suppressed_comment(future, "xid 79 on gpu 3 (fallen off the bus)")}),
+             node_from_kv({"NodeName": "n2", "State": "IDLE+DRAIN",
+                               "Reason": f"{reasons.repairing_reason(XID79)} [root@{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(future))}]"}),
+             node_from_kv({"NodeName": "n3", "State": "IDLE"}), node_from_kv({"NodeName": "n4", "State": "IDLE"})]
     b = policy.breaker(nodes, 0.25, now=time.time())
     assert b.suppressed == ("n1",) and b.open
     plan = policy.plan_repair(nodes, [], force=True, breaker_state=b, now=time.time())
@@ -381,7 +407,7 @@ def test_epilog_requeue_journaled_while_slurmctld_is_down_is_done_after_it_is_ba
     assert "requeue" in proc.stdout and "no pending actions" in proc.stdout
     info = c.job(job)
     assert info["Restarts"] == "1" and info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
-    assert policy.node_view(c.node("n1")).reason == XID79
+    assert node_from_kv(c.node("n1")).reason == XID79
 
 
 # --- Compute API storms -------------------------------------------------------------------------
@@ -404,7 +430,7 @@ def storm_cfg(tmp_path, deadline: float):
 
 
 def test_429_500_storm_retried_within_the_deadline_reported_per_node_one_mutation(gcp, tmp_path):
-    sc = FakeScontrol(3)
+    sc = FakeSlurm.cluster(3)
     for n in ("n1", "n2", "n3"):
         sc.nodes[n].update(State="IDLE+DRAIN", Reason=XID79)
     gcp.fail(RECREATE, 429, 500, 503)  # mig-a recovers on the 4th try
@@ -425,11 +451,11 @@ def test_429_500_storm_retried_within_the_deadline_reported_per_node_one_mutatio
     assert len({c.query["requestId"] for c in posts_a}) == 1  # every retry the same request
     assert [gcp.instances[(ZONE, n)].recreated for n in ("n1", "n2", "n3")] == [1, 1, 0]
     assert sc.nodes["n3"]["Reason"] == XID79  # put back: the next run asks again
-    assert sc.nodes["n1"]["Reason"] == policy.repairing_reason(XID79)
+    assert sc.nodes["n1"]["Reason"] == reasons.repairing_reason(XID79)
 
 
 def test_a_lost_reply_is_retried_with_the_same_request_id_and_acts_once(gcp, tmp_path):
-    sc = FakeScontrol(3)
+    sc = FakeSlurm.cluster(3)
     sc.nodes["n1"].update(State="IDLE+DRAIN", Reason=XID79)
     slow = [1.5]
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, cluster_config_text, healthy_snapshot_dict, wait_for, write_json, xid_snapshot_dict
 from slurmagent.decisionlog import read_records
 from slurmagent.healthcheck import recent_decision
-from slurmagent.localcluster import LocalSlurmCluster
+from slurmagent.devtools.localcluster import LocalSlurmCluster
 
 
 def run_healthcheck(slurm, node: str, *args: str, config: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:

@@ -12,51 +12,17 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, write_json, xid_snapshot_dict
-from slurmagent import hooks
+from fakes.slurm import FakeSlurm
+from slurmagent import actions
 from slurmagent.checks import Report, run_checks
 from slurmagent.config import Config, parse
 from slurmagent.decisionlog import read_records
-from slurmagent.errors import ConfigError, SlurmError
+from slurmagent.errors import ConfigError
 from slurmagent.hooks import HookContext, run_hook
 from slurmagent.slurm import Slurm
 from slurmagent.snapshot import NodeSnapshot
 
 XID79_REASON = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
-
-
-class FakeScontrol:
-    """A one-node scontrol: `show node` reports the node's state, `update` changes it."""
-
-    def __init__(self, state: str = "IDLE", reason: str = "(null)", fail: str | None = None):
-        self.state = state
-        self.reason = reason
-        self.fail = fail  # "show" / "update" / "requeue": raise SlurmError on that call
-        self.calls: list[list[str]] = []
-
-    def __call__(self, argv, timeout):
-        assert isinstance(argv, list)
-        self.calls.append(list(argv))
-        args = argv[1:]
-        verb = "show" if args[:2] == ["-o", "show"] else args[0]
-        if verb == self.fail:
-            raise SlurmError(f"scontrol {verb} timed out after {timeout:g} s")
-        out = ""
-        if verb == "show":
-            name = args[3] if len(args) > 3 else "n1"  # the breaker lists the whole (one-node) cluster
-            out = f"NodeName={name} Arch=x86_64 State={self.state} Gres=gpu:8 Reason={self.reason}\n"
-        elif verb == "update":
-            fields = dict(a.split("=", 1) for a in args[1:])
-            if fields.get("State") == "DRAIN":
-                self.state += "+DRAIN"
-            if "Reason" in fields:
-                self.reason = fields["Reason"] + " [root@2026-11-30T05:00:00]"
-        return subprocess.CompletedProcess(argv, 0, out, "")
-
-    def verbs(self) -> list[str]:
-        return ["show" if c[1:3] == ["-o", "show"] else c[1] for c in self.calls]
-
-    def updates(self) -> list[list[str]]:
-        return [c for c in self.calls if c[1] == "update"]
 
 
 class Harness:
@@ -69,7 +35,8 @@ class Harness:
             "hooks": {"syslog": False, **hooks_cfg},
             "slurm": {"conf": str(conf), "timeout_s": 3},
         }, "test")
-        self.scontrol = FakeScontrol()
+        self.scontrol = FakeSlurm(stamp="2026-11-30T05:00:00")
+        self.scontrol.add_job("42", "COMPLETING")
         self.factory_calls = 0
         self.stderr = io.StringIO()
 
@@ -120,7 +87,7 @@ def syslog_lines(monkeypatch) -> list[str]:
 @pytest.fixture(autouse=True)
 def no_release_watch(monkeypatch):
     spawned: list[str] = []
-    monkeypatch.setattr(hooks, "_spawn_release_watch", lambda job_id, cfg: spawned.append(job_id))
+    monkeypatch.setattr(actions, "spawn_release_watch", lambda job_id, cfg: spawned.append(job_id))
     return spawned
 
 
@@ -196,7 +163,7 @@ def test_node_drained_by_us_for_another_reason_gets_new_reason(h) -> None:
 def test_unhealthy_prolog_still_fails_when_scontrol_times_out(h) -> None:
     """The GPU verdict stands even when the drain cannot be sent: a failing prolog makes Slurm
     drain the node and requeue the job itself, a passing one would run the job on a bad GPU."""
-    h.scontrol.fail = "show"
+    h.scontrol.hang = {"show"}
     assert h.run("prolog", XID79) == 1
     [d] = h.decisions()
     assert d["verdict"] == "unhealthy" and d["rule"] == "xid"
@@ -226,7 +193,7 @@ def test_epilog_requeue_can_be_disabled(tmp_path) -> None:
 
 
 def test_epilog_requeue_failure_is_logged_not_fatal(h) -> None:
-    h.scontrol.fail = "requeue"
+    h.scontrol.hang = {"requeue"}
     assert h.run("epilog", XID79, {"SLURM_JOB_EXIT_CODE": "1"}) == 0
     assert h.decisions()[0]["action"].startswith("drained,requeue-failed")
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, write_json, xid_snapshot_dict
-from slurmagent import kernlog
+from slurmagent import host, kernlog
+from slurmagent.nodes import node_from_kv
 
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown, setpriv and the root-only checks")
@@ -319,7 +320,7 @@ def test_a_cursor_a_user_moved_past_an_xid_does_not_hide_it(node, owner):
     state = node.state("n1")
     state.mkdir(parents=True)
     cursor = kernlog.cursor_path(state)
-    cursor.write_text(json.dumps({"boot_id": kernlog.current_boot_id(), "source": f"file:{node.kern}",
+    cursor.write_text(json.dumps({"boot_id": host.boot_id(), "source": f"file:{node.kern}",
                                   "position": node.kern.stat().st_size}))
     os.chown(cursor, owner, owner)
     proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
@@ -373,9 +374,7 @@ def test_hostile_job_name_comment_and_env_on_a_bad_node(slurm, tmp_path):
          f"--comment=a\"; touch {mark} #\n$(touch {mark})", "--wrap", "true"],
         env=env, capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
     wait_for(lambda: "DRAIN" in c.node("n1").get("State", ""), 30, "the prolog to drain n1")
-    from slurmagent import policy
-
-    assert policy.node_view(c.node("n1")).reason == XID79  # our clean reason, nothing of the job's
+    assert node_from_kv(c.node("n1")).reason == XID79  # our clean reason, nothing of the job's
     def requeued():
         j = c.job(job)
         return j if j.get("Restarts") == "1" and j.get("JobState") == "PENDING" else None
@@ -398,3 +397,99 @@ def test_a_process_name_chosen_by_the_job_cannot_talk_a_fatal_xid_down(node):
     drain = node.calls()[-1]
     assert drain[:3] == ["update", "NodeName=n1", "State=DRAIN"]
     assert drain[3].startswith("Reason=slurmagent: xid 149 on gpu 3 (") and drain[3].endswith("(fatal))")
+
+
+# --- bad config values, arguments and files: one line, exit 2 (or, in a hook, an internal error) --
+
+
+@pytest.mark.parametrize(("old", "new", "shown"), [
+    ("[slurm]\n", "[slurm]\ntimeout_s = 1e308\n", "'slurm.timeout_s' = 1e+308 is out of range (0.5 .. 3600)"),
+    ("[health]\n", "[health]\ntimeout_s = 0\n", "'health.timeout_s' = 0 is out of range (0.5 .. 3600)"),
+    ("expected_gpus = 8", "expected_gpus = 100000000000000000000000",
+     "'health.expected_gpus' = 100000000000000000000000 is out of range (0 .. 1024)"),
+    ("max_drained_fraction = 1.0", "max_drained_fraction = 5", "'repair.max_drained_fraction' = 5 is out of range (0 .. 1)"),
+])
+def test_a_hook_with_an_out_of_range_config_reports_a_config_error(node, old, new, shown):
+    """`slurm.timeout_s = 1e308` once overflowed a timer and the XID-79 prolog failed open as a
+    mystery OverflowError; the value is now refused at load, as the config error it is."""
+    text = node.config.read_text()
+    assert old in text
+    node.config.write_text(text.replace(old, new, 1))
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 0  # an internal error fails open by default: said, never "healthy"
+    assert proc.stderr == (f"slurmagent prolog: internal error (not a GPU fault): config {node.config}: {shown}; "
+                           "none (fail open)\n")
+    assert node.calls() == []  # nothing ran under a config that was refused
+
+
+@pytest.mark.parametrize("args", [["--config", "{cfg}", "prolog"], ["--config={cfg}", "prolog"],
+                                  ["--debug", "--config", "{cfg}", "prolog"]])
+def test_config_option_before_a_hook_is_honoured(node, args):
+    args = [a.replace("{cfg}", str(node.config)) for a in args]
+    absent = node.tmp / "absent.toml"
+    proc = node.slurmagent(*args, env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42", "SLURMAGENT_CONFIG": str(absent)})
+    assert proc.returncode == 1, proc.stderr  # XID 79 from the snapshot that --config names
+    assert node.calls()[-1] == DRAIN_N1
+    assert str(absent) not in proc.stderr
+
+
+def test_a_deeply_nested_snapshot_in_a_hook_is_a_snapshot_error(node):
+    node.snapshot.write_text('{"schema": 1, "gpus": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 0
+    assert proc.stderr == (f"slurmagent prolog: internal error (not a GPU fault): snapshot {node.snapshot} is not a "
+                           "snapshot: JSON nested too deeply; none (fail open)\n")
+    decision = json.loads((node.state() / "hooks.log").read_text().splitlines()[-1])
+    assert decision["verdict"] == "internal-error" and "nested too deeply" in decision["error"]
+
+
+def test_a_job_that_floods_xids_gets_a_bounded_decision_log_line(node):
+    """A job can make the kernel print an application XID as often as it likes; each is a finding,
+    and one decision line once reached 8.9 MB. The line is cut at 64 KiB with a marker; the verdict,
+    the reason and the first findings stay."""
+    node.set_snapshot(xid_snapshot_dict(79, gpu=3))
+    line = f"[ 9.0] NVRM: Xid (PCI:{PCI_GPU3}): 13, pid=4242, name=x, Graphics Exception: ESR 0x{{:x}}\n"
+    node.kern.write_text("".join(line.format(i) for i in range(20_000)))
+    proc = node.slurmagent("prolog", env={"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    assert proc.returncode == 1, proc.stderr
+    (raw,) = (node.state() / "hooks.log").read_bytes().splitlines()
+    assert len(raw) <= 64 * 1024
+    decision = json.loads(raw)
+    assert decision["verdict"] == "unhealthy" and decision["reason"] == XID79 and decision["truncated"] is True
+    findings = decision["findings"]
+    assert findings[0] == "xid 79 on gpu 3 (fallen off the bus)" and findings[1].startswith("xid 13 on gpu 3")
+    assert findings[-1] == f"... {20_001 - (len(findings) - 1)} more (truncated)"
+
+
+def run_limited(*args: str, config: Path, memory: int = 1 << 30) -> subprocess.CompletedProcess:
+    """The CLI with its address space capped, so that an unbounded expansion fails instead of
+    eating the machine."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    env = {"SLURMAGENT_CONFIG": str(config), "PYTHONPATH": str(REPO), "SLURMD_NODENAME": "ctl"}
+    return subprocess.run([sys.executable, "-m", "slurmagent.entry", *args], env=env, capture_output=True, text=True,
+                          timeout=120, cwd="/", preexec_fn=cap)
+
+
+@pytest.mark.parametrize(("expr", "error"), [
+    ("n[1-100000000]", "hostlist 'n[1-100000000]' names 100000000 nodes, more than 65536"),
+    ("n1,n[1-300][1-300]", "hostlist 'n1,n[1-300][1-300]' names 90001 nodes, more than 65536"),
+    ("n[1-1" + "0" * 30 + "]", "bad range '1-1" + "0" * 30 + "' in hostlist 'n[1-1" + "0" * 30 + "]'"),
+])
+def test_repair_refuses_a_hostlist_too_large_to_expand(node, expr, error):
+    proc = run_limited("repair", "--dry-run", expr, config=node.config)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == f"slurmagent: repair: {error}\n"
+    assert node.calls() == []
+
+
+def test_hostlist_at_the_limit_still_expands():
+    from slurmagent import hostlist
+
+    names = hostlist.expand("n[00001-65536]")
+    assert len(names) == 65536 and names[0] == "n00001" and names[-1] == "n65536"
+    with pytest.raises(ValueError, match="names 65537 nodes, more than 65536"):
+        hostlist.expand("n[1-65536],x")

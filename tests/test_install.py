@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from conftest import REPO
 from slurmagent.config import Config, parse
+from slurmagent.doctor import missing_slurm_conf_lines
 from slurmagent.install import config_template, install
 
 
@@ -69,3 +73,72 @@ def test_missing_slurm_conf_lines_are_listed(tmp_path):
     (tmp_path / "etc/slurm/slurm.conf").write_text("ClusterName=x\nPrologFlags=Alloc\n")
     out = cli("install", "--root", str(tmp_path))
     assert "nohold_on_prolog_fail" in out.stdout and "Prolog=" in out.stdout
+
+
+RECORDING_BINARY = """#!/bin/sh
+printf '%s\\n' "$@" > "$(dirname "$0")/ran-with"
+exit 3
+"""
+
+
+def test_shims_and_units_quote_an_install_path_with_spaces(tmp_path):
+    """Unquoted, `[ -x /opt/my venv/bin/slurmagent ]` was a test error: the prolog exited 0, node unchecked."""
+    venv_bin = tmp_path / "my venv $HOME %n" / "bin"
+    venv_bin.mkdir(parents=True)
+    binary = venv_bin / "slurmagent"
+    binary.write_text(RECORDING_BINARY)
+    binary.chmod(0o755)
+    root = tmp_path / "staging root"
+    install(root, binary=str(binary))
+    for hook in ("prolog", "epilog", "healthcheck"):
+        (venv_bin / "ran-with").unlink(missing_ok=True)
+        proc = subprocess.run([str(root / "etc/slurmagent/hooks" / hook)], env={}, capture_output=True, text=True,
+                              timeout=30)
+        assert proc.returncode == 3, proc.stderr  # the binary's own code: it ran (exec), the shim did not fall through
+        assert (venv_bin / "ran-with").read_text() == f"{hook}\n"
+    unit = (root / "etc/systemd/system/slurmagent-watch.service").read_text()
+    (exec_start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    quoted = str(binary).replace("%", "%%").replace("$", "$$")
+    assert exec_start == f'ExecStart="{quoted}" watch'
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_a_config_narrowed_to_0600_is_never_widened(tmp_path, edited):
+    install(tmp_path)
+    config = tmp_path / "etc/slurmagent/config.toml"
+    if edited:
+        config.write_text("[health]\ntimeout_s = 5\n")
+    config.chmod(0o600)
+    steps = {str(s.path): s.action for s in install(tmp_path)}
+    assert steps[str(config)] == ("kept" if edited else "unchanged")
+    assert (config.stat().st_mode & 0o777) == 0o600
+
+
+def read_only(root) -> list[str]:
+    """argv prefix: run the rest in a private mount namespace where `root` is a read-only bind mount
+    (as root, permission bits do not stop a write; a read-only mount does)."""
+    return ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && exec "$@"',
+            str(root)]
+
+
+needs_mount_ns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None
+    or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0,
+    reason="needs root and unshare -m for a read-only bind mount")
+
+
+@needs_mount_ns
+@pytest.mark.parametrize("state", ["empty", "installed, a shim's mode changed"])
+def test_install_on_a_read_only_root_is_one_line_exit_2(tmp_path, state):
+    root = tmp_path / "root"
+    root.mkdir()
+    if state != "empty":
+        install(root)
+        (root / "etc/slurmagent/hooks/prolog").chmod(0o700)
+        (root / "etc/slurmagent/config.toml").chmod(0o600)
+    before = {p: p.stat().st_mode for p in root.rglob("*")}
+    proc = subprocess.run([*read_only(root), sys.executable, "-m", "slurmagent.entry", "install", "--root", str(root)],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(rf"slurmagent: cannot write {re.escape(str(root))}/\S+: Read-only file system\n", proc.stderr)
+    assert {p: p.stat().st_mode for p in root.rglob("*")} == before  # nothing changed, nothing lost

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurmagent import kernlog
+from slurmagent import host, kernlog
 from slurmagent.kernlog import (
     Cursor,
     DmesgSource,
@@ -308,12 +308,12 @@ def test_new_boot_restarts(log: Path, tmp_path: Path) -> None:
 def test_boot_id_is_read_from_proc_by_default(log: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
     read_new(FileSource(log), state)
-    assert load_cursor(state).boot_id == kernlog.current_boot_id()  # type: ignore[union-attr]
+    assert load_cursor(state).boot_id == host.boot_id()  # type: ignore[union-attr]
     assert read_new(FileSource(log), state) == []
     fake = tmp_path / "boot_id"
     fake.write_text("abc\n", encoding="ascii")
-    assert kernlog.current_boot_id(str(fake)) == "abc"
-    assert kernlog.current_boot_id(str(tmp_path / "missing")) == ""
+    assert host.boot_id(str(fake)) == "abc"
+    assert host.boot_id(str(tmp_path / "missing")) == ""
 
 
 def test_peek_does_not_advance(log: Path, tmp_path: Path) -> None:
@@ -416,7 +416,7 @@ def test_kmsg_missing_device_is_an_error(tmp_path: Path) -> None:
         KmsgSource(str(tmp_path / "nope")).read(None)
 
 
-@pytest.mark.skipif(not kernlog._kmsg_readable(), reason="/dev/kmsg is not readable here")
+@pytest.mark.skipif(not kernlog.kmsg_readable(), reason="/dev/kmsg is not readable here")
 def test_real_kmsg_is_read_without_blocking(tmp_path: Path) -> None:
     state = tmp_path / "state"
     read_new(KmsgSource(), state)
@@ -535,9 +535,9 @@ def test_dmesg_source(tmp_path: Path) -> None:
 
 
 def test_default_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernlog, "_kmsg_readable", lambda path="/dev/kmsg": True)
+    monkeypatch.setattr(kernlog, "kmsg_readable", lambda path="/dev/kmsg": True)
     assert isinstance(kernlog.default_source(), KmsgSource)
-    monkeypatch.setattr(kernlog, "_kmsg_readable", lambda path="/dev/kmsg": False)
+    monkeypatch.setattr(kernlog, "kmsg_readable", lambda path="/dev/kmsg": False)
     monkeypatch.setattr(kernlog.shutil, "which", lambda name: "/usr/bin/journalctl")
     src = kernlog.default_source()
     assert isinstance(src, JournalSource) and src.journalctl == "/usr/bin/journalctl"

@@ -19,6 +19,7 @@ import pynvml
 import pytest
 
 from slurmagent import nvml as reader
+from slurmagent import nvml_deadline as deadline
 from slurmagent.errors import NvmlTimeout, SlurmagentError
 from slurmagent.snapshot import NodeSnapshot
 
@@ -401,7 +402,7 @@ def test_real_pynvml_without_a_driver_reports_library_not_found() -> None:
     try:
         ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
-        for snap in reader.read_snapshot(hostname="n1"), reader.read_snapshot_with_deadline(10, hostname="n1"):
+        for snap in reader.read_snapshot(hostname="n1"), deadline.read_snapshot_with_deadline(10, hostname="n1"):
             assert snap.nvml_error == "NVML_ERROR_LIBRARY_NOT_FOUND" and snap.gpus == []
     else:  # a GPU node: the real read must at least produce a loadable snapshot
         snap = reader.read_snapshot(hostname="n1")
@@ -422,7 +423,7 @@ def test_real_pynvml_without_a_driver_reports_library_not_found() -> None:
             0x2 | 0x10 | 0x20 | 0x100,
             ["applications_clocks_setting", "sync_boost", "sw_thermal_slowdown", "display_clock_setting"],
         ),
-        (0x1FF, [n for n, _, _ in reader._CLOCK_REASONS]),
+        (0x1FF, [n for n, _, _ in reader.CLOCK_REASONS]),
         (0x8 | 0x400, ["hw_slowdown", "unknown_0x400"]),
     ],
 )
@@ -499,7 +500,7 @@ def test_deadline_read_matches_the_in_process_read(forked: list[int]) -> None:
     gpus[4].lost_at = "nvmlDeviceGetName"
     gpus[5].clocks_event = EVENT_HW_SLOWDOWN
     direct = reader.read_snapshot(FakeNvml(gpus), hostname="n1")
-    via_child = reader.read_snapshot_with_deadline(10, nvml=FakeNvml(gpus), hostname="n1")
+    via_child = deadline.read_snapshot_with_deadline(10, nvml=FakeNvml(gpus), hostname="n1")
     assert via_child == direct
     assert via_child.to_json() == direct.to_json()
     assert len(forked) == 1
@@ -508,7 +509,7 @@ def test_deadline_read_matches_the_in_process_read(forked: list[int]) -> None:
 
 def test_deadline_read_of_an_init_failure(forked: list[int]) -> None:
     fake = FakeNvml([], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
-    snap = reader.read_snapshot_with_deadline(10, nvml=fake, hostname="n1")
+    snap = deadline.read_snapshot_with_deadline(10, nvml=fake, hostname="n1")
     assert snap.nvml_error == "NVML_ERROR_DRIVER_NOT_LOADED" and snap.gpus == []
     assert_gone(forked[0])
 
@@ -518,7 +519,7 @@ def test_hung_call_times_out_and_the_child_is_killed(forked: list[int]) -> None:
     gpus[6].hang_at = "nvmlDeviceGetTemperature"
     start = time.monotonic()
     with pytest.raises(NvmlTimeout) as info:
-        reader.read_snapshot_with_deadline(1, nvml=FakeNvml(gpus), hostname="n1")
+        deadline.read_snapshot_with_deadline(1, nvml=FakeNvml(gpus), hostname="n1")
     elapsed = time.monotonic() - start
     assert 0.9 < elapsed < 5
     assert str(info.value) == "NVML read did not finish within 1.0 s (hung driver?)"
@@ -534,8 +535,8 @@ def test_child_that_dies_gives_read_crashed(forked: list[int]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # as a segfault in libnvidia-ml would
             return 0
 
-    snap = reader.read_snapshot_with_deadline(10, nvml=Fake([]), hostname="n1")
-    assert snap.nvml_error == reader.NVML_READ_CRASHED == "NVML_READ_CRASHED"
+    snap = deadline.read_snapshot_with_deadline(10, nvml=Fake([]), hostname="n1")
+    assert snap.nvml_error == deadline.NVML_READ_CRASHED == "NVML_READ_CRASHED"
     assert snap.hostname == "n1" and snap.gpus == []
     assert_gone(forked[0])
 
@@ -546,19 +547,19 @@ def test_exception_in_child_is_raised_in_parent_not_hidden(forked: list[int]) ->
             raise ZeroDivisionError("a bug")
 
     with pytest.raises(RuntimeError, match="ZeroDivisionError: a bug"):
-        reader.read_snapshot_with_deadline(10, nvml=Fake([]), hostname="n1")
+        deadline.read_snapshot_with_deadline(10, nvml=Fake([]), hostname="n1")
     assert_gone(forked[0])
 
 
 def test_deadline_rejects_a_non_positive_timeout() -> None:
     with pytest.raises(ValueError):
-        reader.read_snapshot_with_deadline(0, nvml=FakeNvml([]))
+        deadline.read_snapshot_with_deadline(0, nvml=FakeNvml([]))
 
 
 def test_large_snapshot_passes_the_pipe(forked: list[int]) -> None:
     """More than a pipe buffer (64 KiB) of JSON must not deadlock the child."""
     gpus = [FakeGpu(nvlink_states=[1] * pynvml.NVML_NVLINK_MAX_LINKS) for _ in range(64)]
-    snap = reader.read_snapshot_with_deadline(20, nvml=FakeNvml(gpus), hostname="n1")
+    snap = deadline.read_snapshot_with_deadline(20, nvml=FakeNvml(gpus), hostname="n1")
     assert len(json.dumps(snap.to_dict())) > 1 << 16
     assert len(snap.gpus) == 64 and all(len(g.nvlink) == pynvml.NVML_NVLINK_MAX_LINKS for g in snap.gpus)
 
@@ -568,7 +569,7 @@ def test_large_snapshot_passes_the_pipe(forked: list[int]) -> None:
 
 def test_importing_the_module_does_not_import_pynvml() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import slurmagent.nvml, sys; print('pynvml' in sys.modules)"],
+        [sys.executable, "-c", "import slurmagent.nvml, slurmagent.nvml_deadline, sys; print('pynvml' in sys.modules)"],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,

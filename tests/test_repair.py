@@ -16,7 +16,8 @@ import pytest
 
 from conftest import REPO, cluster_config_text, healthy_snapshot_dict, wait_for, xid_snapshot_dict
 from fake_gcp import FakeGcp
-from slurmagent import policy
+from slurmagent import reasons
+from slurmagent.nodes import node_from_kv
 
 pytestmark = pytest.mark.slurm
 
@@ -87,7 +88,11 @@ def drain(env, nodes: str, reason: str) -> None:
 
 
 def reason(env, node: str) -> str:
-    return policy.node_view(env.cluster.node(node)).reason
+    return node_from_kv(env.cluster.node(node)).reason
+
+
+def requeued(job: dict[str, str]) -> bool:
+    return job.get("JobState") == "PENDING" and int(job.get("Restarts", "0")) >= 1
 
 
 # --- repair ------------------------------------------------------------------------------
@@ -130,6 +135,53 @@ def test_regional_mig(env, gcp, tmp_path, cli):
     assert call.body == {"instances": [f"zones/{ZONE}/instances/n2"]}
     assert gcp.calls_of("regionOperations.get") and not gcp.calls_of("zoneOperations.get")
     assert "regions/us-central1/instanceGroupManagers/mig-r" in out
+
+
+def test_regional_mig_in_two_zones_repaired_in_one_run(env, gcp, tmp_path, cli):
+    gcp.add_instance("n1", ZONE, mig="mig-r", region="us-central1")
+    gcp.add_instance("n2", "us-central1-b", mig="mig-r", region="us-central1")
+    del gcp.instances[(ZONE, "n2")]
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n[1-2]", XID79)
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    [call] = gcp.calls_of(RRECREATE)
+    assert call.body == {"instances": [f"zones/{ZONE}/instances/n1", "zones/us-central1-b/instances/n2"]}
+    assert len(gcp.calls_of("instances.aggregatedList")) == 1
+    assert all(reason(env, n).startswith("slurmagent: repairing:") for n in ("n1", "n2"))
+
+
+def test_an_admins_resume_cancels_our_pending_repair(env, gcp, tmp_path, cli):
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n1", XID79)
+    code, out, err = cli(cfg, "repair")
+    assert code == 0 and len(gcp.mutations) == 1, err
+    env.cluster.resume("n1")  # the admin: `scontrol update nodename=n1 state=resume`
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    assert "n1: repair cancelled: n1 resumed by hand" in out and len(gcp.mutations) == 1
+    done = [json.loads(p.read_text()) for p in (env.root / "state").glob("*/journal/done/*.json")]
+    assert [d["payload"]["node"] for d in done if d["kind"] == "repair_cancelled"] == ["n1"]
+
+
+def test_opt_out_feature_keeps_slurmagent_off_the_node(env, gcp, tmp_path, cli):
+    c = env.cluster
+    c.run(["scontrol", "update", "nodename=n2", "availablefeatures=slurmagent_off", "activefeatures=slurmagent_off"])
+    try:
+        env.set_snapshot("n2", xid_snapshot_dict(79, gpu=3))
+        out = tmp_path / "out"
+        job = c.sbatch("-w", "n2", "-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
+        assert c.wait_job(job, ("COMPLETED", "FAILED"), 60)["JobState"] == "COMPLETED"  # hands off: the job ran
+        assert "DRAIN" not in c.node("n2")["State"]
+        decision = [d for d in env.decisions("n2") if d.get("job") == job][-1]
+        assert decision["action"].startswith("excluded (node feature slurmagent_off)")
+    finally:
+        c.run(["scontrol", "update", "nodename=n2", "availablefeatures=", "activefeatures="], check=False)
+    assert "slurmagent_off" not in c.node("n2").get("AvailableFeatures", "")
 
 
 def test_admin_drain_untouched(env, gcp, tmp_path, cli):
@@ -203,6 +255,8 @@ def test_instance_lookup_404_is_reported(env, gcp, tmp_path, cli):
 
 def test_report_faulty_strategy(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path, strategy="report-faulty")
+    for n in ("n1", "n2"):  # reservation-bound: Google takes the reports
+        gcp.instances[(ZONE, n)].provisioning_model = "RESERVATION_BOUND"
     drain(env, "n1", XID79)
     drain(env, "n2", "slurmagent: hw-slowdown: gpu 0 clocks slowed by hw_power_brake_slowdown")
 
@@ -214,6 +268,39 @@ def test_report_faulty_strategy(env, gcp, tmp_path, cli):
     assert calls["n1"]["faultReasons"][0]["behavior"] == "UNRECOVERABLE_GPU_ERROR"
     assert calls["n2"]["faultReasons"][0]["behavior"] == "PERFORMANCE"
     assert gcp.calls_of("instances.get") == []  # report-faulty needs no MIG
+    assert [m.kind for m in gcp.mutations] == ["instances.reportHostAsFaulty"] * 2
+
+
+def test_auto_flex_vms_recreated_per_mig_reserved_a3_ultra_reported_refusal_falls_back(env, gcp, tmp_path, cli):
+    """One run, real Slurm: two flex-start VMs of one MIG get ONE recreateInstances, a
+    reservation-bound A3 Ultra VM gets reportHostAsFaulty; a refused report is recreated instead."""
+    for n, facts in (("n1", {"provisioning_model": "FLEX_START"}), ("n2", {"provisioning_model": "FLEX_START"}),
+                     ("n3", {"provisioning_model": "RESERVATION_BOUND", "reservation": "SPECIFIC_RESERVATION"})):
+        for key, value in {"machine_type": "a3-ultragpu-8g", **facts}.items():
+            setattr(gcp.instances[(ZONE, n)], key, value)
+    cfg = write_config(env, gcp, tmp_path, strategy="auto")
+    drain(env, "n[1-3]", XID79)
+
+    code, out, err = cli(cfg, "repair")
+
+    assert code == 0, err
+    [rec] = gcp.calls_of(RECREATE)
+    assert rec.path.endswith("/mig-a/recreateInstances")
+    assert rec.body["instances"] == [f"zones/{ZONE}/instances/n1", f"zones/{ZONE}/instances/n2"]
+    [rep] = gcp.calls_of("instances.reportHostAsFaulty")
+    assert rep.path.split("/")[-2] == "n3" and rep.body["faultReasons"][0]["behavior"] == "UNRECOVERABLE_GPU_ERROR"
+    assert "n3: reported host as faulty (UNRECOVERABLE_GPU_ERROR)" in out
+    assert all(reason(env, n).startswith("slurmagent: repairing:") for n in ("n1", "n2", "n3"))
+
+    # the next fault on n3: Google refuses the report now; the run recreates it instead
+    env.cluster.resume("n3")
+    gcp.instances[(ZONE, "n3")].refuse = "INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED"
+    drain(env, "n3", XID79)
+    code, out, err = cli(cfg, "repair", "n3")
+    assert code == 0, err
+    assert [c.path.rsplit("/", 2)[-2] for c in gcp.calls_of(RECREATE)] == ["mig-a", "mig-b"]
+    assert "n3: reportHostAsFaulty refused" in out and "recreate requested via MIG" in out
+    assert reason(env, "n3").startswith("slurmagent: repairing:")
 
 
 def test_strategy_none_drains_only(env, gcp, tmp_path, cli):
@@ -242,7 +329,7 @@ def test_open_breaker_suppresses_repairs_and_force_overrides(env, gcp, tmp_path,
 
 def test_resume_if_healthy(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
-    drain(env, "n1", policy.repairing_reason(XID79))
+    drain(env, "n1", reasons.repairing_reason(XID79))
     drain(env, "n2", "admin: swap PSU")
 
     code, out, err = cli(cfg, "resume-if-healthy", "--node", "n1", "--wait", "10")
@@ -258,9 +345,31 @@ def test_resume_if_healthy(env, gcp, tmp_path, cli):
     assert code == 0 and "nothing to do" in out
 
 
+def test_a_static_node_recreated_after_its_flex_expiry_resumes_by_itself(env, gcp, tmp_path, cli):
+    """The expiry watch drained n1 ahead of its flex end; the VM went away and the MIG made a new
+    one: slurmd of the new boot registers and resume-if-healthy (at boot) resumes it."""
+    cfg = write_config(env, gcp, tmp_path)
+    expiry = "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
+    drain(env, "n1", expiry)
+    state = env.root / "state" / "n1" / "expiry.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"schema": 1, "boot_id": "the-old-vm", "termination_time": "2026-11-30T10:00:00Z",
+                                 "drained": True, "drain_reason": expiry}))
+    c = env.cluster
+    c.stop_node("n1")  # the flex VM is gone ...
+    c.start_node("n1")  # ... and the MIG's new VM boots
+
+    code, out, err = cli(cfg, "resume-if-healthy", "--node", "n1", "--wait", "60")
+
+    assert code == 0, err
+    assert f"n1: healthy; resumed (was: {expiry})" in out
+    wait_for(lambda: "DRAIN" not in c.node("n1")["State"], 10, "n1 resumed")
+    assert gcp.calls == []  # nothing recreated by slurmagent: the expiry drain is never repaired
+
+
 def test_resume_if_healthy_unhealthy_stays_drained_with_new_reason(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
-    drain(env, "n1", policy.repairing_reason(XID79))
+    drain(env, "n1", reasons.repairing_reason(XID79))
     env.set_snapshot("n1", xid_snapshot_dict(48, gpu=5))
 
     code, out, err = cli(cfg, "resume-if-healthy", "--node", "n1", "--wait", "10")
@@ -268,13 +377,13 @@ def test_resume_if_healthy_unhealthy_stays_drained_with_new_reason(env, gcp, tmp
     assert code == 1
     assert "UNHEALTHY" in out
     node = env.cluster.node("n1")
-    assert "DRAIN" in node["State"] and policy.node_view(node).reason.startswith("slurmagent: xid 48 on gpu 5")
+    assert "DRAIN" in node["State"] and node_from_kv(node).reason.startswith("slurmagent: xid 48 on gpu 5")
 
 
 def test_status_table_and_json(env, gcp, tmp_path, cli):
     cfg = write_config(env, gcp, tmp_path)
     drain(env, "n1", XID79)
-    drain(env, "n2", policy.repairing_reason("slurmagent: gpu-lost: gpu 1 GPU is lost"))
+    drain(env, "n2", reasons.repairing_reason("slurmagent: gpu-lost: gpu 1 GPU is lost"))
     expiry = env.root / "state" / "n1" / "expiry.json"
     expiry.parent.mkdir(parents=True, exist_ok=True)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3 * 3600 + 30))
@@ -335,7 +444,7 @@ def test_prolog_with_slurmctld_down_journals_the_drain(env):
 
     assert proc.returncode == 0, proc.stderr
     node = c.node("n1")
-    assert "DRAIN" in node["State"] and policy.node_view(node).reason == XID79
+    assert "DRAIN" in node["State"] and node_from_kv(node).reason == XID79
     assert not list(pending.glob("*.json"))
     done = [json.loads(p.read_text()) for p in (pending.parent / "done").glob("*.json")]
     assert [d["outcome"] for d in done if d["kind"] == "drain"] == ["drained"]
@@ -359,20 +468,26 @@ def test_full_loop_drain_repair_recreate_resume_runs_pending_job(env, gcp, tmp_p
     env.set_snapshot("n1", xid_snapshot_dict(79, gpu=3))
     out = tmp_path / "out"
     job = c.sbatch("-w", "n1", "-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
-    wait_for(lambda: reason(env, "n1") == XID79, 30, "the prolog to drain n1")
-    wait_for(lambda: c.job(job).get("JobState") == "PENDING", 30, "the job back to PENDING")
+    # PENDING alone is also the state before the first start: wait for the requeue itself.
+    wait_for(lambda: requeued(c.job(job)), 60, "the failed prolog to requeue the job")
+    assert node_from_kv(c.node("n1")).ours and reason(env, "n1") == XID79
 
     recreated = []
     gcp.on_recreate = lambda mig, names: recreated.extend(names)
     proc = slurmagent("repair")
     assert proc.returncode == 0, proc.stderr
     assert recreated == ["n1"] and len(gcp.mutations) == 1
-    assert reason(env, "n1") == policy.repairing_reason(XID79)
+    assert reason(env, "n1") == reasons.repairing_reason(XID79)
 
-    # The MIG recreates the VM: slurmd goes away and comes back on a healthy machine.
+    # The MIG recreates the VM: slurmd goes away and comes back on a healthy machine. Its
+    # boot time stays the host's, so wait for the new slurmd's registration here as the
+    # boot-time check in resume-if-healthy would on a real VM.
+    registered_at = c.node("n1")["SlurmdStartTime"]
     c.stop_node("n1")
     env.set_snapshot("n1", healthy_snapshot_dict(hostname="n1"))
+    time.sleep(1)  # SlurmdStartTime has a 1 s resolution
     c.start_node("n1")
+    wait_for(lambda: c.node("n1").get("SlurmdStartTime") not in (registered_at, None), 60, "the new slurmd")
     proc = slurmagent("resume-if-healthy", node="n1")  # what slurmagent-resume.service runs at boot
     assert proc.returncode == 0, proc.stderr
     assert "n1: healthy; resumed" in proc.stdout

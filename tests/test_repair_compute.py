@@ -130,13 +130,14 @@ def test_unreachable_endpoint_fails_within_the_deadline():
 
 
 def test_report_faulty_request(fake):
-    fake.add_instance("a", ZONE)
+    fake.add_instance("a", ZONE, machine_type="a3-ultragpu-8g", provisioning_model="RESERVATION_BOUND")
     c = compute(fake)
     op = c.report_faulty(ZONE, "a", "UNRECOVERABLE_GPU_ERROR", "slurmagent: xid 79 on gpu 3", str(uuid.uuid4()))
     c.wait(op)
     [call] = fake.calls_of("instances.reportHostAsFaulty")
     assert call.body == {"disruptionSchedule": "IMMEDIATE", "faultReasons": [
         {"behavior": "UNRECOVERABLE_GPU_ERROR", "description": "slurmagent: xid 79 on gpu 3"}]}
+    assert fake.instances[(ZONE, "a")].reported == 1
 
 
 def test_healthy_prolog_path_imports_no_google_module(tmp_path):
@@ -145,3 +146,49 @@ def test_healthy_prolog_path_imports_no_google_module(tmp_path):
             "bad = [m for m in sys.modules if m.startswith('google')]\nprint(bad)\nsys.exit(1 if bad else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- what `repair` decides by, and Google's refusal of reportHostAsFaulty ---------------------
+
+
+def test_vm_facts_through_the_real_client(fake):
+    fake.add_instance("u1", ZONE, mig="mig-u", machine_type="a3-ultragpu-8g", provisioning_model="RESERVATION_BOUND",
+                      reservation="SPECIFIC_RESERVATION")
+    fake.add_instance("f1", ZONE, mig="mig-f", machine_type="a3-highgpu-8g", provisioning_model="FLEX_START", gpus=8)
+    fake.add_instance("c1", ZONE, machine_type="n2-standard-8", gpus=0, status="TERMINATED")
+    c = compute(fake)
+    u1, f1, c1 = (c.vm(ZONE, n) for n in ("u1", "f1", "c1"))
+    assert (u1.machine_type, u1.provisioning_model, u1.reservation, u1.status, u1.gpus) == (
+        "a3-ultragpu-8g", "RESERVATION_BOUND", "SPECIFIC_RESERVATION", "RUNNING", 8)
+    assert u1.mig == MigRef(fake.project_number, "zones", ZONE, "mig-u").to_dict() and u1.zone == ZONE
+    assert u1.reservation_bound and u1.gpu_vm and not f1.reservation_bound and f1.provisioning_model == "FLEX_START"
+    assert c1.mig is None and c1.status == "TERMINATED" and not c1.gpu_vm
+
+
+def test_find_vms_in_listed_zones_or_one_aggregated_list(fake):
+    fake.add_instance("r1", "us-central1-a", mig="mig-r", region="us-central1")
+    fake.add_instance("r2", "us-central1-b", mig="mig-r", region="us-central1")
+    fake.add_instance("r3.x", "us-central1-c")
+    fake.add_instance("r10", "us-central1-b")  # a name the filter must not take for r1
+    c = compute(fake)
+    found = c.find_vms(["r1", "r2", "r3.x", "gone"])
+    assert {n: v.zone for n, v in found.items()} == {"r1": "us-central1-a", "r2": "us-central1-b",
+                                                      "r3.x": "us-central1-c"}
+    [agg] = fake.calls_of("instances.aggregatedList")
+    assert agg.query["filter"] == 'name eq "(r1|r2|r3\\.x|gone)"'
+    found = c.find_vms(["r1", "r2"], zones=["us-central1-b", "us-central1-c"])
+    assert list(found) == ["r2"] and found["r2"].mig["scope"] == "regions"
+    assert [x.path.split("/")[-2] for x in fake.calls_of("instances.list")] == ["us-central1-b", "us-central1-c"]
+
+
+@pytest.mark.parametrize("in_operation", [False, True])
+def test_report_faulty_refused_for_a_flex_vm_as_google_does(fake, in_operation):
+    fake.refuse_in_operation = in_operation
+    fake.add_instance("f1", ZONE, mig="m", provisioning_model="FLEX_START", machine_type="a3-ultragpu-8g")
+    c = compute(fake)
+    with pytest.raises(ComputeError) as info:
+        op = c.report_faulty(ZONE, "f1", "UNRECOVERABLE_GPU_ERROR", "slurmagent: xid 79", str(uuid.uuid4()))
+        c.wait(op)
+    assert info.value.refused and not info.value.retriable and info.value.status == 400
+    assert "INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED" in str(info.value)
+    assert len(fake.calls_of("instances.reportHostAsFaulty")) == 1 and fake.instances[(ZONE, "f1")].reported == 0

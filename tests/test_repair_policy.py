@@ -6,16 +6,16 @@ import random
 
 import pytest
 
-from slurmagent import policy
+from slurmagent import policy, reasons
 from slurmagent.checks import Finding, Severity
-from slurmagent.policy import NodeView, node_view
-from slurmagent.slurm import parse_kv
+from slurmagent.nodes import NodeInfo, node_from_kv, parse_comment, parse_kv
+from slurmagent.timefmt import parse_slurm_time
 
 T0 = 1_800_000_000.0
 
 
 def view(name, state="IDLE", reason="", t=None, comment=""):
-    return NodeView(name, frozenset(state.split("+")), reason, t, comment)
+    return NodeInfo(name, frozenset(state.split("+")), reason, t, comment)
 
 
 def cluster(n, **special):
@@ -28,38 +28,38 @@ def test_allowed_drained(total, fraction, allowed):
     assert policy.allowed_drained(total, fraction) == allowed
 
 
-def test_node_view_parses_reason_time_and_comment():
+def test_node_parses_reason_time_and_comment():
     line = ("NodeName=n1 Arch=x86_64 CoresPerSocket=1 State=IDLE+DRAIN ThreadsPerCore=1 Partitions=gpu "
             "BootTime=2026-11-30T09:37:42 SlurmdStartTime=2026-11-30T09:49:04 "
             "Reason=slurmagent: xid 79 on gpu 3 (fallen off the bus) [root@2026-11-30T09:49:04] "
             "Comment=slurmagent drained@1764495944.125")
-    n = node_view(parse_kv(line))
+    n = node_from_kv(parse_kv(line))
     assert n.ours and n.drained and not n.repairing and n.registered
     assert n.reason == "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
-    assert n.reason_time == policy.parse_slurm_time("2026-11-30T09:49:04")
+    assert n.reason_time == parse_slurm_time("2026-11-30T09:49:04")
     assert n.marks.drained_at == 1764495944.125  # an older comment format still parses
-    down = node_view(parse_kv("NodeName=n2 State=DOWN+DRAIN+NOT_RESPONDING Reason=Not responding [slurm@2026-11-30T09:00:00]"))
+    down = node_from_kv(parse_kv("NodeName=n2 State=DOWN+DRAIN+NOT_RESPONDING Reason=Not responding [slurm@2026-11-30T09:00:00]"))
     assert down.held_by_other and not down.registered and not down.ours
 
 
 def test_reasons_round_trip():
     r = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
-    rep = policy.repairing_reason(r)
+    rep = reasons.repairing_reason(r)
     assert rep == "slurmagent: repairing: xid 79 on gpu 3 (fallen off the bus)"
-    assert policy.repairing_reason(rep) == rep
-    assert policy.fault_reason(rep) == r
-    assert policy.rule_of(rep) == "xid 79" and policy.rule_of("slurmagent: ecc-uncorrectable: gpu 2 3 errs") == "ecc-uncorrectable"
-    assert not policy.repairable("slurmagent: expiry: terminates at 2026-11-30T10:00:00Z")
-    assert policy.repairable(r)
+    assert reasons.repairing_reason(rep) == rep
+    assert reasons.fault_reason(rep) == r
+    assert reasons.rule_of(rep) == "xid 79" and reasons.rule_of("slurmagent: ecc-uncorrectable: gpu 2 3 errs") == "ecc-uncorrectable"
+    assert not reasons.repairable("slurmagent: expiry: terminates at 2026-11-30T10:00:00Z")
+    assert reasons.repairable(r)
     assert policy.fault_behavior("hw-slowdown") == "PERFORMANCE"
     assert policy.fault_behavior("xid 79") == "UNRECOVERABLE_GPU_ERROR"
 
 
 def test_comment_marks():
-    c = policy.suppressed_comment(T0, "hw-slowdown: gpu 0 clocks slowed by hw_power_brake_slowdown")
-    m = policy.parse_comment(c)
+    c = reasons.suppressed_comment(T0, "hw-slowdown: gpu 0 clocks slowed by hw_power_brake_slowdown")
+    m = parse_comment(c)
     assert m.suppressed_at == T0 and m.suppressed_summary.startswith("hw-slowdown: gpu 0")
-    assert policy.parse_comment("admin: RMA ticket 42").empty
+    assert parse_comment("admin: RMA ticket 42").empty
     assert not view("n1", comment="admin note").comment_free and view("n1", comment=c).comment_free
 
 
@@ -127,9 +127,9 @@ def test_burst_respects_established_drains(seed):
 def test_breaker_state():
     ours = "slurmagent: hw-slowdown: gpu 0"
     nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", ours, T0), n2=view("n2", "IDLE+DRAIN", ours, T0),
-                    n3=view("n3", comment=policy.suppressed_comment(T0, "hw-slowdown: gpu 0")),
-                    n4=view("n4", "IDLE+DRAIN", "Prolog error", T0, comment=policy.suppressed_comment(T0, "gpu-lost")),
-                    n5=view("n5", comment=policy.suppressed_comment(T0 - 2 * 86400, "old")))
+                    n3=view("n3", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")),
+                    n4=view("n4", "IDLE+DRAIN", "Prolog error", T0, comment=reasons.suppressed_comment(T0, "gpu-lost")),
+                    n5=view("n5", comment=reasons.suppressed_comment(T0 - 2 * 86400, "old")))
     b = policy.breaker(nodes, 0.25, now=T0 + 10)
     assert b.drained == ("n1", "n2") and b.suppressed == ("n3", "n4") and b.open and b.full
     assert "OPEN" in b.describe() and "n3, n4" in b.describe()
@@ -140,7 +140,7 @@ def test_breaker_state():
 def test_plan_repair():
     ours = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
     nodes = [view("n1", "IDLE+DRAIN", ours, T0), view("n2", "IDLE+DRAIN", "admin: PSU", T0),
-             view("n3", "IDLE+DRAIN", policy.repairing_reason(ours), T0), view("n4", "MIXED+DRAIN", ours, T0),
+             view("n3", "IDLE+DRAIN", reasons.repairing_reason(ours), T0), view("n4", "MIXED+DRAIN", ours, T0),
              view("n5", "IDLE+DRAIN", "slurmagent: expiry: terminates soon", T0), view("n6", "IDLE"),
              view("n7", "IDLE+DRAIN", ours, T0), *[view(f"n{i}") for i in range(8, 30)]]
     b = policy.breaker(nodes, 0.25, now=T0)
@@ -161,10 +161,181 @@ def test_plan_repair():
 def test_plan_repair_with_open_breaker():
     ours = "slurmagent: hw-slowdown: gpu 0"
     nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", ours, T0), n2=view("n2", "IDLE+DRAIN", ours, T0),
-                    n3=view("n3", comment=policy.suppressed_comment(T0, "hw-slowdown: gpu 0")),
-                    n4=view("n4", comment=policy.suppressed_comment(T0, "hw-slowdown: gpu 0")))
+                    n3=view("n3", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")),
+                    n4=view("n4", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")))
     b = policy.breaker(nodes, 0.25, now=T0)
     plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0)
     assert plan.todo == [] and plan.suppressed == ["n1", "n2"]
     forced = policy.plan_repair(nodes, ["n3"], force=True, breaker_state=b, now=T0)
     assert forced.todo == ["n3"] and forced.needs_drain == ["n3"]
+
+
+# --- planned drains: neither held back nor counted by the breaker ----------------------------
+
+FLEX = "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
+
+
+def test_planned_drains_do_not_count_for_the_breaker():
+    ours = "slurmagent: hw-slowdown: gpu 0"
+    cohort = {f"n{i}": view(f"n{i}", "IDLE+DRAIN", FLEX, T0) for i in range(1, 5)}  # 4 of 8 expire together
+    nodes = cluster(8, **cohort)
+    b = policy.breaker(nodes, 0.25, T0)
+    assert b.drained == () and not b.open and not b.full
+    assert policy.decide_drain(nodes, "n5", ours, 0.25) == "drain"  # both fault slots still free
+    nodes = cluster(8, **cohort, n5=view("n5", "IDLE+DRAIN", ours, T0), n6=view("n6", "IDLE+DRAIN", ours, T0))
+    assert policy.breaker(nodes, 0.25, T0).drained == ("n5", "n6")
+    assert policy.decide_drain(nodes, "n7", ours, 0.25) == "suppress"
+    assert policy.keeps_drain(nodes, "n6", 0.25)
+    # a fault on a node already drained ahead of its end counts from then on: held back when full
+    assert policy.decide_drain(nodes, "n1", ours, 0.25) == "suppress"
+    assert policy.decide_drain(cluster(8, n1=view("n1", "IDLE+DRAIN", FLEX, T0)), "n1", ours, 0.25) == "update-reason"
+
+
+def test_decide_planned_drain():
+    fault = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3 (fallen off the bus)", T0)
+    assert policy.decide_planned_drain(fault, FLEX) == "kept-slurmagent-drain"  # repair owns it
+    assert policy.decide_planned_drain(view("n1", "IDLE+DRAIN", "admin: PSU", T0), FLEX) == "kept-admin-drain"
+    assert policy.decide_planned_drain(view("n1", "DOWN", "Not responding", T0), FLEX) == "kept-admin-drain"
+    assert policy.decide_planned_drain(view("n1", "IDLE+DRAIN", FLEX, T0), FLEX) == "already-drained"
+    assert policy.decide_planned_drain(view("n1", "IDLE+DRAIN", FLEX.replace("10:00", "11:00"), T0), FLEX) == "drain"
+    assert policy.decide_planned_drain(view("n1"), FLEX) == "drain"
+    assert policy.decide_planned_drain(None, FLEX) == "no-such-node"
+    # however many of a cohort are drained already, the next one is too (no breaker here)
+    assert all(policy.decide_planned_drain(n, FLEX) == "drain" for n in cluster(8))
+
+
+# --- repair requests ---------------------------------------------------------------------------
+
+
+def test_repair_requests_one_per_mig_or_per_node():
+    mig_a = {"project": "1", "scope": "zones", "location": "z", "name": "a"}
+    mig_b = {"project": "1", "scope": "regions", "location": "r", "name": "b"}
+    targets = {"n1": {"zone": "z", "mig": mig_a}, "n3": {"zone": "z", "mig": mig_b}, "n2": {"zone": "z", "mig": mig_a}}
+    reason_of = {n: f"slurmagent: xid 79 on gpu {n[-1]}" for n in targets}
+    ids = iter(["id-1", "id-2", "id-3"])
+    reqs = policy.repair_requests(targets, "recreate", reason_of, "p", 120.0, lambda: next(ids))
+    assert [(r["mig"]["name"], sorted(r["nodes"]), r["request_id"]) for r in reqs] == [
+        ("a", ["n1", "n2"], "id-1"), ("b", ["n3"], "id-2")]
+    assert reqs[0]["nodes"]["n2"] == {"zone": "z", "reason": "slurmagent: xid 79 on gpu 2"}
+    assert reqs[0]["deadline_s"] == 120.0 and reqs[0]["project"] == "p" and reqs[0]["strategy"] == "recreate"
+    faulty = policy.repair_requests({"n1": {"zone": "z"}, "n2": {"zone": "y"}}, "report-faulty", reason_of, "p", 60.0,
+                                    lambda: "x")
+    assert [sorted(r["nodes"]) for r in faulty] == [["n1"], ["n2"]] and faulty[1]["nodes"]["n2"]["zone"] == "y"
+
+
+def test_known_target_and_dry_run_line():
+    cached = {"zone": "z", "mig": {"project": "1", "scope": "zones", "location": "z", "name": "a"}}
+    assert policy.known_target("recreate", cached, "z") == cached
+    assert policy.known_target("recreate", None, "z") is None  # look the VM up
+    assert policy.known_target("report-faulty", None, "z") == {"zone": "z"}
+    assert policy.known_target("report-faulty", {"zone": "y"}, "z") == {"zone": "y"}
+    assert policy.dry_run_line("n1", "recreate", cached, False, "slurmagent: xid 79 on gpu 3") == \
+        "n1: would recreate via MIG zones/z/instanceGroupManagers/a (xid 79 on gpu 3)"
+    assert policy.dry_run_line("n2", "recreate", None, True, "") == \
+        "n2: would drain and recreate via its MIG (looked up at run time) (suppressed fault)"
+    assert policy.dry_run_line("n3", "report-faulty", None, False, "slurmagent: gpu-lost: gpu 1") == \
+        "n3: would report host as faulty [UNRECOVERABLE_GPU_ERROR] (gpu-lost: gpu 1)"
+    assert policy.dry_run_line("n4", "power-down", None, False, "slurmagent: xid 48 on gpu 0 (x)", "dynamic node") == \
+        "n4: would power down (POWER_DOWN_ASAP) (xid 48 on gpu 0 (x)): dynamic node"
+    assert policy.known_target("auto", {"zone": "z", "vm": {"zone": "z"}}, "z") == {"zone": "z", "vm": {"zone": "z"}}
+    assert policy.known_target("auto", cached, "z") is None  # a cache entry without the VM's facts: look it up
+
+
+# --- which repair each VM gets -------------------------------------------------------------------
+
+MIG = {"project": "1", "scope": "zones", "location": "z", "name": "m"}
+ULTRA = policy.VmFacts("z", "RUNNING", "a3-ultragpu-8g", "RESERVATION_BOUND", "SPECIFIC_RESERVATION", MIG, 8)
+
+
+@pytest.mark.parametrize("rule,behavior", [
+    ("xid 79", "UNRECOVERABLE_GPU_ERROR"), ("gpu-lost", "UNRECOVERABLE_GPU_ERROR"),
+    ("ecc-uncorrectable", "UNRECOVERABLE_GPU_ERROR"), ("row-remap-failure", "UNRECOVERABLE_GPU_ERROR"),
+    ("hw-slowdown", "PERFORMANCE"), ("pcie-width", "PERFORMANCE"), ("nvlink-down", "PERFORMANCE"),
+    ("sdc", "SILENT_DATA_CORRUPTION"), ("something new", "BEHAVIOR_UNSPECIFIED")])
+def test_fault_reason_per_rule(rule, behavior):
+    assert policy.fault_behavior(rule) == behavior
+
+
+def test_auto_reports_where_google_takes_it_and_recreates_elsewhere():
+    static = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3")
+    assert policy.choose_repair("auto", static, ULTRA).action == "report-faulty"
+    assert "reservation-bound a3-ultragpu-8g" in policy.choose_repair("auto", static, ULTRA).why
+    from dataclasses import replace
+    flex = replace(ULTRA, provisioning_model="FLEX_START", reservation="")
+    spot = replace(ULTRA, provisioning_model="SPOT", reservation="")
+    a3high1 = replace(ULTRA, machine_type="a3-highgpu-1g")
+    stopped = replace(ULTRA, status="TERMINATED")
+    standard_in_reservation = replace(ULTRA, provisioning_model="STANDARD")
+    for vm, why in ((flex, "flex-start VM"), (spot, "spot VM"), (a3high1, "machine type a3-highgpu-1g"),
+                    (stopped, "TERMINATED, not RUNNING")):
+        c = policy.choose_repair("auto", static, vm)
+        assert c.action == "recreate" and why in c.why, (vm, c)
+    assert policy.choose_repair("auto", static, standard_in_reservation).action == "report-faulty"
+    no_mig = policy.choose_repair("auto", static, replace(flex, mig=None))
+    assert no_mig.action == "leave" and "never deleted" in no_mig.why
+    assert policy.choose_repair("auto", static, replace(ULTRA, mig=None)).action == "report-faulty"
+    refused = policy.choose_repair("auto", static, ULTRA, refused="INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED")
+    assert refused.action == "recreate" and "refused" in refused.why
+    assert policy.choose_repair("auto", static, replace(ULTRA, mig=None), refused="x").action == "leave"
+
+
+def test_dynamic_nodes_are_powered_down_and_explicit_strategies_are_literal():
+    cloud = view("c1", "IDLE+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3")
+    assert cloud.dynamic and not policy.needs_vm("auto", cloud)
+    assert policy.choose_repair("auto", cloud, None).action == "power-down"
+    static = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3")
+    assert policy.needs_vm("auto", static) and policy.needs_vm("recreate", static)
+    assert not policy.needs_vm("report-faulty", static) and not policy.needs_vm("power-down", static)
+    assert policy.choose_repair("power-down", static, None).action == "power-down"
+    assert policy.choose_repair("recreate", static, ULTRA).action == "recreate"
+    from dataclasses import replace
+    assert policy.choose_repair("recreate", static, replace(ULTRA, mig=None)).action == "fail"
+    assert policy.choose_repair("report-faulty", static, None).action == "report-faulty"
+    assert policy.choose_repair("report-faulty", static, ULTRA, refused="x").action == "recreate"
+    assert policy.choose_repair("auto", static, None).action == "fail"
+
+
+def test_dynamic_nodes_are_not_left_down():
+    expiry = "slurmagent: expiry: flex expiry at 2026-11-30T10:00:00Z"
+    nodes = [view("c1", "DOWN+CLOUD+DRAIN", expiry),  # the flex VM is gone: power it down
+             view("c2", "DOWN+CLOUD+POWERED_DOWN", "slurmagent: repairing: xid 79 on gpu 3"),  # powered down, still DOWN
+             view("c3", "IDLE+CLOUD+POWERED_DOWN", ""),  # fine
+             view("c4", "DOWN+CLOUD+POWERING_DOWN", expiry),  # on its way
+             view("c5", "DOWN+CLOUD+POWERED_DOWN", "admin: broken"),  # an admin's
+             view("n1", "DOWN+DRAIN", expiry)]  # static: resume-if-healthy's business
+    assert policy.dynamic_cleanup(nodes) == (["c1"], ["c2"])
+
+
+def test_an_admins_resume_cancels_the_repair_we_asked_for():
+    def node(name, state, slurmd_start=None):
+        return NodeInfo(name, frozenset(state.split("+")), "", None, "", slurmd_start=slurmd_start)
+    requested = {"n1": T0, "n2": T0, "n3": T0, "n4": T0}
+    nodes = [node("n1", "IDLE", T0 - 3600),  # resumed by hand, same slurmd: cancelled
+             node("n2", "IDLE", T0 + 300),  # the VM came back (new slurmd): done
+             view("n3", "IDLE+DRAIN", "slurmagent: repairing: xid 79 on gpu 3"),  # still ours
+             node("n4", "DOWN"),  # being recreated
+             node("n5", "IDLE+NOT_RESPONDING", T0 - 3600),  # resumed by hand, not pinged yet: cancelled
+             node("n6", "IDLE+CLOUD+POWERED_DOWN", T0 - 3600)]  # powered down by us
+    requested.update(n5=T0, n6=T0)
+    assert policy.cancelled_repairs(nodes, requested) == ["n1", "n5"]
+
+
+def test_opt_out_by_feature_or_config_list():
+    line = "NodeName=n1 State=IDLE AvailableFeatures=h100,slurmagent_off ActiveFeatures=h100,slurmagent_off Reason=(null)"
+    n1 = node_from_kv(parse_kv(line))
+    assert n1.features == {"h100", "slurmagent_off"} and n1.opted_out
+    assert policy.opted_out(n1, "n1", ()) == "node feature slurmagent_off"
+    plain = node_from_kv(parse_kv("NodeName=n2 State=IDLE AvailableFeatures=(null) ActiveFeatures=(null)"))
+    assert plain.features == frozenset() and policy.opted_out(plain, "n2", ()) == ""
+    assert policy.opted_out(plain, "n2", ("n[1-3]",)) == "[repair] exclude_nodes"
+    assert policy.opted_out(None, "n9", ("n1", "n9")) == "[repair] exclude_nodes"
+
+
+def test_a_busy_dynamic_node_is_powered_down_asap_a_busy_static_one_waits():
+    b = policy.breaker([], 1.0)
+    nodes = [view("c1", "MIXED+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3"),
+             view("n1", "MIXED+DRAIN", "slurmagent: xid 79 on gpu 3")]
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="auto")
+    assert plan.todo == ["c1"] and "jobs still running" in plan.skipped["n1"]
+    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="recreate")
+    assert plan.todo == [] and set(plan.skipped) == {"c1", "n1"}

@@ -5,71 +5,17 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import time
 
-from slurmagent import hostlist, policy
+from fakes.slurm import FakeSlurm
+from slurmagent import reasons
 from slurmagent.config import parse
 from slurmagent.journal import Journal
-from slurmagent.repair import Runtime, collect_status, format_status, run_repair
+from slurmagent.actions import Actions
+from slurmagent.repair import run_repair
+from slurmagent.status import collect_status, format_status
 from slurmagent.slurm import Slurm
 
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
-
-
-class FakeScontrol:
-    """Just enough of `scontrol -o show node` and `scontrol update NodeName=...`."""
-
-    def __init__(self, n: int = 8):
-        self.nodes = {f"n{i}": {"State": "IDLE", "Reason": "", "Comment": ""} for i in range(1, n + 1)}
-        self.down = False
-        self.argvs: list[list[str]] = []
-        self.jobs: dict[str, dict[str, str]] = {}
-
-    def __call__(self, argv, timeout):
-        self.argvs.append(argv)
-        if self.down:
-            return subprocess.CompletedProcess(argv, 1, "", "slurm_load_node error: Unable to contact slurm controller (connect failure)\n")
-        args = argv[1:]
-        if args[:3] == ["-o", "show", "node"]:
-            names = hostlist.expand(args[3]) if len(args) > 3 else list(self.nodes)
-            lines = []
-            for name in names:
-                n = self.nodes[name]
-                line = f"NodeName={name} State={n['State']}"
-                if n["Reason"]:
-                    line += f" Reason={n['Reason']} [root@{time.strftime('%Y-%m-%dT%H:%M:%S')}]"
-                if n["Comment"]:
-                    line += f" Comment={n['Comment']}"
-                lines.append(line)
-            return subprocess.CompletedProcess(argv, 0, "\n".join(lines) + "\n", "")
-        if args[:3] == ["-o", "show", "job"]:
-            job = self.jobs.get(args[3])
-            if job is None:
-                return subprocess.CompletedProcess(argv, 1, "", "slurm_load_jobs error: Invalid job id specified\n")
-            line = f"JobId={args[3]} " + " ".join(f"{k}={v}" for k, v in job.items())
-            return subprocess.CompletedProcess(argv, 0, line + "\n", "")
-        if args[0] in ("requeue", "release"):
-            for jid in args[1].split(","):
-                self.jobs[jid]["JobState"] = "PENDING"
-                self.jobs[jid]["Reason"] = "BeginTime" if args[0] == "requeue" else "None"
-                self.jobs[jid]["Restarts"] = str(int(self.jobs[jid].get("Restarts", "0")) + (args[0] == "requeue"))
-            return subprocess.CompletedProcess(argv, 0, "", "")
-        if args[0] == "update":
-            fields = dict(a.split("=", 1) for a in args[1:])
-            for name in hostlist.expand(fields.pop("NodeName")):
-                n = self.nodes[name]
-                state = fields.get("State")
-                if state == "DRAIN":
-                    n["State"] = "IDLE+DRAIN"
-                elif state == "RESUME":
-                    n["State"], n["Reason"] = "IDLE", ""
-                if "Reason" in fields:
-                    n["Reason"] = fields["Reason"]
-                if "Comment" in fields:
-                    n["Comment"] = fields["Comment"]
-            return subprocess.CompletedProcess(argv, 0, "", "")
-        raise AssertionError(f"unexpected scontrol call {argv}")
 
 
 def cfg_for(tmp_path, fraction=1.0, strategy="recreate"):
@@ -79,24 +25,24 @@ def cfg_for(tmp_path, fraction=1.0, strategy="recreate"):
 
 
 def test_drain_waits_in_the_journal_while_slurmctld_is_down(tmp_path):
-    sc = FakeScontrol()
+    sc = FakeSlurm.cluster(8)
     cfg = cfg_for(tmp_path)
-    rt = Runtime(cfg, Slurm(runner=sc), "n1")
+    rt = Actions(cfg, Slurm(runner=sc), "n1")
     sc.down = True
     _, outcome = rt.run("drain", node="n1", reason=XID79)
     assert outcome.startswith("pending: slurmctld unreachable")
     assert len(sc.argvs) == 1  # stopped at the first unreachable call
     sc.down = False
-    results = Runtime(cfg, Slurm(runner=sc), "n1").replay()
+    results = Actions(cfg, Slurm(runner=sc), "n1").replay()
     assert [o for _, o in results] == ["drained"]
     assert sc.nodes["n1"]["Reason"] == XID79 and sc.nodes["n1"]["State"] == "IDLE+DRAIN"
-    assert Runtime(cfg, Slurm(runner=sc), "n1").run("drain", node="n1", reason=XID79)[1] == "already-drained"
+    assert Actions(cfg, Slurm(runner=sc), "n1").run("drain", node="n1", reason=XID79)[1] == "already-drained"
 
 
 def test_unwritable_state_dir_still_drains_unjournaled(tmp_path, capfd):
     (tmp_path / "state").write_text("not a directory")  # mkdir under it fails even for root
-    sc = FakeScontrol()
-    rt = Runtime(cfg_for(tmp_path), Slurm(runner=sc), "n1")
+    sc = FakeSlurm.cluster(8)
+    rt = Actions(cfg_for(tmp_path), Slurm(runner=sc), "n1")
     _, outcome = rt.run("drain", node="n1", reason=XID79)
     assert outcome == "drained" and "IDLE+DRAIN" == sc.nodes["n1"]["State"]
     assert "trying it unjournaled" in capfd.readouterr().err
@@ -119,7 +65,7 @@ class StubCompute:
 
 
 def test_a_repair_request_cut_short_is_replayed_with_the_same_request_id(tmp_path):
-    sc = FakeScontrol()
+    sc = FakeSlurm.cluster(8)
     cfg = cfg_for(tmp_path)
     sc.nodes["n2"].update(State="IDLE+DRAIN", Reason=XID79)
     # a previous `repair` journaled its request and died before sending it
@@ -133,16 +79,16 @@ def test_a_repair_request_cut_short_is_replayed_with_the_same_request_id(tmp_pat
                      err=io.StringIO())
     assert stub.recreates == [("mig-a", [("z", "n2")], "0b3e6d3c-4a3f-4f55-9a0a-7d1f7c1f9e11")]
     assert "journal: replayed repair n2: requested" in out.getvalue()
-    assert sc.nodes["n2"]["Reason"] == policy.repairing_reason(XID79)
+    assert sc.nodes["n2"]["Reason"] == reasons.repairing_reason(XID79)
     assert "n2" in res.skipped and not res.failed  # the fresh plan sees it as already requested
     assert not j.has_pending()
 
 
 def test_status_while_slurmctld_is_down_shows_the_backlog(tmp_path):
-    sc = FakeScontrol()
+    sc = FakeSlurm.cluster(8)
     cfg = cfg_for(tmp_path)
     sc.down = True
-    Runtime(cfg, Slurm(runner=sc), "n3").run("drain", node="n3", reason=XID79)
+    Actions(cfg, Slurm(runner=sc), "n3").run("drain", node="n3", reason=XID79)
     st = collect_status(cfg, Slurm(runner=sc), local_node="n3")
     assert st["slurm_error"] and st["journal"]["pending"] == 1
     text = format_status(st)
@@ -150,38 +96,62 @@ def test_status_while_slurmctld_is_down_shows_the_backlog(tmp_path):
     json.dumps(st)  # --json works too
 
 
-def test_hook_drain_lets_the_job_run_only_when_suppressed_and_gpus_usable(tmp_path):
-    from slurmagent.checks import Finding, Report, Severity
-    from slurmagent.hooks import HookContext
-    from slurmagent.repair import hook_drain
+def test_fault_drain_lets_the_job_run_only_when_suppressed_and_gpus_usable(tmp_path):
+    from slurmagent.actions import drain_fault
+    from slurmagent.checks import Finding, Severity
 
-    sc = FakeScontrol(n=4)
+    sc = FakeSlurm.cluster(4)
     sc.nodes["n1"].update(State="IDLE+DRAIN", Reason=XID79)  # the one allowed drain is taken
     cfg = cfg_for(tmp_path, fraction=0.25)
-    slow = Report([Finding("hw-slowdown", Severity.DRAIN, 0, "clocks slowed by hw_power_brake_slowdown", [])])
-    lost = Report([Finding("gpu-lost", Severity.DRAIN, 1, "GPU is lost", True)])
-    d = hook_drain(cfg, Slurm(runner=sc), HookContext("prolog", "n2", "7"), "slurmagent: hw-slowdown: gpu 0", slow)
+    slow = [Finding("hw-slowdown", Severity.DRAIN, 0, "clocks slowed by hw_power_brake_slowdown", [])]
+    lost = [Finding("gpu-lost", Severity.DRAIN, 1, "GPU is lost", True)]
+    d = drain_fault(cfg, Slurm(runner=sc), "n2", "slurmagent: hw-slowdown: gpu 0", slow, source="prolog", job="7",
+                    takeover_prolog_error=True)
     assert d.suppressed and not d.blocks_job and sc.nodes["n2"]["State"] == "IDLE"
     assert sc.nodes["n2"]["Comment"].startswith("slurmagent suppressed@")
-    d = hook_drain(cfg, Slurm(runner=sc), HookContext("prolog", "n3", "8"), "slurmagent: gpu-lost: gpu 1", lost)
+    d = drain_fault(cfg, Slurm(runner=sc), "n3", "slurmagent: gpu-lost: gpu 1", lost, source="prolog", job="8",
+                    takeover_prolog_error=True)
     assert d.suppressed and d.blocks_job
     assert (tmp_path / "state" / "n2" / "breaker-suppressed").exists()
 
 
 def test_replayed_requeue_and_release_look_before_they_act(tmp_path):
-    sc = FakeScontrol()
+    sc = FakeSlurm.cluster(8)
     cfg = cfg_for(tmp_path)
-    sc.jobs = {"11": {"JobState": "FAILED", "Restarts": "0"}, "12": {"JobState": "RUNNING", "Restarts": "1"},
-               "13": {"JobState": "PENDING", "Reason": "JobHeldAdmin", "Restarts": "1"},
-               "14": {"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "1"}}
+    sc.add_job("11", "FAILED")
+    sc.add_job("12", "RUNNING", Restarts="1")
+    sc.add_job("13", "PENDING", Reason="JobHeldAdmin", Restarts="1")
+    sc.add_job("14", "PENDING", Reason="BeginTime", Restarts="1")
     j = Journal.for_config(cfg, "n1")
     j.add("requeue", job_ids=["11", "12"], fresh=True)
     j.mark_failed_attempt(j.pending()[0], "slurmctld unreachable")  # the first try failed
     j.add("release", job_id="13")
     j.add("release", job_id="14")
     j.add("requeue", job_ids=["99"])
-    results = [o for _, o in Runtime(cfg, Slurm(runner=sc), "n1").replay()]
+    results = [o for _, o in Actions(cfg, Slurm(runner=sc), "n1").replay()]
     assert results == ["requeued 11", "released", "nothing to do (job PENDING, not held)",
                        "nothing to do (jobs already requeued, running or gone)"]
     assert sc.jobs["12"]["JobState"] == "RUNNING"  # never requeued a running job on replay
     assert ["requeue", "11"] in [a[1:] for a in sc.argvs]
+
+
+def test_a_reason_left_on_a_resumed_node_is_not_a_drain(tmp_path):
+    """Slurm 24.11 keeps the Reason of a resumed node: it neither counts as a drain nor shows
+    in `status` as Slurm's word on a node the breaker held back."""
+    sc = FakeSlurm.cluster(4, resume_keeps_reason=True)
+    cfg = cfg_for(tmp_path, fraction=0.5)  # 2 of 4 may be drained
+    rt = {n: Actions(cfg, Slurm(runner=sc), n) for n in sc.nodes}
+    for n in ("n1", "n3"):
+        assert rt[n].run("drain", node=n, reason=XID79)[1] == "drained"
+        assert rt[n].run("resume", node=n, reason=XID79)[1] == "resumed"
+        assert sc.nodes[n]["State"] == "IDLE" and sc.nodes[n]["Reason"] == XID79
+
+    assert rt["n2"].run("drain", node="n2", reason=XID79)[1] == "drained"
+    assert rt["n1"].run("drain", node="n1", reason=XID79)[1] == "drained"  # not "already-drained"
+    assert sc.nodes["n1"]["State"] == "IDLE+DRAIN"
+    assert rt["n3"].run("drain", node="n3", reason=XID79)[1] == "suppressed-by-breaker"
+
+    rows = {r["node"]: r for r in collect_status(cfg, Slurm(runner=sc), local_node="n3")["nodes"]}
+    assert sorted(rows) == ["n1", "n2", "n3"]
+    assert rows["n1"]["repair"] == rows["n2"]["repair"] == "drained"
+    assert rows["n3"]["repair"] == "suppressed by breaker" and rows["n3"]["state"] == "IDLE"

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fakes.slurm import FakeSlurm
 from slurmagent import hostlist
 from slurmagent.errors import SlurmError
-from slurmagent.slurm import (
-    MAX_REASON,
-    Slurm,
-    clean_reason,
-    expected_gpus_for,
-    gpu_count_from_gres,
-    job_from_kv,
-    make_reason,
-    node_from_kv,
-    parse_kv,
-)
+from slurmagent.nodes import job_from_kv, node_from_kv, parse_kv
+from slurmagent.reasons import MAX_REASON, clean_reason, make_reason
+from slurmagent.slurm import Slurm, expected_gpus_for, gpu_count_from_gres
 
 # --- hostlist -----------------------------------------------------------------------------
 
@@ -130,6 +122,44 @@ def test_node_from_kv_drops_user_time_suffix() -> None:
     assert node.drained and node.drained_by_slurmagent and not node.drained_by_other
 
 
+# Verbatim from Slurm 24.11.5 (Debian 13): new fields (ResumeAfterTime, CPUEfctv), an empty
+# AllocTRES, a double space before Reason.
+NODE_LINE_24_11 = (
+    "NodeName=n1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=3.66 "
+    "AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=127.0.0.1 NodeHostName=vm "
+    "Port=48557 Version=24.11.5 OS=Linux 6.18.44-fc-v782 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=1000 "
+    "AllocMem=0 FreeMem=6390 Sockets=2 Boards=1 State={state} ThreadsPerCore=1 TmpDisk=0 Weight=1 "
+    "Owner=N/A MCS_label=N/A Partitions=gpu  BootTime=2026-11-30T18:32:36 SlurmdStartTime=2026-11-30T18:44:29 "
+    "LastBusyTime=2026-11-30T18:44:31 ResumeAfterTime=None CfgTRES=cpu=2,mem=1000M,billing=2 AllocTRES= "
+    "CurrentWatts=0 AveWatts=0  Reason=slurmagent: xid 79 on gpu 3 (fallen off the bus) [root@2026-11-30T18:44:30]"
+)
+
+
+@pytest.mark.parametrize(("state", "drained"), [("IDLE+DRAIN", True), ("MIXED+DRAIN", True),
+                                                ("IDLE", False)])  # IDLE: 24.11 keeps a resumed node's Reason
+def test_slurm_24_11_node_line(state, drained) -> None:
+    kv = parse_kv(NODE_LINE_24_11.format(state=state))
+    assert kv["State"] == state and kv["ResumeAfterTime"] == "None" and kv["SlurmdStartTime"] == "2026-11-30T18:44:29"
+    n = node_from_kv(kv)
+    assert n.name == "n1" and n.partitions == "gpu"
+    assert n.reason == "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
+    assert (n.drained, n.drained_by_slurmagent, n.drained_by_other) == (drained, drained, False)
+    v = node_from_kv(kv)
+    assert (v.ours, v.held_by_other, v.registered) == (drained, False, True)
+    assert v.slurmd_start is not None and v.reason == n.reason
+
+
+def test_slurm_24_11_job_line_padded_comment() -> None:
+    kv = parse_kv(
+        "JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 JobState=PENDING "
+        "Reason=BeginTime Dependency=(null) Requeue=1 Restarts=1 BatchFlag=2 Reboot=0 ExitCode=0:54 "
+        "Partition=gpu NodeList= NumNodes=1-1 ReqTRES=cpu=1,mem=1000M,node=1,billing=1 AllocTRES=(null) "
+        "Comment=a  b  StdErr=/src/slurm-1.out StdIn=/dev/null StdOut=/src/slurm-1.out ")
+    job = job_from_kv(kv)
+    assert (job.state, job.reason, job.restarts, job.requeue, job.node_list) == ("PENDING", "BeginTime", 1, True, "")
+    assert kv["Comment"] == "a  b" and kv["StdOut"] == "/src/slurm-1.out"
+
+
 def node(state: str, reason: str = "(null)"):
     return node_from_kv(parse_kv(f"NodeName=n1 State={state} Reason={reason}"))
 
@@ -199,38 +229,28 @@ def test_clean_reason_keeps_readable_text_and_bounds_length() -> None:
 # --- Slurm with a fake runner -----------------------------------------------------------------
 
 
-class FakeRunner:
-    """Records argv lists; answers from a queue of (returncode, stdout, stderr) or raises."""
-
-    def __init__(self, *replies):
-        self.calls: list[tuple[list[str], float]] = []
-        self.replies = list(replies)
-
-    def __call__(self, argv, timeout):
-        assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
-        self.calls.append((list(argv), timeout))
-        reply = self.replies.pop(0) if self.replies else (0, "", "")
-        if isinstance(reply, Exception):
-            raise reply
-        code, out, err = reply
-        return subprocess.CompletedProcess(argv, code, out, err)
+def canned(*replies) -> FakeSlurm:
+    """Slurm answering from canned (code, stdout, stderr) replies, or raising; then empty successes."""
+    fake = FakeSlurm(["n1", "gpu-1", "gpu-2", "gpu-3"])
+    fake.replies = list(replies) + [(0, "", "")] * 8
+    return fake
 
 
 def test_drain_many_nodes_is_one_call_with_hostlist() -> None:
-    runner = FakeRunner()
+    runner = canned()
     slurm = Slurm("/opt/slurm/bin/scontrol", timeout_s=7, runner=runner)
     slurm.drain(["gpu-3", "gpu-1", "gpu-2"], "slurmagent: xid 79 on gpu 3 (fallen off the bus)")
     assert len(runner.calls) == 1
-    argv, timeout = runner.calls[0]
+    argv, timeout = runner.calls[0], runner.timeouts[0]
     assert timeout == 7
     assert argv == ["/opt/slurm/bin/scontrol", "update", "NodeName=gpu-[1-3]", "State=DRAIN",
                     "Reason=slurmagent: xid 79 on gpu 3 (fallen off the bus)"]
 
 
 def test_drain_reason_is_one_argv_element_even_when_hostile() -> None:
-    runner = FakeRunner()
+    runner = canned()
     Slurm(runner=runner).drain(["n1"], "slurmagent: x\nState=RESUME $(id) 'q'")
-    argv = runner.calls[0][0]
+    argv = runner.calls[0]
     assert len(argv) == 5
     reasons = [a for a in argv if a.startswith("Reason=")]
     assert len(reasons) == 1 and reasons[0].count("=") == 1
@@ -238,7 +258,7 @@ def test_drain_reason_is_one_argv_element_even_when_hostile() -> None:
 
 
 def test_empty_node_lists_make_no_call() -> None:
-    runner = FakeRunner()
+    runner = canned()
     slurm = Slurm(runner=runner)
     slurm.drain([], "r")
     slurm.resume([])
@@ -247,43 +267,43 @@ def test_empty_node_lists_make_no_call() -> None:
 
 
 def test_resume_and_requeue_argv() -> None:
-    runner = FakeRunner()
+    runner = canned()
     slurm = Slurm(runner=runner)
     slurm.resume(["n2", "n1"])
     slurm.requeue(["12", "13"])
-    assert [c[0] for c in runner.calls] == [
+    assert runner.calls == [
         ["scontrol", "update", "NodeName=n[1-2]", "State=RESUME"],
         ["scontrol", "requeue", "12,13"],
     ]
 
 
 def test_timeout_propagates() -> None:
-    runner = FakeRunner(SlurmError("scontrol update timed out after 10 s"))
+    runner = canned(SlurmError("scontrol update timed out after 10 s"))
     with pytest.raises(SlurmError, match="timed out"):
         Slurm(runner=runner).drain(["n1"], "slurmagent: x")
 
 
 def test_failed_call_raises_with_scontrol_message() -> None:
-    runner = FakeRunner((1, "", "slurm_update error: Invalid node name specified\n"))
+    runner = canned((1, "", "slurm_update error: Invalid node name specified\n"))
     with pytest.raises(SlurmError, match="Invalid node name specified"):
         Slurm(runner=runner).drain(["nx"], "slurmagent: x")
 
 
 def test_show_nodes_parses_every_line() -> None:
     out = NODE_LINE + "\n" + "NodeName=gpu-4 State=IDLE Reason=(null) Gres=gpu:8\n"
-    runner = FakeRunner((0, out, ""))
+    runner = canned((0, out, ""))
     nodes = Slurm(runner=runner).nodes(["gpu-4", "gpu-3"])
-    assert runner.calls[0][0] == ["scontrol", "-o", "show", "node", "gpu-[3-4]"]
+    assert runner.calls[0] == ["scontrol", "-o", "show", "node", "gpu-[3-4]"]
     assert [(n.name, n.drained_by_slurmagent) for n in nodes] == [("gpu-3", True), ("gpu-4", False)]
 
 
 def test_node_not_found() -> None:
     with pytest.raises(SlurmError, match="no such node"):
-        Slurm(runner=FakeRunner((0, "", ""))).node("ghost")
+        Slurm(runner=canned((0, "", ""))).node("ghost")
 
 
 def test_job_invalid_id_is_none() -> None:
-    runner = FakeRunner((1, "", "slurm_load_jobs error: Invalid job id specified\n"))
+    runner = canned((1, "", "slurm_load_jobs error: Invalid job id specified\n"))
     assert Slurm(runner=runner).job("99") is None
 
 

@@ -17,7 +17,14 @@ from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict
 from slurmagent import snapshot as snapshot_mod
 from slurmagent.checks import run_checks
 from slurmagent.errors import SnapshotError
-from slurmagent.snapshot import GpuState, NodeSnapshot, load, save
+from slurmagent.fsutil import atomic_write_text
+from slurmagent.snapshot import GpuState, NodeSnapshot, load
+
+
+def save(snapshot: NodeSnapshot, path) -> None:
+    """What `slurmagent snapshot -o FILE` does."""
+    atomic_write_text(path, snapshot.to_json())
+
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -358,3 +365,44 @@ def test_cli_json_output(cli_env, tmp_path, data, healthy: bool, code: int) -> N
     else:
         f = out["findings"][0]
         assert (f["rule"], f["gpu"], f["observed"], f["severity"]) == ("xid", 3, 79, "drain")
+
+
+def test_cli_deeply_nested_snapshot_exits_2_with_one_line(cli_env, tmp_path) -> None:
+    """100,000 nested arrays once ended in a RecursionError traceback and rc 1, read as "unhealthy"."""
+    path = tmp_path / "deep.json"
+    path.write_text('{"schema": 1, "gpus": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    proc = check_cli(cli_env, "--snapshot", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"slurmagent: snapshot {path} is not a snapshot: JSON nested too deeply\n"
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(("indexes", "message"), [
+    ([0, 1, 2, 3, 0, 1, 2, 3], "gpus[4].index 0 repeats gpus[0]'s"),
+    ([0, 1, 2, 3, 4, 5, 6, 6], "gpus[7].index 6 repeats gpus[6]'s"),
+    ([0, 1, 2, 3, 4, 5, 6, -1], "gpus[7].index must not be negative, not -1"),
+])
+def test_cli_duplicate_or_negative_gpu_index_exits_2(cli_env, tmp_path, indexes, message) -> None:
+    """Four GPUs listed twice were eight GPUs to the count check: a healthy verdict for half a node."""
+    data = healthy_snapshot_dict(n=len(indexes))
+    for gpu, index in zip(data["gpus"], indexes):
+        gpu["index"] = index
+    path = write_json(tmp_path / "dup.json", data)
+    proc = check_cli(cli_env, "--snapshot", str(path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == f"slurmagent: snapshot {path}: {message}\n"
+
+
+def test_gpu_index_defaults_to_position_and_may_skip() -> None:
+    snap = NodeSnapshot.from_dict({"schema": 1, "gpus": [{}, {}, {"index": 5}]})
+    assert [g.index for g in snap.gpus] == [0, 1, 5]
+    with pytest.raises(SnapshotError, match=r"gpus\[1\]\.index 0 repeats gpus\[0\]'s"):
+        NodeSnapshot.from_dict({"schema": 1, "gpus": [{}, {"index": 0}]})
+
+
+def test_cli_integer_too_long_to_convert_exits_2(cli_env, tmp_path) -> None:
+    path = tmp_path / "digits.json"
+    path.write_text('{"schema": 1, "gpus": [{"temperature_c": 1' + "0" * 5000 + "}]}")
+    proc = check_cli(cli_env, "--snapshot", str(path))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"slurmagent: snapshot {path} is not a snapshot: Exceeds the limit")

@@ -20,11 +20,16 @@ import pynvml
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, write_json
+from fakes import nvml_readers
+from fakes.slurm import FakeSlurm
 from slurmagent import kernlog
 from slurmagent.config import parse
 from slurmagent.decisionlog import read_records
 from slurmagent.slurm import Slurm
-from slurmagent.watch import NvmlXidEvents, Watcher, sd_notify, watchdog_interval
+from slurmagent.host import sd_notify, watchdog_interval
+from slurmagent.nvml import NvmlXidEvents
+from slurmagent.nvml_deadline import ThreadSafeReader
+from slurmagent.watch import Watcher
 
 GPU3_PCI = "0000:48:00"  # healthy_gpu(3): 00000000:48:00.0
 
@@ -108,35 +113,6 @@ class FakeEventNvml(SimpleNamespace):
         self.frees += 1
 
 
-class FakeScontrol:
-    """`scontrol` for one node: show node, update state=drain; `down` answers like a dead slurmctld."""
-
-    def __init__(self, node: str = "n1", state: str = "IDLE", reason: str = ""):
-        self.node, self.state, self.reason = node, state, reason
-        self.down = False
-        self.calls: list[list[str]] = []
-
-    @property
-    def drains(self) -> list[list[str]]:
-        return [a for a in self.calls if "update" in a]
-
-    def __call__(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        self.calls.append(argv)
-        if self.down:
-            return subprocess.CompletedProcess(argv, 1, "", "Unable to contact slurm controller (connect failure)\n")
-        if argv[1:4] == ["-o", "show", "node"]:
-            reason = f" Reason={self.reason} [root@2026-11-30T05:00:00]" if self.reason else ""
-            line = f"NodeName={self.node} Arch=x86_64 CPUTot=2 State={self.state} Partitions=gpu{reason}\n"
-            return subprocess.CompletedProcess(argv, 0, line, "")
-        if argv[1] == "update":
-            kv = dict(a.split("=", 1) for a in argv[2:])
-            if kv.get("State") == "DRAIN":
-                self.state = "IDLE+DRAIN"
-                self.reason = kv["Reason"]
-            return subprocess.CompletedProcess(argv, 0, "", "")
-        return subprocess.CompletedProcess(argv, 1, "", f"unexpected {argv}")
-
-
 class Harness:
     """A Watcher in a thread, with a fake NVML, a fake scontrol and real files."""
 
@@ -148,7 +124,7 @@ class Harness:
         if snapshot:
             health["snapshot"] = str(write_json(tmp / "snap.json", healthy_snapshot_dict()))
         self.cfg = parse({"state_dir": str(tmp / "state"), "health": health, "hooks": {"syslog": False}})
-        self.scontrol = FakeScontrol()
+        self.scontrol = FakeSlurm()
         self.stderr = io.StringIO()
         self.nvml = nvml
         self.watcher = Watcher(self.cfg, "n1", Slurm(runner=self.scontrol), nvml=nvml, use_nvml=use_nvml,
@@ -281,6 +257,26 @@ def test_kernel_xid_mapped_through_nvml_without_a_replay_snapshot(tmp_path):
         append(h.kern, nvrm(119, pci="0000:88:00", detail="Timeout waiting for RPC from GSP!"))
         (d,) = h.wait_decisions(1)
     assert d["gpu"] == 7 and d["reason"] == "slurmagent: xid 119 on gpu 7 (gsp rpc timeout)"
+
+
+def test_kernel_xid_mapped_through_a_forkserver_read_never_a_fork(tmp_path, monkeypatch):
+    """No NVML events and no replay snapshot: the GPU of a kernel-log XID comes from a snapshot
+    read under a deadline. The daemon runs threads, so that read never forks this process."""
+    forks: list[int] = []
+
+    def no_fork() -> int:
+        forks.append(1)
+        raise AssertionError("os.fork() in the threaded watch daemon")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    nv = FakeEventNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    reader = ThreadSafeReader(nvml_readers.healthy)
+    with Harness(tmp_path, nv, snapshot=False, nvml_retry_s=0.05, snapshot_reader=reader) as h:
+        wait_for(lambda: h.watcher.nvml_state == "unavailable", 5, "NVML unavailable")
+        append(h.kern, nvrm(79, pci="0000:88:00"))
+        (d,) = h.wait_decisions(1)
+    assert d["gpu"] == 7 and d["reason"] == "slurmagent: xid 79 on gpu 7 (fallen off the bus)"
+    assert forks == [] and "cannot map XIDs" not in h.stderr.getvalue()
 
 
 def test_gpu_lost_in_event_wait_is_said_and_retried(tmp_path):

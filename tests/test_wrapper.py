@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
-from slurmagent.localgcs import GcsEmulator
+from slurmagent.devtools.localgcs import GcsEmulator
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 
@@ -197,13 +197,61 @@ def test_sigterm_requeues_and_resumes_on_another_node_from_bucket(slurm, emu, tm
     assert "resumed=1" in starts[-1] and f"node={first}" not in starts[-1]
 
 
+def sbatch_wrapped(slurm, tmp_path: Path, emu, run_opts: list[str], cmd: list[str], out: Path) -> str:
+    c = slurm.cluster
+    config = tmp_path / "c.toml"
+    config.write_text(cluster_config_text(slurm.root) + '[checkpoint]\nremote = "gs://ckpt/jobs"\nsync_interval_s = 3600\n'
+                      "grace_s = 10.0\n")
+    env = dict(c.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emu.url)
+    sub = subprocess.run([sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-o", str(out),
+                          "--open-mode=append", "--", *run_opts, "--ckpt-dir", str(tmp_path / "ckpt-%n"), "--", *cmd],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0]
+
+
+def signal_each_attempt(slurm, job_id: str, ledger: Path, attempts: int) -> dict:
+    """SIGTERM the batch step of attempts 0..attempts-1, each once it has started and until it has left."""
+    c = slurm.cluster
+    for restart in range(attempts):
+        wait_for(lambda: ledger.exists() and f"start restart={restart}" in ledger.read_text(), 180,
+                 f"attempt {restart}")
+        c.run(["scancel", "--batch", "--signal=TERM", job_id])
+        wait_for(lambda: c.job(job_id)["JobState"] not in ("RUNNING", "COMPLETING") or
+                 int(c.job(job_id)["Restarts"]) > restart, 120, f"attempt {restart} to end")
+    return c.job(job_id)
+
+
+# Each attempt: "start restart=N" to LEDGER, then a checkpoint holding CONTENT (or, with "-", one
+# that holds the attempt's restart count, i.e. progress), then a loop; SIGUSR1 ends it cleanly.
+ATTEMPT = ('echo "start restart=$SLURMAGENT_RESTART_COUNT" >> "$1"; c="$2"; [ "$c" = - ] && c=$SLURMAGENT_RESTART_COUNT; '
+           'printf "%s" "$c" > "$SLURMAGENT_CKPT_DIR/state"; trap "exit 0" USR1; while :; do sleep 0.1; done')
+
+
 @pytest.mark.slurm
-def test_max_requeues_reached_no_requeue(slurm, emu, tmp_path):
-    config = write_config(tmp_path / "c.toml", "gs://ckpt/jobs", tmp_path / "state")
-    env = dict(slurm.cluster.env, SLURM_JOB_ID="424242", SLURM_RESTART_COUNT="3")
-    proc = start_wrapper(tmp_path, config, env, ["--max-requeues", "3", "--ckpt-dir", str(tmp_path / "a")],
-                         ["100000", str(tmp_path / "ledger"), "0.05"])
-    wait_for(lambda: (tmp_path / "ledger").exists(), 30, "trainer start")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 143
-    assert "not requeueing job 424242: it was restarted 3 times (--max-requeues 3)" in stderr_of(proc)
+@pytest.mark.slow
+def test_progressing_attempts_are_requeued_past_max_requeues_on_the_cluster(slurm, emu, tmp_path):
+    ledger, out = tmp_path / "ledger", tmp_path / "out"
+    job_id = sbatch_wrapped(slurm, tmp_path, emu, ["--max-requeues", "1"], ["sh", "-c", ATTEMPT, "sh", str(ledger), "-"],
+                            out)
+    signal_each_attempt(slurm, job_id, ledger, 4)  # SLURM_RESTART_COUNT 0..3, cap 1
+    wait_for(lambda: "start restart=4" in ledger.read_text(), 180, "a 5th attempt")
+    slurm.cluster.run(["scancel", job_id])
+    log = out.read_text()
+    assert log.count(f"exit 143: checkpoint flushed, job {job_id} requeued") == 4, log
+    assert "not requeueing" not in log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_attempts_without_progress_stop_within_max_requeues_plus_one_on_the_cluster(slurm, emu, tmp_path):
+    ledger, out = tmp_path / "ledger", tmp_path / "out"
+    job_id = sbatch_wrapped(slurm, tmp_path, emu, ["--max-requeues", "1"],
+                            ["sh", "-c", ATTEMPT, "sh", str(ledger), "same"], out)
+    signal_each_attempt(slurm, job_id, ledger, 3)  # 0: first checkpoint; 1, 2: nothing new
+    job = wait_for(lambda: (lambda j: j if j["JobState"] in ("FAILED", "COMPLETED") else None)(slurm.cluster.job(job_id)),
+                   120, "the job's end")
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "75:0" and job["Restarts"] == "2", job
+    log = out.read_text()
+    assert f"not requeueing job {job_id}: 2 attempts in a row committed no new checkpoint (--max-requeues 1)" in log
+    assert log.strip().splitlines()[-1].startswith(f"slurmagent run: exit 75: checkpoint flushed, job {job_id} NOT requeued")

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, wait_for
+from fakes.slurm import FakeSlurm
 from slurmagent import trainer
 from slurmagent.config import parse
-from slurmagent.runner import build_options, submit, _warn_if_not_requeueable
+from slurmagent.runner import build_options, submit, warn_if_not_requeueable
 from slurmagent.slurm import Slurm
-from slurmagent.wrapper import JobIdentity, Supervisor, WrapperError, parse_signal, termination_time
+from slurmagent.expiry_state import termination_time
+from slurmagent.wrapper import JobIdentity, Supervisor, WrapperError, parse_signal
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 
@@ -32,12 +34,14 @@ def test_identity_cloud_run_prefix_and_attempt():
     assert (ident.platform, ident.name, ident.restart_count) == ("cloud-run", "train-task-3", 1)
 
 
-def test_options_default_remote_and_dir():
+def test_options_default_remote_and_private_dir(tmp_path):
     cfg = parse({"checkpoint": {"remote": "gs://b/p/", "grace_s": 7}})
     ident = JobIdentity.from_env({"SLURM_JOB_ID": "42"})
-    opts = build_options(cfg, ["--", "python", "t.py"], {"TMPDIR": "/scratch", "SLURMD_NODENAME": "n2"}, ident)
+    opts = build_options(cfg, ["--", "python", "t.py"], {"TMPDIR": str(tmp_path), "SLURMD_NODENAME": "n2"}, ident)
     assert opts.remote == "gs://b/p/42"
-    assert opts.ckpt_dir == Path("/scratch/slurmagent/42")
+    assert opts.ckpt_dir == tmp_path / f"slurmagent-{os.geteuid()}" / "42"
+    for d in (opts.ckpt_dir, opts.ckpt_dir.parent):
+        assert d.is_dir() and (d.stat().st_mode & 0o777) == 0o700 and d.stat().st_uid == os.geteuid()
     assert opts.cmd == ["python", "t.py"] and opts.grace_s == 7.0 and opts.max_requeues == 3
     per_node = build_options(cfg, ["x"], {"SLURMD_NODENAME": "n2"}, ident, ckpt_dir="/ssd/ck-%n")
     assert per_node.ckpt_dir == Path("/ssd/ck-n2")
@@ -53,18 +57,9 @@ def test_parse_signal_forms():
     assert parse_signal("usr1") == parse_signal("SIGUSR1") == parse_signal(str(int(signal.SIGUSR1))) == signal.SIGUSR1
 
 
-class FakeRunner:
-    def __init__(self, stdout: str = "", returncode: int = 0):
-        self.calls: list[list[str]] = []
-        self.stdout, self.returncode = stdout, returncode
-
-    def __call__(self, argv, timeout):
-        self.calls.append(list(argv))
-        return subprocess.CompletedProcess(argv, self.returncode, self.stdout, "")
-
-
 def test_sbatch_adds_requeue_and_end_signal_and_keeps_argv_intact(monkeypatch, capsys):
-    runner = FakeRunner("77\n")
+    runner = FakeSlurm()
+    runner.sbatch_reply = "77\n"
     monkeypatch.setattr(Slurm, "from_config", classmethod(lambda cls, cfg: cls(runner=runner)))
     nasty = ["python", "train.py", "--name", "a b; rm -rf / $(id) `x` 'q'"]
     code = submit(parse({"checkpoint": {"signal_lead_s": 240}}), ["-t", "10", "--", *nasty])
@@ -77,7 +72,7 @@ def test_sbatch_adds_requeue_and_end_signal_and_keeps_argv_intact(monkeypatch, c
 
 
 def test_sbatch_keeps_user_signal_and_passes_run_options(monkeypatch, capsys):
-    runner = FakeRunner("78\n")
+    runner = FakeSlurm()
     monkeypatch.setattr(Slurm, "from_config", classmethod(lambda cls, cfg: cls(runner=runner)))
     submit(parse({}), ["--signal=B:USR1@900", "--", "--grace", "30", "--", "python", "t.py"])
     argv = runner.calls[0]
@@ -93,11 +88,12 @@ def test_sbatch_without_command_is_usage_error():
 def test_not_requeueable_job_gets_a_clear_warning(tmp_path):
     import io
 
-    runner = FakeRunner("JobId=9 JobName=x JobState=RUNNING Reason=None Requeue=0 Restarts=0 BatchFlag=1\n")
+    runner = FakeSlurm()
+    runner.add_job("9", "RUNNING", Requeue="0")
     err = io.StringIO()
     ident = JobIdentity.from_env({"SLURM_JOB_ID": "9"})
     sup = Supervisor(build_options(parse({}), ["true"], {}, ident), ident, None, None, {}, err=err)
-    _warn_if_not_requeueable(sup, Slurm(runner=runner), "9")
+    warn_if_not_requeueable(sup, Slurm(runner=runner), "9")
     assert "not requeueable (Requeue=0)" in err.getvalue() and "--requeue" in err.getvalue()
 
 

@@ -1,10 +1,20 @@
-"""MIG repair through the Compute API (the only module importing google.cloud.compute_v1).
+"""The Compute API: MIG repair and the VM's termination time (the only module importing
+google.cloud.compute_v1).
 
 * `instance_mig`: `instances.get` -> the `created-by` metadata item -> the MIG (zonal or
   regional).
+* `vm` / `find_vms`: what `repair` decides by (`policy.VmFacts`: MIG, machine type,
+  provisioning model, reservation affinity, status, GPUs), from one `instances.get`, or for
+  VMs outside the home zone (regional MIGs) from ONE `instances.list` per listed zone or ONE
+  `instances.aggregatedList` for the project (a `name eq` filter, chunks of 100 names).
 * `recreate`: `instanceGroupManagers.recreateInstances` (or the regional one): ONE call per
   MIG with all its instances (chunks of 1000, the API's limit).
 * `report_faulty`: `instances.reportHostAsFaulty` (disruption IMMEDIATE, one fault reason).
+* `read_scheduling`: `instances.get` on the instance named like the node -> when the VM
+  will be terminated (`resourceStatus.scheduling.terminationTimestamp`, else
+  `scheduling.terminationTime`, else `lastStartTimestamp + scheduling.maxRunDuration`) and
+  the scheduling facts around it (provisioning model, termination action, host maintenance
+  policy, `resourceStatus.upcomingMaintenance`, whether it is a GPU VM).
 * `wait`: the extended operation is polled here through Zone/RegionOperationsClient built
   with the same endpoint and credentials: the clients' own poller calls Google's default
   endpoint whatever `client_options` say, so the local fake could never answer it.
@@ -27,13 +37,24 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from ..errors import SlurmagentError
+from ..errors import ExpiryError, SlurmagentError
+from ..policy import VmFacts
+from ..timefmt import fmt_time, from_epoch, parse_time
+from . import metadata
 from .metadata import MigRef, parse_created_by
 
 MAX_PER_CALL = 1000  # recreateInstances takes at most 1000 instances
+NAMES_PER_FILTER = 100  # instances.list/aggregatedList: names per `name eq` filter
+REFUSED = frozenset({400, 403, 412})  # the API said no to this request (not "try later")
+API_RETRIES = 5  # repair: attempts of one request on 429/5xx/connection failures
+API_BACKOFF_S = 1.0  # repair: first backoff between those attempts (jittered, doubling)
+SCHEDULING_CALL_TIMEOUT_S = 15.0  # expiry: one instances.get, within [expiry] api_timeout_s
+SCHEDULING_RETRIES = 2
+SCHEDULING_BACKOFF_S = 0.5
 RETRIABLE = frozenset({408, 429, 500, 502, 503, 504})
 NAMESPACE = uuid.UUID("5b0e6a4e-7f4c-4f0e-9a55-6c1a3d1f2b10")
 
@@ -50,6 +71,12 @@ class ComputeError(SlurmagentError):
     @property
     def retriable(self) -> bool:
         return self.status is None or self.status in RETRIABLE
+
+    @property
+    def refused(self) -> bool:
+        """Refused for this VM or this request (e.g. reportHostAsFaulty on a flex-start VM), not a
+        passing failure: asking again will not help, another way might."""
+        return self.status in REFUSED
 
 
 @dataclass(frozen=True)
@@ -93,14 +120,8 @@ class Compute:
     @classmethod
     def from_config(cls, cfg, project: str) -> Compute:
         r = cfg.repair
-        return cls(
-            project,
-            cfg.gcp.compute_endpoint,
-            call_timeout_s=float(getattr(r, "api_timeout_s", 30.0)),
-            deadline_s=float(getattr(r, "operation_timeout_s", 120.0)),
-            retries=int(getattr(r, "api_retries", 5)),
-            backoff_s=float(getattr(r, "api_backoff_s", 1.0)),
-        )
+        return cls(project, cfg.gcp.compute_endpoint, call_timeout_s=float(r.api_timeout_s),
+                   deadline_s=float(r.operation_timeout_s), retries=API_RETRIES, backoff_s=API_BACKOFF_S)
 
     @property
     def total_calls(self) -> int:
@@ -209,10 +230,57 @@ class Compute:
 
     def instance_mig(self, zone: str, instance: str, deadline_s: float | None = None) -> MigRef | None:
         """The MIG that created this instance (`created-by`), None when it is not in one."""
+        return instance_mig_of(self.instance(zone, instance, deadline_s))
+
+    def vm(self, zone: str, instance: str, deadline_s: float | None = None) -> VmFacts:
+        """`instances.get` -> the facts `repair` decides by. An answer that is not this instance
+        (no name: a proxy's `[]` or `{}`) is a malformed response, not a VM without facts."""
         inst = self.instance(zone, instance, deadline_s)
-        items = list(getattr(getattr(inst, "metadata", None), "items", []) or [])
-        created_by = next((i.value for i in items if i.key == "created-by"), None)
-        return parse_created_by(created_by)
+        if getattr(inst, "name", "") != instance:
+            raise ComputeError(f"instances.get: malformed response (not instance {instance!r})", None)
+        return vm_facts(inst, zone)
+
+    def find_vms(self, names: list[str], zones: list[str] | None = None,
+                 deadline_s: float | None = None) -> dict[str, VmFacts]:
+        """VMs by name: in `zones` (one `instances.list` each), or anywhere in the project (one
+        `instances.aggregatedList`). Names not found are absent from the answer."""
+        end = self._end(deadline_s)
+        found: dict[str, VmFacts] = {}
+        for i in range(0, len(names), NAMES_PER_FILTER):
+            flt = name_filter(names[i:i + NAMES_PER_FILTER])
+            if zones is None:
+                for zone, inst in self._aggregated(flt, end):
+                    found.setdefault(inst.name, vm_facts(inst, zone))
+            else:
+                for zone in zones:
+                    for inst in self._listed(zone, flt, end):
+                        found.setdefault(inst.name, vm_facts(inst, zone))
+        return {n: found[n] for n in names if n in found}
+
+    def _listed(self, zone: str, flt: str, end: float) -> list[Any]:
+        from google.cloud import compute_v1
+
+        client, out, token = self._client("instances"), [], ""
+        while True:
+            req = compute_v1.ListInstancesRequest(project=self.project, zone=zone, filter=flt, page_token=token)
+            page = self._call("instances.list", client.list, end, request=req)
+            out.extend(page.items)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def _aggregated(self, flt: str, end: float) -> list[tuple[str, Any]]:
+        from google.cloud import compute_v1
+
+        client, out, token = self._client("instances"), [], ""
+        while True:
+            req = compute_v1.AggregatedListInstancesRequest(project=self.project, filter=flt, page_token=token)
+            page = self._call("instances.aggregatedList", client.aggregated_list, end, request=req)
+            for scope, scoped in page.items.items():
+                out.extend((metadata.last_segment(scope), inst) for inst in scoped.instances)
+            token = page.next_page_token
+            if not token:
+                return out
 
     # --- mutations -----------------------------------------------------------------------
 
@@ -292,6 +360,123 @@ class Compute:
                 raise ComputeError(f"operation {op.name} not done within the deadline (status {got.status.name})", None)
             self.sleep(interval)
             interval = min(interval * 1.5, 5.0)
+
+
+# --- the VM's termination time (expiry watch) -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class SchedulingInfo:
+    termination_time: datetime | None
+    provisioning_model: str = ""
+    instance_termination_action: str = ""
+    max_run_duration_s: float | None = None
+    field: str = ""  # the API field the time came from
+    on_host_maintenance: str = ""  # TERMINATE | MIGRATE
+    gpu_vm: bool = False  # GPUs attached (or an accelerator-optimized machine type)
+    maintenance_window_start: datetime | None = None  # resourceStatus.upcomingMaintenance.windowStartTime
+    maintenance_can_reschedule: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "termination_time": fmt_time(self.termination_time) if self.termination_time else None,
+            "provisioning_model": self.provisioning_model,
+            "instance_termination_action": self.instance_termination_action,
+            "max_run_duration_s": self.max_run_duration_s,
+            "field": self.field,
+            "on_host_maintenance": self.on_host_maintenance,
+            "gpu_vm": self.gpu_vm,
+            "maintenance_window_start": (fmt_time(self.maintenance_window_start)
+                                         if self.maintenance_window_start else None),
+            "maintenance_can_reschedule": self.maintenance_can_reschedule,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SchedulingInfo:
+        t, w = d.get("termination_time"), d.get("maintenance_window_start")
+        return cls(parse_time(t) if t else None, d.get("provisioning_model", ""),
+                   d.get("instance_termination_action", ""), d.get("max_run_duration_s"), d.get("field", ""),
+                   d.get("on_host_maintenance", ""), bool(d.get("gpu_vm")), parse_time(w) if w else None,
+                   d.get("maintenance_can_reschedule"))
+
+
+def _has(msg: Any, name: str) -> bool:
+    try:
+        return name in msg
+    except TypeError:
+        return bool(getattr(msg, name, None))
+
+
+def scheduling_from_instance(inst: Any) -> SchedulingInfo:
+    """A compute_v1.Instance -> the termination time and the scheduling facts around it."""
+    sched = inst.scheduling if _has(inst, "scheduling") else None
+    model = str(sched.provisioning_model) if sched is not None and _has(sched, "provisioning_model") else ""
+    action = (str(sched.instance_termination_action)
+              if sched is not None and _has(sched, "instance_termination_action") else "")
+    mrd = None
+    if sched is not None and _has(sched, "max_run_duration"):
+        mrd = float(sched.max_run_duration.seconds) + sched.max_run_duration.nanos / 1e9
+    when, src = None, ""
+    rs = inst.resource_status if _has(inst, "resource_status") else None
+    if rs is not None and _has(rs, "scheduling") and _has(rs.scheduling, "termination_timestamp"):
+        when, src = parse_time(rs.scheduling.termination_timestamp), "resourceStatus.scheduling.terminationTimestamp"
+    elif sched is not None and _has(sched, "termination_time") and sched.termination_time:
+        when, src = parse_time(sched.termination_time), "scheduling.terminationTime"
+    elif mrd and _has(inst, "last_start_timestamp") and inst.last_start_timestamp:
+        start = parse_time(inst.last_start_timestamp).timestamp()
+        when, src = from_epoch(start + mrd), "lastStartTimestamp+scheduling.maxRunDuration"
+    on_maintenance = (str(sched.on_host_maintenance)
+                      if sched is not None and _has(sched, "on_host_maintenance") else "")
+    window, can_reschedule = None, None
+    if rs is not None and _has(rs, "upcoming_maintenance"):
+        um = rs.upcoming_maintenance
+        if _has(um, "window_start_time") and um.window_start_time:
+            window = parse_time(um.window_start_time)
+        if _has(um, "can_reschedule"):
+            can_reschedule = bool(um.can_reschedule)
+    gpu_vm = vm_facts(inst, "").gpu_vm
+    return SchedulingInfo(when, model, action, mrd, src, on_maintenance, gpu_vm, window, can_reschedule)
+
+
+def read_scheduling(cfg: Any, node: str) -> SchedulingInfo:
+    """`instances.get` for the instance named like this node (the slurm-gcp convention)."""
+    project, zone = metadata.project_and_zone(cfg, cfg.expiry.metadata_timeout_s)
+    budget = float(cfg.expiry.api_timeout_s)
+    compute = Compute(project, cfg.gcp.compute_endpoint, call_timeout_s=max(1.0, min(budget, SCHEDULING_CALL_TIMEOUT_S)),
+                      deadline_s=budget, retries=SCHEDULING_RETRIES, backoff_s=SCHEDULING_BACKOFF_S)
+    try:
+        inst = compute.instance(zone, node, budget)
+    except ComputeError as exc:
+        if exc.status == 404:
+            raise ExpiryError(f"instances.get: no instance {node!r} in {project}/{zone} "
+                              "(slurmagent takes the node name as the instance name)") from None
+        raise
+    return scheduling_from_instance(inst)
+
+
+def instance_mig_of(inst: Any) -> MigRef | None:
+    items = list(getattr(getattr(inst, "metadata", None), "items", []) or [])
+    return parse_created_by(next((i.value for i in items if i.key == "created-by"), None))
+
+
+def vm_facts(inst: Any, zone: str) -> VmFacts:
+    """A compute_v1.Instance -> policy.VmFacts (the zone from the instance when it says one)."""
+    sched = inst.scheduling if _has(inst, "scheduling") else None
+    model = str(sched.provisioning_model) if sched is not None and _has(sched, "provisioning_model") else ""
+    ra = inst.reservation_affinity if _has(inst, "reservation_affinity") else None
+    reservation = (str(ra.consume_reservation_type)
+                   if ra is not None and _has(ra, "consume_reservation_type") else "")
+    mig = instance_mig_of(inst)
+    gpus = sum(int(a.accelerator_count or 0) for a in (inst.guest_accelerators or []))
+    where = metadata.last_segment(inst.zone) if _has(inst, "zone") and inst.zone else zone
+    return VmFacts(zone=where, status=str(inst.status) if _has(inst, "status") else "",
+                   machine_type=metadata.last_segment(inst.machine_type) if _has(inst, "machine_type") else "",
+                   provisioning_model=model, reservation=reservation, mig=mig.to_dict() if mig else None, gpus=gpus)
+
+
+def name_filter(names: list[str]) -> str:
+    """Compute's regular-expression filter for these exact names (`name eq "(a|b)"`)."""
+    return 'name eq "(' + "|".join(n.replace(".", "\\.") for n in names) + ')"'
 
 
 def op_ref(op: Any, scope: str, location: str) -> OpRef:

@@ -1,10 +1,15 @@
 """Who am I on Google Cloud: project, zone, instance name and the instance's MIG.
 
-Read from the metadata server with plain urllib and a short deadline (no google library),
+The ONE client of the metadata server: plain urllib and a short deadline (no google
+library), never through a proxy (`http_proxy` must not see, or answer for, the server),
 honouring `GCE_METADATA_HOST` (or its old name `GCE_METADATA_ROOT`) and `GCE_METADATA_IP`
 like google-auth does. `[gcp] project` / `[gcp] zone` in the config override the server.
-Off Google Cloud the first lookup fails within the deadline with one clear line, and the
-failure is remembered for the rest of the process so nothing waits twice.
+
+* `get`: a value that does not change (project, zone, instance name), cached. Off Google
+  Cloud the first lookup fails within the deadline with one clear line, and the failure is
+  remembered for the rest of the process so nothing waits twice.
+* `read`: a value that changes (maintenance/preemption notices), never cached; with
+  `wait_s` it is a long poll (`wait_for_change`, `last_etag`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
@@ -35,6 +41,19 @@ def metadata_host() -> str:
             or os.environ.get("GCE_METADATA_IP") or DEFAULT_IP)
 
 
+def _open(path: str, timeout_s: float, query: str = ""):
+    """One GET of computeMetadata/v1/<path>, never through a proxy; checks the flavor header."""
+    host = metadata_host()
+    req = urllib.request.Request(f"http://{host}/computeMetadata/v1/{path.lstrip('/')}{query}",
+                                 headers={FLAVOR[0]: FLAVOR[1]})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    resp = opener.open(req, timeout=timeout_s)
+    if resp.headers.get(FLAVOR[0]) != FLAVOR[1]:
+        resp.close()
+        raise MetadataError(f"{host} answered without 'Metadata-Flavor: Google': not a metadata server")
+    return resp
+
+
 _cache: dict[tuple[str, str], str | None] = {}
 _unreachable: dict[str, str] = {}
 
@@ -52,12 +71,8 @@ def get(path: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, optional: bool = Fal
         return _cache[key]
     if host in _unreachable:
         raise MetadataError(_unreachable[host])
-    url = f"http://{host}/computeMetadata/v1/{path.lstrip('/')}"
-    req = urllib.request.Request(url, headers={FLAVOR[0]: FLAVOR[1]})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - fixed http URL
-            if resp.headers.get(FLAVOR[0]) != FLAVOR[1]:
-                raise MetadataError(f"{host} answered without 'Metadata-Flavor: Google': not a metadata server")
+        with _open(path, timeout_s) as resp:
             value = resp.read(65536).decode("utf-8", "replace").strip()
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
@@ -74,6 +89,28 @@ def get(path: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, optional: bool = Fal
         raise MetadataError(msg) from None
     _cache[key] = value
     return value
+
+
+def read(path: str, timeout_s: float, *, wait_s: float = 0.0, last_etag: str = "") -> tuple[str, str]:
+    """GET computeMetadata/v1/<path> -> (value, ETag), no cache (these keys change).
+
+    With `wait_s` > 0: `wait_for_change=true&timeout_sec=wait_s` (and `last_etag`): the
+    server answers on a change or after wait_s; the socket deadline is wait_s + timeout_s."""
+    host = metadata_host()
+    query = ""
+    if wait_s > 0:
+        q = {"wait_for_change": "true", "timeout_sec": str(max(1, int(wait_s)))}
+        if last_etag:
+            q["last_etag"] = last_etag
+        query = "?" + urllib.parse.urlencode(q)
+    try:
+        with _open(path, timeout_s + wait_s, query) as resp:
+            return resp.read(4096).decode("utf-8", "replace").strip(), resp.headers.get("ETag", "")
+    except urllib.error.HTTPError as exc:
+        raise MetadataError(f"metadata server {host}: HTTP {exc.code} for {path!r}") from None
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        why = getattr(exc, "reason", exc)
+        raise MetadataError(f"metadata server {host} did not answer ({why}; deadline {timeout_s + wait_s:g} s)") from None
 
 
 @dataclass(frozen=True)

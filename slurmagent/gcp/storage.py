@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 from urllib.parse import quote
@@ -83,6 +83,7 @@ from slurmagent.checkpoint import (
     StorageUnavailableError,
     SyncDeadlineError,
     checkpoint_lag,
+    no_progress_after,
     crc32c_b64,
     crc32c_combine,
     entry_content_id,
@@ -377,6 +378,8 @@ class SyncResult:
     busy: tuple[str, ...] = ()  # files that kept changing: previous version kept, or left out
     skipped: tuple[str, ...] = ()  # entries left out: unreadable, temporary names, links leading outside
     seconds: float = 0.0
+    files: dict[str, dict] = field(default_factory=dict)  # the manifest entries of this sync, by relpath
+    manifest: Manifest | None = None  # the manifest in place after this sync (None: none yet)
 
 
 class _SyncRun:
@@ -720,7 +723,34 @@ class GcsCheckpointStore:
 
     def latest_manifest(self, *, deadline_s: float = 60.0) -> Manifest | None:
         """The last complete checkpoint's manifest, or None when there is none."""
-        return self._guard(lambda dl: self._read_manifest(dl)[0], _Deadline(deadline_s), "reading the manifest")
+        return self.read_manifest(deadline_s=deadline_s)[0]
+
+    def read_manifest(self, *, deadline_s: float = 60.0) -> tuple[Manifest | None, int]:
+        """(manifest, generation) of the last complete checkpoint; (None, 0) when there is none."""
+        return self._guard(self._read_manifest, _Deadline(deadline_s), "reading the manifest")
+
+    def commit(self, manifest: Manifest, *, deadline_s: float = 60.0) -> int:
+        """Write ``manifest`` as the complete checkpoint, fenced as :meth:`sync` does (a newer
+        attempt's manifest is never overwritten; ``if_generation_match`` on the one read).
+        Every blob it names must already be stored. Returns the manifest's generation; an
+        identical manifest of the same attempt already in place is kept as it is."""
+
+        def run(dl: _Deadline) -> int:
+            current, generation = self._read_manifest(dl)
+            if current is not None and current.attempt > manifest.attempt:
+                raise self._stale(current, manifest.attempt)
+            if (
+                current is not None
+                and current.attempt == manifest.attempt
+                and current.files == manifest.files
+                and current.writers == manifest.writers
+                and current.node_count == manifest.node_count
+                and current.no_progress == manifest.no_progress
+            ):
+                return generation
+            return self._commit_manifest(manifest, current, generation, dl)
+
+        return self._guard(run, _Deadline(deadline_s), "committing the manifest of")
 
     def _stale(self, current: Manifest, attempt: int) -> StaleAttemptError:
         return StaleAttemptError(
@@ -927,8 +957,16 @@ class GcsCheckpointStore:
         attempt: int,
         state_file: str | os.PathLike,
         deadline_s: float = 600.0,
+        restored: Manifest | None = None,
+        *,
+        commit: bool = True,
     ) -> SyncResult:
         """Upload new/changed files of ``ckpt_dir``, then write the manifest (last).
+
+        ``commit=False`` uploads the blobs and returns their entries (``SyncResult.files``)
+        without writing the manifest: one node's part of a multi-node checkpoint, which the
+        job commits once with :meth:`commit` after every node's upload.  ``restored``: the
+        manifest this attempt started from (its no-progress streak is carried on).
 
         ``attempt``: this job's restart count (fencing).  ``state_file``: the hash
         cache, outside ``ckpt_dir``.  ``deadline_s``: the time budget, kept: what
@@ -945,7 +983,7 @@ class GcsCheckpointStore:
             raise ValueError("attempt must be an integer >= 0")
         dl = _Deadline(deadline_s)
         try:
-            result = self._guard(lambda dl: self._sync(ckpt_dir, attempt, state_file, dl), dl, "syncing")
+            result = self._guard(lambda dl: self._sync(ckpt_dir, attempt, state_file, dl, restored, commit), dl, "syncing")
         except SlurmagentError as exc:
             self.last_sync_error = str(exc)
             raise
@@ -965,7 +1003,15 @@ class GcsCheckpointStore:
             log.debug("%s %s failed", what, self.url, exc_info=True)
             raise CheckpointError(f"{what} {self.url} failed: {_one_line(exc)}") from exc
 
-    def _sync(self, ckpt_dir: str | os.PathLike, attempt: int, state_file: str | os.PathLike, dl: _Deadline) -> SyncResult:
+    def _sync(
+        self,
+        ckpt_dir: str | os.PathLike,
+        attempt: int,
+        state_file: str | os.PathLike,
+        dl: _Deadline,
+        restored: Manifest | None = None,
+        commit: bool = True,
+    ) -> SyncResult:
         state = LocalState(state_file, ckpt_dir)
         skipped: list[str] = []
 
@@ -1003,7 +1049,7 @@ class GcsCheckpointStore:
                     break
                 time.sleep(self.busy_pause_s * (round_no + 1))
                 wave = self._rescan(ckpt_dir, run)
-            return self._finish_sync(run, files, links, skipped, attempt, generation, ckpt_dir)
+            return self._finish_sync(run, files, links, skipped, attempt, generation, ckpt_dir, restored, commit)
         finally:
             run.pool.close()
             state.add_known_blobs(self.url, run.confirmed)
@@ -1226,6 +1272,8 @@ class GcsCheckpointStore:
         attempt: int,
         generation: int,
         ckpt_dir: str | os.PathLike,
+        restored: Manifest | None = None,
+        commit: bool = True,
     ) -> SyncResult:
         current = run.current
         new_files: dict[str, dict] = {}
@@ -1260,15 +1308,36 @@ class GcsCheckpointStore:
                 skipped.append(link.relpath)
                 self._skipped(link.relpath, f"a symlink to {target!r}, which is not in this checkpoint")
         result_skipped = tuple(sorted(set(skipped) | set(run.unreadable)))
+        files_sent = len(run.uploaded)
         if not new_files:
             log.info("%s: checkpoint dir %s is empty; nothing written", self.url, ckpt_dir)
-            return SyncResult(0, 0, generation or None, 0, 0, tuple(busy), result_skipped, run.dl.elapsed())
-        if current is not None and current.attempt == attempt and current.files == new_files:
-            new_generation = generation  # nothing changed: keep the manifest as it is
+            return SyncResult(
+                0, 0, generation or None, 0, 0, tuple(busy), result_skipped, run.dl.elapsed(), manifest=current
+            )
+        if not commit:  # one node's part: the job commits every node's entries at once
+            return SyncResult(
+                files_sent=files_sent,
+                bytes_sent=sum(run.uploaded.values()),
+                manifest_generation=generation or None,
+                skipped_unchanged=sum(1 for e in new_files.values() if "link" not in e) - files_sent,
+                files_total=len(new_files),
+                busy=tuple(busy),
+                skipped=result_skipped,
+                seconds=run.dl.elapsed(),
+                files=new_files,
+            )
+        no_progress = no_progress_after(restored, new_files)
+        if (
+            current is not None
+            and current.attempt == attempt
+            and current.files == new_files
+            and current.no_progress == no_progress
+        ):
+            new_generation, manifest = generation, current  # nothing changed: keep the manifest as it is
         else:
-            new_generation = self._commit_manifest(Manifest(attempt=attempt, files=new_files), current, generation, run.dl)
+            manifest = Manifest(attempt=attempt, files=new_files, no_progress=no_progress)
+            new_generation = self._commit_manifest(manifest, current, generation, run.dl)
         self._committed = committed
-        files_sent = len(run.uploaded)
         return SyncResult(
             files_sent=files_sent,
             bytes_sent=sum(run.uploaded.values()),
@@ -1278,6 +1347,8 @@ class GcsCheckpointStore:
             busy=tuple(busy),
             skipped=result_skipped,
             seconds=run.dl.elapsed(),
+            files=new_files,
+            manifest=manifest,
         )
 
     # -- lag
@@ -1308,8 +1379,25 @@ class GcsCheckpointStore:
         """
         return self._guard(lambda dl: self._restore(Path(ckpt_dir), dl, state_file), _Deadline(deadline_s), "restoring")
 
-    def _restore(self, root: Path, dl: _Deadline, state_file: str | os.PathLike | None) -> Manifest | None:
-        manifest, _ = self._read_manifest(dl)
+    def restore_manifest(
+        self,
+        ckpt_dir: str | os.PathLike,
+        manifest: Manifest,
+        *,
+        deadline_s: float = 1800.0,
+        state_file: str | os.PathLike | None = None,
+    ) -> None:
+        """Put exactly the entries of ``manifest`` (one already read, possibly a part of one)
+        into ``ckpt_dir``, all or none, as :meth:`restore` does."""
+        self._guard(
+            lambda dl: self._restore(Path(ckpt_dir), dl, state_file, manifest), _Deadline(deadline_s), "restoring"
+        )
+
+    def _restore(
+        self, root: Path, dl: _Deadline, state_file: str | os.PathLike | None, manifest: Manifest | None = None
+    ) -> Manifest | None:
+        if manifest is None:
+            manifest, _ = self._read_manifest(dl)
         if manifest is None:
             return None
         root.mkdir(parents=True, exist_ok=True)

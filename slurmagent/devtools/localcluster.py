@@ -3,19 +3,34 @@
 Used by the test suite, the benchmarks and `make demo`. It writes a private slurm.conf,
 starts the daemons in the foreground under its own supervision and stops exactly the
 processes it started (plus the slurmstepd of jobs still running on its nodes).
+
+Node-local disks (`node_local=ROOT`, opt-in): every slurmd runs in its own mount namespace
+where `ROOT/localssd` is `ROOT/nodes/<node>`, so every process of a job on that node (batch
+script, srun tasks, `srun --overlap` helpers) sees its own node's directory at the same path,
+as on VMs with a local SSD each; the host sees each node's files under `ROOT/nodes/<node>`.
+Without it every slurmd shares the host's file systems, which hides multi-node bugs.
+
+`cloud_nodes` are dynamic nodes (`State=CLOUD`, Slurm power saving): slurmctld "creates their
+VM" through a ResumeProgram that starts their slurmd (`-b`: it reports a boot of now, as a
+fresh VM would) and "deletes" it through a SuspendProgram that kills that slurmd; both are
+shell scripts under the cluster's base directory, and every such slurmd's pid is kept there.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..nodes import parse_kv
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo", "munge", "unmunge")
 
@@ -55,8 +70,23 @@ class LocalSlurmCluster:
     extra_conf: list[str] = field(default_factory=list)
     node_extra: str = ""
     cred_expire: int = 20
+    node_local: Path | None = None  # ROOT: per-node ROOT/localssd (see the module doc)
+    cloud_nodes: list[str] = field(default_factory=list)  # State=CLOUD: powered up for a job, down when told
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     munged: subprocess.Popen | None = None
+
+    @property
+    def local_path(self) -> Path:
+        """The node-local path as jobs see it (the same on every node)."""
+        if self.node_local is None:
+            raise RuntimeError("this cluster has no node-local directories (node_local=None)")
+        return self.node_local / "localssd"
+
+    def node_dir(self, name: str) -> Path:
+        """Where the host sees node `name`'s node-local directory."""
+        if self.node_local is None:
+            raise RuntimeError("this cluster has no node-local directories (node_local=None)")
+        return self.node_local / "nodes" / name
 
     @property
     def conf(self) -> Path:
@@ -116,13 +146,57 @@ class LocalSlurmCluster:
         if self.epilog:
             lines.append(f"Epilog={self.epilog}")
         lines += self.extra_conf
+        if self.cloud_nodes:
+            lines += self._power_saving()
         for name, port in zip(self.nodes, node_ports):
+            state = "CLOUD" if name in self.cloud_nodes else "UNKNOWN"
             lines.append(
                 f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 "
-                f"State=UNKNOWN Port={port} {self.node_extra}".rstrip()
+                f"State={state} Port={port} {self.node_extra}".rstrip()
             )
         lines.append(f"PartitionName=gpu Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
+
+    def _power_saving(self) -> list[str]:
+        """slurm.conf lines and the Resume/Suspend programs for the cloud nodes."""
+        b, slurmd = self.base, _sbin("slurmd")
+        resume, suspend = b / "resume-program", b / "suspend-program"
+        resume.write_text(
+            "#!/bin/sh\n# slurmctld: power these nodes up (a fresh VM: a slurmd that reports a boot of now)\n"
+            f'echo "resume $1" >> {b}/power.log\n'
+            'for n in $(scontrol show hostnames "$1"); do\n'
+            f'  rm -f {b}/d-$n.pid\n'
+            f"  setsid {slurmd} -b -D -N $n -f {self.conf} >/dev/null 2>&1 </dev/null &\n"
+            f"  echo $! > {b}/cloud-$n.pid\n"
+            "done\n")
+        suspend.write_text(
+            "#!/bin/sh\n# slurmctld: power these nodes down (delete the VM). SIGKILL: slurmctld's children\n"
+            "# inherit its blocked SIGTERM.\n"
+            f'echo "suspend $1" >> {b}/power.log\n'
+            'for n in $(scontrol show hostnames "$1"); do\n'
+            f"  [ -f {b}/cloud-$n.pid ] && kill -9 $(cat {b}/cloud-$n.pid) 2>/dev/null\n"
+            f"  rm -f {b}/cloud-$n.pid\n"
+            "done\n")
+        for script in (resume, suspend):
+            script.chmod(0o755)
+        static = [n for n in self.nodes if n not in self.cloud_nodes]
+        return [f"ResumeProgram={resume}", f"SuspendProgram={suspend}", "SuspendTime=3600", "SuspendTimeout=5",
+                "ResumeTimeout=90", "PrivateData=cloud", *([f"SuspendExcNodes={','.join(static)}"] if static else [])]
+
+    def power_log(self) -> list[str]:
+        """What slurmctld asked of the Resume/Suspend programs, in order ("resume c1", "suspend c1")."""
+        try:
+            return (self.base / "power.log").read_text().splitlines()
+        except OSError:
+            return []
+
+    def _stop_cloud_slurmds(self) -> None:
+        for pid_file in self.base.glob("cloud-*.pid"):
+            try:
+                os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+            pid_file.unlink(missing_ok=True)
 
     def ensure_munge(self) -> None:
         """A private munged (own key, socket, pid file) for this cluster only, so clusters of
@@ -163,13 +237,20 @@ class LocalSlurmCluster:
         )
         _wait(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0, 30, "slurmctld did not answer")
         for name in self.nodes:
-            self.start_node(name)
+            if name not in self.cloud_nodes:
+                self.start_node(name)
         self.wait_nodes_idle(self.nodes)
         return self
 
     def start_node(self, name: str) -> None:
+        argv = [_sbin("slurmd"), "-D", "-N", name, "-f", str(self.conf)]
+        if self.node_local is not None:
+            self.local_path.mkdir(parents=True, exist_ok=True)
+            self.node_dir(name).mkdir(parents=True, exist_ok=True)
+            argv = ["unshare", "-m", "--propagation", "private", sys.executable, "-c", _BIND_AND_EXEC,
+                    str(self.node_dir(name)), str(self.local_path), *argv]
         self.procs[name] = subprocess.Popen(
-            [_sbin("slurmd"), "-D", "-N", name, "-f", str(self.conf)],
+            argv,
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=open(self.base / f"d-{name}.err", "wb"),
@@ -197,6 +278,7 @@ class LocalSlurmCluster:
     def stop(self) -> None:
         for name in [n for n in self.procs if n != "ctld"]:
             self.stop_node(name)
+        self._stop_cloud_slurmds()
         self._kill_stepds()
         self.stop_ctld()
         if self.munged:
@@ -231,7 +313,7 @@ class LocalSlurmCluster:
         for attempt in range(5):
             proc = self.run(["scontrol", "-o", "show", what, name], check=False)
             if proc.returncode == 0:
-                return _kv(proc.stdout)
+                return parse_kv(proc.stdout)  # the product's parser: a job's comment never wins
             time.sleep(0.3 * (attempt + 1))
         raise RuntimeError(f"scontrol show {what} {name}: {proc.stderr.strip() or proc.returncode}")
 
@@ -246,10 +328,11 @@ class LocalSlurmCluster:
         return out.split(";")[0]
 
     def wait_nodes_idle(self, names: list[str], timeout: float = 60) -> None:
+        """Until every node takes jobs: IDLE, registered, not drained (IDLE+DRAIN is not idle)."""
         def idle() -> bool:
-            return all(self.node(n).get("State", "").split("+")[0] in ("IDLE",) for n in names)
+            return all(_takes_jobs(_flags(self.node(n))) for n in names)
 
-        _wait(idle, timeout, f"nodes {names} not idle; last: {[self.node(n).get('State') for n in names]}")
+        _wait(idle, timeout, lambda: f"nodes {names} not idle; last: {[self.node(n).get('State') for n in names]}")
 
     def wait_job(self, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict[str, str]:
         last: dict[str, str] = {}
@@ -266,27 +349,48 @@ class LocalSlurmCluster:
         for name in names:
             self.run(["scontrol", "update", f"nodename={name}", "state=resume"], check=False)
 
-    def reset_nodes(self) -> None:
-        """Bring every node back to IDLE between tests (undrain, cancel leftovers)."""
+    def reset_nodes(self, timeout: float = 60) -> None:
+        """Bring every node back to IDLE and undrained between tests (cancel leftovers).
+
+        A resume goes only to a registered node: right after a slurmctld restart a node is
+        UNKNOWN until its slurmd registers again and Slurm refuses the resume. A Reason may
+        stay on an undrained node (Slurm 24.11 keeps it on every resume; 22.05 clears it),
+        so a node's drain is its DRAIN flag, never its Reason alone."""
         self.run(["scancel", "--full", "-u", "root"], check=False)
-        for name in self.nodes:
-            state = self.node(name).get("State", "")
-            if "DRAIN" in state or "DOWN" in state or "FAIL" in state:
-                self.resume(name)
-        self.wait_nodes_idle(self.nodes)
+
+        def settled() -> bool:
+            done = True
+            for name in self.nodes:
+                flags = _flags(self.node(name))
+                if flags & _HELD and not flags & _UNSETTLED:
+                    self.resume(name)
+                done = done and _takes_jobs(flags)
+            return done
+
+        _wait(settled, timeout, lambda: f"nodes not reset; last: {[self.node(n).get('State') for n in self.nodes]}",
+              interval=0.5)
 
 
-def _kv(line: str) -> dict[str, str]:
-    """Parse `scontrol -o` Key=Value output (values may hold spaces only in Reason/Comment)."""
-    out: dict[str, str] = {}
-    key = None
-    for token in line.strip().split(" "):
-        if "=" in token and token.split("=", 1)[0].replace("/", "").replace(":", "").isalnum():
-            key, value = token.split("=", 1)
-            out[key] = value
-        elif key is not None:
-            out[key] += " " + token
-    return out
+# Node flags (State split on + and *) that keep a node from taking jobs.
+_HELD = frozenset({"DRAIN", "DOWN", "FAIL"})
+_UNSETTLED = frozenset({"UNKNOWN", "NOT_RESPONDING", "COMPLETING", "POWERING_UP", "REBOOT_ISSUED"})
+
+
+def _flags(node: dict[str, str]) -> frozenset[str]:
+    return frozenset(f for f in re.split(r"[+*]", node.get("State", "")) if f)
+
+
+def _takes_jobs(flags: frozenset[str]) -> bool:
+    return "IDLE" in flags and not flags & (_HELD | _UNSETTLED)
+
+
+# Runs inside the new mount namespace: bind the node's own directory, then become slurmd.
+_BIND_AND_EXEC = """
+import os, subprocess, sys
+source, target, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+subprocess.run(["mount", "--bind", source, target], check=True, timeout=30)
+os.execv(argv[0], argv)
+"""
 
 
 def _munge_works(socket_path: Path) -> bool:

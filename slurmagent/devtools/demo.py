@@ -86,7 +86,7 @@ class Timeline:
 
 def trainer_main(argv: list[str]) -> int:
     """The demo's training job: counts steps, checkpoints on the signal (see slurmagent.trainer)."""
-    from . import trainer
+    from .. import trainer
 
     total, ledger, step_s = int(argv[0]), Path(argv[1]), float(argv[2])
     with trainer.checkpoint_handler():
@@ -112,7 +112,7 @@ ZONE = "us-central1-a"
 
 def _fake_gcp_class():
     """The fake Compute + metadata server lives with the tests, never in the product."""
-    tests = Path(__file__).resolve().parent.parent / "tests"
+    tests = Path(__file__).resolve().parents[2] / "tests"
     if not (tests / "fake_gcp_expiry.py").exists():
         return None
     sys.path.insert(0, str(tests))
@@ -276,7 +276,7 @@ def _submit_trainer(env: dict, root: Path, name: str, steps: int, step_s: float,
     sub = subprocess.run(
         [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-J", name, "-o", str(out),
          "--open-mode=append", "--", "--ckpt-dir", str(root / f"ckpt-{name}-%n"), "--",
-         sys.executable, "-m", "slurmagent.demo", "trainer", str(steps), str(ledger), str(step_s)],
+         sys.executable, "-m", "slurmagent.devtools.demo", "trainer", str(steps), str(ledger), str(step_s)],
         env=env, capture_output=True, text=True, timeout=30,
     )
     if sub.returncode != 0:

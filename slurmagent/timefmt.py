@@ -1,0 +1,105 @@
+"""Time as slurmagent reads and writes it: RFC 3339, slurmctld's local stamps, Slurm time
+limits and human durations. Pure: no clock is read here unless a caller passes none."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+UNLIMITED_WORDS = ("UNLIMITED", "INFINITE", "PARTITION_LIMIT", "NONE", "N/A")
+
+
+def parse_time(text: str) -> datetime:
+    """RFC 3339 (`Z` or an offset, optional fractions) -> an aware UTC datetime."""
+    t = str(text).strip()
+    if t.endswith(("Z", "z")):
+        t = t[:-1] + "+00:00"
+    dt = datetime.fromisoformat(t)
+    if dt.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone")
+    return dt.astimezone(timezone.utc)
+
+
+def fmt_time(dt: datetime) -> str:
+    """An aware datetime -> `2026-11-30T05:00:00Z`."""
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def from_epoch(t: float) -> datetime:
+    return datetime.fromtimestamp(t, timezone.utc)
+
+
+def parse_log_time(text: object) -> float | None:
+    """A decision-log `time` (`...T..:..:...mmmZ`, or any ISO form) -> epoch seconds; None if not one."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        try:
+            return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+
+
+def parse_slurm_time(text: str) -> float | None:
+    """`2026-11-30T09:49:04` (slurmctld's local time, as scontrol prints it) -> epoch seconds."""
+    if not text or text in ("None", "Unknown", "(null)", "N/A"):
+        return None
+    try:
+        return time.mktime(datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timetuple())
+    except ValueError:
+        return None
+
+
+def parse_time_limit(text: str) -> float | None:
+    """scontrol's TimeLimit (`[D-]HH:MM:SS`, also `MM`, `MM:SS`, `D-HH`) in seconds; None = unlimited."""
+    t = (text or "").strip()
+    if not t or t.upper() in UNLIMITED_WORDS:
+        return None
+    days = 0
+    if "-" in t:
+        d, t = t.split("-", 1)
+        days = int(d)
+        parts = [int(p) for p in t.split(":")]
+        parts += [0] * (3 - len(parts))  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, m, s = parts[:3]
+    else:
+        parts = [int(p) for p in t.split(":")]
+        if len(parts) == 1:
+            h, m, s = 0, parts[0], 0  # minutes
+        elif len(parts) == 2:
+            h, m, s = 0, parts[0], parts[1]  # MM:SS
+        else:
+            h, m, s = parts[:3]
+    return float(((days * 24 + h) * 60 + m) * 60 + s)
+
+
+def human(seconds: float) -> str:
+    """A duration with its seconds where they matter: `45s`, `12m05s`, `3h05m`, `2d3h`."""
+    s = int(round(seconds))
+    sign = "-" if s < 0 else ""
+    s = abs(s)
+    if s < 120:
+        return f"{sign}{s}s"
+    if s < 7200:
+        return f"{sign}{s // 60}m{s % 60:02d}s"
+    if s < 172800:
+        return f"{sign}{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{sign}{s // 86400}d{(s % 86400) // 3600}h"
+
+
+def human_short(seconds: float | None) -> str:
+    """A duration for a table column: `45s`, `12m`, `3h05m`, `2d3h`; `in ...` ahead; `-` unknown."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 0:
+        return "in " + human_short(-s)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600}h"

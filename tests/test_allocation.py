@@ -1,0 +1,365 @@
+"""Multi-node checkpoints without Slurm: the merge and cut rules, and the node agents run in
+this process against a real Cloud Storage emulator, one directory per "node".
+
+The agent step itself (srun --overlap on a real allocation) is covered in test_multinode.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmagent.allocation import (
+    AGENT_STEP_NAME,
+    Allocation,
+    AllocationError,
+    AllocationStore,
+    NodeReport,
+    SrunLauncher,
+    agent_restore,
+    agent_sync,
+    allocation_store,
+    merge_reports,
+    select_for_node,
+    set_aside_uncommitted,
+)
+from slurmagent.checkpoint import CheckpointError, Manifest, ManifestError, RestoreError, StorageUnavailableError
+
+SHA = {c: c * 64 for c in "abcdef"}
+
+
+def entry(c: str, size: int = 1) -> dict:
+    return {"sha256": SHA[c], "size": size, "crc32c": "AAAAAA=="}
+
+
+def report(index: int, files: dict[str, str], ctimes: dict[str, int] | None = None) -> NodeReport:
+    return NodeReport(index=index, node=f"v{index}", ok=True, files={k: entry(v) for k, v in files.items()},
+                      ctimes=ctimes or {})
+
+
+# --- merge: conflicts ------------------------------------------------------------------------
+
+
+def test_a_name_on_several_nodes_keeps_the_copy_changed_since_the_restore_with_a_warning():
+    restored = Manifest(0, files={"cfg.json": entry("a")})
+    merged = merge_reports([report(0, {"cfg.json": "a"}), report(1, {"cfg.json": "b"})], baseline=restored)
+    assert merged.files["cfg.json"]["sha256"] == SHA["b"]
+    assert merged.writers["cfg.json"] == [0, 1]
+    assert "kept node 1's copy (the only copy changed since the restore)" in merged.conflicts["cfg.json"]
+
+
+def test_several_changed_copies_or_no_restore_keep_the_lowest_node_index():
+    restored = Manifest(0, files={"cfg.json": entry("a")})
+    three = [report(0, {"cfg.json": "a"}), report(1, {"cfg.json": "c"}), report(2, {"cfg.json": "b"})]
+    assert merge_reports(three, baseline=restored).files["cfg.json"]["sha256"] == SHA["c"]
+    fresh = merge_reports([report(1, {"x": "c"}), report(0, {"x": "b"})], baseline=None)
+    assert fresh.files["x"]["sha256"] == SHA["b"] and "lowest node index" in fresh.conflicts["x"]
+    same = merge_reports([report(0, {"x": "a"}), report(1, {"x": "a"})], baseline=None)
+    assert not same.conflicts and same.writers["x"] == [0, 1]
+
+
+# --- merge: the consistent cut ------------------------------------------------------------------
+
+T = 1_000
+
+
+def test_a_folder_changed_after_the_cut_on_one_node_stays_as_previously_committed():
+    """Rank 0's new index must never land beside rank 1's older shard."""
+    previous = Manifest(0, files={"s/.metadata": entry("a"), "s/shard1": entry("b")},
+                        node_count=2, writers={"s/.metadata": [0], "s/shard1": [1]})
+    reports = [report(0, {"s/.metadata": "c"}, {"": T - 5, "s": T + 3}),  # rewritten after T
+               report(1, {"s/shard1": "b"}, {"": T - 5, "s": T - 9})]
+    merged = merge_reports(reports, baseline=None, previous=previous, cut_ns=T, partial_seen={})
+    assert merged.files == previous.files and merged.writers == previous.writers
+    assert merged.held_back == ["s"]
+    settled = [report(0, {"s/.metadata": "c"}, {"": T - 5, "s": T - 1}), reports[1]]
+    merged = merge_reports(settled, baseline=None, previous=previous, cut_ns=T)
+    assert merged.files["s/.metadata"]["sha256"] == SHA["c"] and not merged.held_back
+
+
+def test_top_level_files_are_one_unit_of_the_cut():
+    previous = Manifest(0, files={".metadata": entry("a"), "rank1.pt": entry("b")})
+    reports = [report(0, {".metadata": "c"}, {"": T - 1}), report(1, {"rank1.pt": "d"}, {"": T + 1})]
+    merged = merge_reports(reports, baseline=None, previous=previous, cut_ns=T)
+    assert merged.files == previous.files  # neither the new index nor the new shard alone
+    assert merge_reports(reports, baseline=None).files.keys() == {".metadata", "rank1.pt"}  # final: all of it
+
+
+def test_a_folder_only_some_nodes_write_joins_once_it_is_unchanged_for_a_round():
+    seen: dict = {}
+    reports = [report(0, {"step_5/model.pt": "a"}, {"": T - 9, "step_5": T - 9}), report(1, {}, {"": T - 9})]
+    assert merge_reports(reports, baseline=None, cut_ns=T, partial_seen=seen).files == {}
+    assert merge_reports(reports, baseline=None, cut_ns=T, partial_seen=seen).files.keys() == {"step_5/model.pt"}
+    both = [report(0, {"step_6/a": "a"}, {"": T - 9, "step_6": T - 9}), report(1, {"step_6/b": "b"}, {"step_6": T - 9})]
+    assert merge_reports(both, baseline=None, cut_ns=T, partial_seen={}).files.keys() == {"step_6/a", "step_6/b"}
+
+
+def test_a_folder_gone_from_every_node_is_dropped_unless_the_top_level_changed_after_the_cut():
+    previous = Manifest(0, files={"step_1/a": entry("a"), "step_2/a": entry("b")})
+    quiet = [report(0, {"step_2/a": "b"}, {"": T - 5, "step_2": T - 5}), report(1, {"step_2/a": "b"}, {"": T - 5})]
+    assert merge_reports(quiet, baseline=None, previous=previous, cut_ns=T).files.keys() == {"step_2/a"}
+    busy = [quiet[0], report(1, {"step_2/a": "b"}, {"": T + 5, "step_2": T - 5})]
+    assert merge_reports(busy, baseline=None, previous=previous, cut_ns=T).files.keys() == {"step_1/a", "step_2/a"}
+
+
+# --- restore scope ------------------------------------------------------------------------------
+
+
+def test_restore_scope_node_gives_each_node_the_files_it_held_and_needs_the_same_node_count():
+    m = Manifest(0, files={"r0": entry("a"), "r1": entry("b"), "cfg": entry("c")}, node_count=2,
+                 writers={"r0": [0], "r1": [1], "cfg": [0, 1]})
+    assert select_for_node(m, 1, 2, "node").files.keys() == {"r1", "cfg"}
+    assert select_for_node(m, 1, 2, "all").files.keys() == {"r0", "r1", "cfg"}
+    with pytest.raises(RestoreError, match="written by 2 nodes, this job has 4"):
+        select_for_node(m, 1, 4, "node")
+    single = Manifest(0, files={"model.pt": entry("a")})  # from a single-node job: no writers known
+    assert select_for_node(single, 1, 2, "node").files.keys() == {"model.pt"}
+
+
+def test_manifest_keeps_node_count_and_writers_and_refuses_bad_ones():
+    m = Manifest(3, files={"r0": entry("a")}, node_count=2, writers={"r0": [0]})
+    back = Manifest.from_json(m.to_json())
+    assert (back.node_count, back.writers) == (2, {"r0": [0]})
+    assert "writers" not in json.loads(Manifest(3, files={"r0": entry("a")}).to_json())
+    for bad in ({"node_count": 2, "writers": {"r9": [0]}}, {"node_count": 2, "writers": {"r0": [2]}},
+                {"node_count": -1}):
+        raw = json.loads(m.to_json())
+        raw.update(bad)
+        with pytest.raises(ManifestError):
+            Manifest.from_json(json.dumps(raw))
+
+
+# --- who we are ---------------------------------------------------------------------------------
+
+
+def test_the_batch_step_of_a_multi_node_job_covers_the_allocation_and_a_wrapper_per_rank_is_refused():
+    batch = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}
+    assert Allocation.from_env(batch) == Allocation("7", 2)
+    assert Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"}) is None
+    assert Allocation.from_env({}) is None
+    with pytest.raises(AllocationError, match="as the batch step around srun"):
+        Allocation.from_env({**batch, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+    assert Allocation.from_env({**batch, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}) == Allocation("7", 2)
+    with pytest.raises(AllocationError, match="%n would name the batch host"):
+        allocation_store(batch, None, ckpt_dir_option="/mnt/localssd/ckpt-%n")
+
+
+def test_the_agent_step_is_one_task_per_node_overlapping_the_trainer_without_its_step_shape():
+    env = {"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "12", "SLURM_GPUS_PER_NODE": "8",
+           "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}
+    launcher = SrunLauncher(Allocation("7", 4), env, python="/py")
+    argv = launcher.argv(["sync", "--ckpt-dir", "/d"])
+    for opt in ("--overlap", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--cpus-per-task=1",
+                "--kill-on-bad-exit=1", f"--job-name={AGENT_STEP_NAME}"):
+        assert opt in argv
+    assert argv[-7:] == ["/py", "-m", "slurmagent.entry", "node-agent", "sync", "--ckpt-dir", "/d"]
+    assert launcher.env == {"SLURM_JOB_ID": "7", "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}
+
+
+def test_a_report_line_round_trips_and_other_output_is_ignored():
+    r = NodeReport(index=1, node="n2", ok=False, error="boom", ctimes={"": 5})
+    assert NodeReport.from_line(r.to_line()) == r
+    assert NodeReport.from_line("slurmagent-node-report {not json") is None
+    assert NodeReport.from_line("hello") is None
+
+
+def test_files_not_in_the_checkpoint_are_moved_aside_never_deleted(tmp_path):
+    d = tmp_path / "ckpt"
+    (d / "step_1").mkdir(parents=True)
+    (d / "step_1" / "keep").write_text("k")
+    (d / "step_9").mkdir()
+    (d / "step_9" / "newer").write_text("n")
+    (d / "link").symlink_to("step_1/keep")
+    moved = set_aside_uncommitted(d, {"step_1/keep"})
+    assert moved == ["link", "step_9/newer"] or set(moved) == {"link", "step_9/newer"}
+    assert sorted(p.relative_to(d).as_posix() for p in d.rglob("*")) == ["step_1", "step_1/keep"]
+    aside = tmp_path / "ckpt.uncommitted"
+    assert (aside / "step_9" / "newer").read_text() == "n" and (aside / "link").is_symlink()
+
+
+# --- agents in this process, against the emulator --------------------------------------------
+
+
+class Nodes:
+    """N node-local directories and agents run in this process, in node order, instead of srun.
+    `before_agent(i)` runs just before node i's agent (a trainer writing meanwhile)."""
+
+    def __init__(self, root: Path, n: int, remote: str, fail: dict[int, str] | None = None):
+        from slurmagent.gcp.storage import GcsCheckpointStore
+
+        self.dirs = [root / f"node{i}" / "ckpt" for i in range(n)]
+        self.remote = remote
+        self.store = GcsCheckpointStore(remote)
+        self.fail = fail or {}
+        self.before_agent = lambda i: None
+        self.order = list(range(n))
+
+    def run(self, args: list[str], deadline_s: float) -> list[NodeReport]:
+        action, opts = args[0], dict(zip(args[1::2], args[2::2]))
+        reports = {}
+        for i in self.order:
+            self.before_agent(i)
+            store = FailingStore(self.store, self.fail[i]) if i in self.fail else self.store
+            if action == "restore":
+                reports[i] = agent_restore(store, self.dirs[i], index=i, node=f"v{i}", num_nodes=len(self.dirs),
+                                           generation=int(opts["--generation"]), scope=opts["--scope"],
+                                           deadline_s=deadline_s)
+            else:
+                reports[i] = agent_sync(store, self.dirs[i], index=i, node=f"v{i}", attempt=int(opts["--attempt"]),
+                                        state_file=Path(str(self.dirs[i]) + ".state.json"), deadline_s=deadline_s)
+        return [reports[i] for i in range(len(self.dirs))]
+
+
+class FailingStore:
+    """The real store, except that this node's uploads or downloads are refused."""
+
+    def __init__(self, inner, what: str):
+        self.inner, self.what = inner, what
+
+    def read_manifest(self, **kw):
+        return self.inner.read_manifest(**kw)
+
+    def restore_manifest(self, *a, **kw):
+        if self.what == "restore":
+            raise StorageUnavailableError("downloading refused (test)")
+        return self.inner.restore_manifest(*a, **kw)
+
+    def sync(self, *a, **kw):
+        if self.what == "sync":
+            raise StorageUnavailableError("uploading refused (test)")
+        return self.inner.sync(*a, **kw)
+
+
+@pytest.fixture
+def remote(gcs_emulator, monkeypatch, request):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.url)
+    return f"gs://ckpt/{request.node.name[:40]}"
+
+
+def job_store(nodes: Nodes, scope: str = "all") -> tuple[AllocationStore, io.StringIO]:
+    from slurmagent.gcp.storage import GcsCheckpointStore
+
+    err = io.StringIO()
+    return AllocationStore(Allocation("1", len(nodes.dirs)), GcsCheckpointStore(nodes.remote), nodes, scope=scope,
+                           err=err), err
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def tree(d: Path) -> dict[str, str]:
+    return {p.relative_to(d).as_posix(): p.read_text() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def dcp_like_checkpoint(nodes: Nodes, step: str = "step_1") -> None:
+    write(nodes.dirs[0] / step / "__0_0.distcp", f"{step} shard 0")
+    write(nodes.dirs[1] / step / "__1_0.distcp", f"{step} shard 1")
+    write(nodes.dirs[0] / step / ".metadata", f"{step} index")
+
+
+def test_one_commit_after_every_node_then_every_new_node_holds_the_whole_checkpoint(remote, tmp_path):
+    first = Nodes(tmp_path / "run0", 2, remote)
+    store, _ = job_store(first)
+    assert store.restore(first.dirs[0], deadline_s=60) is None  # fresh: every node's D created
+    assert all(d.is_dir() for d in first.dirs)
+    dcp_like_checkpoint(first)
+    result = store.sync(first.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    assert (result.files_total, result.nodes, result.bytes_sent) == (3, 2, sum(len(v) for v in (
+        "step_1 shard 0", "step_1 shard 1", "step_1 index")))
+    committed = first.store.latest_manifest()
+    assert committed.node_count == 2 and committed.writers == {
+        "step_1/.metadata": [0], "step_1/__0_0.distcp": [0], "step_1/__1_0.distcp": [1]}
+
+    second = Nodes(tmp_path / "run1", 2, remote)
+    write(second.dirs[1] / "step_1" / "__1_0.distcp", "newer local copy: not a checkpoint")
+    write(second.dirs[1] / "step_2" / "__1_0.distcp", "uncommitted")
+    store2, err = job_store(second)
+    assert store2.restore(second.dirs[0], deadline_s=60).attempt == 0
+    whole = {"step_1/.metadata": "step_1 index", "step_1/__0_0.distcp": "step_1 shard 0",
+             "step_1/__1_0.distcp": "step_1 shard 1"}
+    assert tree(second.dirs[0]) == whole and tree(second.dirs[1]) == whole
+    assert tree(Path(str(second.dirs[1]) + ".uncommitted")) == {"step_2/__1_0.distcp": "uncommitted"}
+    assert "every node of the job (2) holds the checkpoint of attempt 0" in err.getvalue()
+
+
+def test_restore_scope_node_restores_each_node_its_own_shards(remote, tmp_path):
+    first = Nodes(tmp_path / "run0", 2, remote)
+    store, _ = job_store(first)
+    store.restore(first.dirs[0], deadline_s=60)
+    dcp_like_checkpoint(first)
+    store.sync(first.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    second = Nodes(tmp_path / "run1", 2, remote)
+    job_store(second, scope="node")[0].restore(second.dirs[0], deadline_s=60)
+    assert tree(second.dirs[0]).keys() == {"step_1/.metadata", "step_1/__0_0.distcp"}
+    assert tree(second.dirs[1]).keys() == {"step_1/__1_0.distcp"}
+
+
+def test_restore_is_all_or_nothing(remote, tmp_path):
+    first = Nodes(tmp_path / "run0", 2, remote)
+    store, _ = job_store(first)
+    store.restore(first.dirs[0], deadline_s=60)
+    dcp_like_checkpoint(first)
+    store.sync(first.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    second = Nodes(tmp_path / "run1", 2, remote, fail={1: "restore"})
+    with pytest.raises(RestoreError, match=r"restore failed on v1 \(node index 1\): downloading refused"):
+        job_store(second)[0].restore(second.dirs[0], deadline_s=60)
+
+
+def test_a_node_whose_upload_fails_commits_nothing_and_the_last_checkpoint_stays(remote, tmp_path):
+    nodes = Nodes(tmp_path / "run0", 2, remote)
+    store, _ = job_store(nodes)
+    store.restore(nodes.dirs[0], deadline_s=60)
+    dcp_like_checkpoint(nodes, "step_1")
+    store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    before = nodes.store.read_manifest()
+    dcp_like_checkpoint(nodes, "step_2")
+    nodes.fail = {1: "sync"}
+    with pytest.raises(CheckpointError, match=r"upload failed on v1 \(node index 1\).*last complete checkpoint stays"):
+        store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    assert nodes.store.read_manifest() == before
+
+
+def test_a_periodic_commit_while_ranks_write_is_never_a_new_index_beside_an_old_shard(remote, tmp_path):
+    """Node 1 is looked at first; then rank 1 rewrites its shard in place and rank 0 its index;
+    then node 0 is looked at: the cut keeps the folder as it was committed before."""
+    nodes = Nodes(tmp_path / "run0", 2, remote)
+    store, _ = job_store(nodes)
+    store.restore(nodes.dirs[0], deadline_s=60)
+    dcp_like_checkpoint(nodes, "latest")
+    store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    old = nodes.store.latest_manifest().files
+
+    def trainer_writes_between_agents(i: int) -> None:
+        if i == 0:
+            time.sleep(0.01)
+            dcp_like_checkpoint(nodes, "latest")  # rank 1's new shard, then rank 0's new index
+            for d in nodes.dirs:
+                for p in (d / "latest").iterdir():
+                    write(p, p.read_text() + " v2")
+
+    nodes.order = [1, 0]
+    nodes.before_agent = trainer_writes_between_agents
+    store.trainer_running = lambda: True
+    store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    assert nodes.store.latest_manifest().files == old  # not node 0's v2 index beside node 1's v1 shard
+    nodes.before_agent = lambda i: None
+    store.trainer_running = lambda: False  # the trainer has exited: take everything
+    store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    now = nodes.store.latest_manifest().files
+    assert now.keys() == old.keys() and all(now[k] != old[k] for k in old)
+
+
+def test_no_srun_is_a_failed_round_on_every_node_not_a_crash(tmp_path):
+    launcher = SrunLauncher(Allocation("7", 2), {}, srun=str(tmp_path / "no-srun"))
+    reports = launcher.run(["sync", "--ckpt-dir", "/d"], deadline_s=5)
+    assert [(r.index, r.ok) for r in reports] == [(0, False), (1, False)]
+    assert "cannot run" in reports[0].error
