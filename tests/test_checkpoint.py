@@ -377,6 +377,19 @@ def test_schema1_manifest_written_before_blake3_still_parses():
     assert entry_content_id(m.files["step"]) == "sha256:" + hashlib.sha256(b"100\n").hexdigest()
 
 
+def test_progress_is_judged_by_content_not_by_where_the_bytes_are_stored():
+    restored = Manifest(attempt=1, files={"a": {**ENTRY, "pack": "b" * 64, "offset": 0}}, no_progress=2)
+    same_elsewhere = {"a": {**ENTRY}}  # the same content, now in its own blob
+    changed = {"a": {**ENTRY, "blake3": "c" * 64}}
+    assert ck.no_progress_after(restored, same_elsewhere) == 3
+    assert ck.no_progress_after(restored, changed) == 0
+    assert ck.no_progress_after(None, changed) == 0
+    doc = {**GOOD, "node_count": 2, "writers": {"a": [1, 0]}, "no_progress": 3, "files": {"a": ENTRY}}
+    m = Manifest.from_json(json.dumps(doc))
+    assert (m.node_count, m.writers, m.no_progress) == (2, {"a": [0, 1]}, 3)
+    assert Manifest.from_json(m.to_json()) == m
+
+
 def test_lag_is_the_age_of_what_the_bucket_does_not_hold_yet():
     now = 1_000_000.0
     local = [
