@@ -92,6 +92,7 @@ __all__ = [
     "scan_checkpoint_dir",
     "hash_file",
     "entry_content_id",
+    "parent_dirs",
     "no_progress_after",
     "crc32c_combine",
     "checkpoint_lag",
@@ -305,7 +306,7 @@ def scan_checkpoint_dir(ckpt_dir: str | os.PathLike, on_skip: SkipCallback | Non
                 skip(rel, "not a regular file (socket, FIFO or device)")
 
     walk(root, "")
-    kept_dirs = {d for f in out for d in _parents(f.relpath)}
+    kept_dirs = {d for f in out for d in parent_dirs(f.relpath)}
     kept_files = {f.relpath for f in out}
     for rel, path, st in links:
         target, why = _inside_target(real_root, path)
@@ -321,7 +322,8 @@ def scan_checkpoint_dir(ckpt_dir: str | os.PathLike, on_skip: SkipCallback | Non
     return out
 
 
-def _parents(relpath: str) -> list[str]:
+def parent_dirs(relpath: str) -> list[str]:
+    """The directories on the way to ``relpath``: "a/b/c" -> ["a", "a/b"]."""
     parts = relpath.split("/")[:-1]
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
@@ -954,7 +956,7 @@ def no_progress_after(restored: Manifest | None, files: Mapping[str, dict]) -> i
 def _check_tree(files: Mapping[str, dict], bad: Callable[[str], ManifestError]) -> None:
     """No entry below another file or link: a restore never writes through a link."""
     for rel in files:
-        for parent in _parents(rel):
+        for parent in parent_dirs(rel):
             if parent in files:
                 what = "link" if "link" in files[parent] else "file"
                 raise bad(f"file name {rel!r} lies below the {what} {parent!r}")

@@ -1298,7 +1298,7 @@ class GcsCheckpointStore:
                     f"busy:{rel}",
                     f"{rel} kept changing while it was read (written in place?): left out of this checkpoint",
                 )
-        kept_dirs = {p for rel in new_files for p in ck._parents(rel)}
+        kept_dirs = {p for rel in new_files for p in ck.parent_dirs(rel)}
         for link in links:
             target = posixpath.normpath(posixpath.join(posixpath.dirname(link.relpath), link.link or ""))
             if target in new_files or target in kept_dirs:
@@ -1410,7 +1410,7 @@ class GcsCheckpointStore:
         # The staging directory holds the checkpoint's own tree, so that whole directories
         # move into place with one rename each when the destination does not have them.
         stage = [os.path.join(staging, *rel.split("/")) for rel, _ in items]
-        for d in sorted({os.path.dirname(p) for p in stage} | {os.path.join(staging, *ck._parents(r)[-1:]) for r, _ in links}):
+        for d in sorted({os.path.dirname(p) for p in stage} | {os.path.join(staging, *ck.parent_dirs(r)[-1:]) for r, _ in links}):
             os.makedirs(d, exist_ok=True)
         pool = _Pool(self.max_workers, dl, "ckpt-restore")
         fds: dict[int, int] = {}
@@ -1461,7 +1461,7 @@ class GcsCheckpointStore:
             dest = os.path.join(root, *rel.split("/"))
             if os.path.isdir(dest) and not os.path.islink(dest):
                 raise RestoreError(f"cannot restore {rel}: {dest} is a directory")
-            parents.update(ck._parents(rel))
+            parents.update(ck.parent_dirs(rel))
         for parent in sorted(parents):
             path = os.path.join(root, *parent.split("/"))
             try:
