@@ -1,145 +1,353 @@
 #!/usr/bin/env python3
-"""Checkpoint flush bench: slurmagent's sync vs a plain sequential upload loop.
+"""Checkpoint data path bench: slurmagent's flush and restore beside the floor, in one run.
 
-    python bench/flush.py [--size-mib 2048] [--shards 16] [--workers 8]
-                          [--emulator fake-gcs-server] [--emulator-backend filesystem|memory]
+    python bench/flush.py [--size-gib 1] [--big] [--big-one-file] [--small-files 20000] [--small-kib 4]
+                          [--emulator fake-gcs-server|gcp-storage-emulator] [--only SHAPE ...]
+                          [--no-library] [--set KEY=VALUE ...]
 
-Starts its own Cloud Storage emulator on 127.0.0.1 (tests/gcs_emulator.py),
-writes a checkpoint of N random shards, then measures in the same run:
+Starts its own Cloud Storage emulator on 127.0.0.1 and, for each shape of
+checkpoint (1 GiB as one file and as 16 shards, 20,000 small files; with
+``--big`` also 8 GiB as 16 shards, with ``--big-one-file`` as one file),
+measures against that same emulator, in the same run:
 
-(a) a sequential ``blob.upload_from_filename`` loop (the baseline) against
-    ``GcsCheckpointStore.sync`` (parallel files; its time includes hashing,
-    since the hash cache starts cold): MiB/s of each and the ratio;
-(b) after rewriting 1 shard of N, the bytes the next sync sends, against the
-    shard size (target <= 1.05x; exit status 1 if missed).
+* raw: ONE plain HTTP request of the same bytes (``http.client``, the JSON
+  API's ``uploadType=media`` / ``alt=media``), the floor of what the emulator
+  accepts and serves;
+* library: a plain ``google-cloud-storage`` loop (``upload_from_filename`` /
+  ``download_to_filename``, one file after the other);
+* slurmagent: a cold flush (``GcsCheckpointStore.sync`` with an empty hash
+  cache and nothing remote: hashing included) and a restore into an empty
+  directory (verified), each in a child process that reports its peak RSS
+  (VmHWM) beside the RSS it had before the transfer (interpreter + libraries).
 
-(c), the time from SIGTERM to ``scontrol requeue`` with the sync up to date, needs a
-Slurm cluster and has its own script: ``python bench/requeue_latency.py``.
-
-The default (2048 MiB) takes about 70 s on a 2-core box and needs about
-6.5 GiB of free space under $TMPDIR (shards + the emulator's two copies);
-``--size-mib 512`` is a quick run.  Emulator throughput is CPU-bound on
-small machines (the emulator shares the cores), so the ratio is a lower bound
-of what parallel transfers give against real Cloud Storage.
+Then the bytes an incremental sync sends after 1 of 16 shards changed, and
+the hashing throughput of this CPU.  The emulator runs on the same cores as
+the bench (fake-gcs-server writes each object under one global lock and
+``compose`` copies bytes again; real Cloud Storage does neither), so the ratios
+are what this machine shows, not Cloud Storage's.  Needs about 4x the largest
+shape of free space under --tmpdir; 8 GiB shapes take minutes on 2 cores, and
+fake-gcs-server holds each object in memory while it is written (up to twice
+its size: 16 GiB of RAM for the 8 GiB single file).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import http.client
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
+BUCKET = "bench"
 
 
-def write_shards(root: Path, shards: int, shard_bytes: int) -> list[Path]:
-    root.mkdir(parents=True, exist_ok=True)
+# ------------------------------------------------------------------ child process
+
+
+def child_main(argv: list[str]) -> int:
+    """``flush.py --child sync|restore URL DIR STATE [k=v ...]``: one transfer, JSON result on stdout."""
+    op, url, directory, state = argv[:4]
+    tunables = dict(kv.split("=", 1) for kv in argv[4:])
+    from slurmagent.gcp.storage import GcsCheckpointStore
+
+    store = GcsCheckpointStore(url, max_workers=int(tunables.pop("max_workers", 16)), warn=lambda m: None)
+    for key, value in tunables.items():
+        setattr(store, key, int(value))
+    store.client  # noqa: B018 - the client is made before the clock starts, as in a running wrapper
+    import google.cloud.storage  # noqa: F401 - loaded before the peak-RSS baseline
+    import blake3  # noqa: F401 - likewise
+
+    rss_before = _vm_hwm_kib()
+    t0 = time.perf_counter()
+    if op == "sync":
+        r = store.sync(directory, 0, state, deadline_s=7200)
+        out = {"bytes_sent": r.bytes_sent, "files_sent": r.files_sent}
+    else:
+        m = store.restore(directory, deadline_s=7200)
+        out = {"files": len(m.files), "bytes": m.total_bytes}
+    out.update(seconds=time.perf_counter() - t0, rss_before_kib=rss_before, rss_peak_kib=_vm_hwm_kib())
+    print(json.dumps(out))
+    return 0
+
+
+def _vm_hwm_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def run_child(op: str, url: str, directory: Path, state: Path, env: dict, tunables: dict) -> dict:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", op, url, str(directory), str(state)]
+    argv += [f"{k}={v}" for k, v in tunables.items()]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=7200)
+    if proc.returncode != 0:
+        raise SystemExit(f"{op} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------ floors
+
+
+class _Concat:
+    """A request body: several files one after the other, read in 1 MiB blocks."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = list(paths)
+        self.fh = None
+
+    def read(self, n: int = -1) -> bytes:
+        while True:
+            if self.fh is None:
+                if not self.paths:
+                    return b""
+                self.fh = open(self.paths.pop(0), "rb", buffering=0)
+            data = self.fh.read(min(n if n and n > 0 else MiB, MiB))
+            if data:
+                return data
+            self.fh.close()
+            self.fh = None
+
+
+def raw_upload(host: str, port: int, name: str, paths: list[Path]) -> float:
+    size = sum(p.stat().st_size for p in paths)
+    conn = http.client.HTTPConnection(host, port, timeout=3600, blocksize=MiB)
+    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    t0 = time.perf_counter()
+    conn.request(
+        "POST", f"/upload/storage/v1/b/{BUCKET}/o?{query}", body=_Concat(paths),
+        headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+    )  # fmt: skip
+    resp = conn.getresponse()
+    body = resp.read()
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    if resp.status != 200:
+        raise SystemExit(f"raw upload failed: {resp.status} {body[:200]!r}")
+    return elapsed
+
+
+def raw_download(host: str, port: int, name: str, dest: Path) -> float:
+    conn = http.client.HTTPConnection(host, port, timeout=3600)
+    t0 = time.perf_counter()
+    conn.request("GET", f"/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?alt=media")
+    resp = conn.getresponse()
+    with open(dest, "wb", buffering=0) as out:
+        while True:
+            data = resp.read(MiB)
+            if not data:
+                break
+            out.write(data)
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    return elapsed
+
+
+# ------------------------------------------------------------------------ shapes
+
+
+def write_files(root: Path, count: int, size: int) -> list[Path]:
     old = time.time() - 600  # outside the hash cache's racy-timestamp window
     paths = []
-    for i in range(shards):
-        p = root / f"step-1000/shard-{i:03d}.pt"
+    block = os.urandom(min(size, 8 * MiB)) if count > 64 else None
+    for i in range(count):
+        p = root / (f"d{i // 1000:03d}/f{i:05d}.bin" if count > 64 else f"step-1000/shard-{i:03d}.pt")
         p.parent.mkdir(parents=True, exist_ok=True)
         with open(p, "wb") as fh:
-            left = shard_bytes
-            while left:
-                n = min(left, 8 * MiB)
-                fh.write(os.urandom(n))
-                left -= n
+            if block is not None:  # many small files: random prefix keeps every file distinct
+                fh.write(os.urandom(16) + block[16:size])
+            else:
+                left = size
+                while left:
+                    n = min(left, 8 * MiB)
+                    fh.write(os.urandom(n))
+                    left -= n
         os.utime(p, (old, old))
         paths.append(p)
     return paths
 
 
+def delete_prefix(client, prefix: str) -> None:
+    """Free the emulator's disk between shapes."""
+    for b in list(client.list_blobs(BUCKET, prefix=prefix)):
+        b.delete()
+
+
+def hashing_rates(size: int = 256 * MiB) -> list[tuple[str, float]]:
+    import blake3
+    import google_crc32c
+
+    data = os.urandom(size)
+    out = []
+    for label, fn in (
+        ("BLAKE3, 1 thread", lambda: blake3.blake3(data).digest()),
+        (f"BLAKE3, {os.cpu_count()} threads", lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()),
+        ("SHA-256 (the old content id)", lambda: hashlib.sha256(data).digest()),
+        ("CRC32C (google-crc32c)", lambda: google_crc32c.value(data)),
+    ):
+        best = min(_timed(fn) for _ in range(3))
+        out.append((label, size / best / 1e9))
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def fmt_s(seconds: float, size: int) -> str:
+    return f"{seconds:8.2f} s {size / MiB / seconds:7.0f} MiB/s"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-mib", type=int, default=2048, help="checkpoint size in MiB (default 2048)")
-    ap.add_argument("--shards", type=int, default=16, help="number of shard files (default 16)")
-    ap.add_argument("--workers", type=int, default=8, help="parallel transfers of the sync (default 8)")
+    ap.add_argument("--size-gib", type=float, default=1.0, help="size of the one-file and 16-shard shapes (default 1)")
+    ap.add_argument("--big", action="store_true", help="also 8 GiB as 16 shards (minutes)")
+    ap.add_argument("--big-one-file", action="store_true",
+                    help="also 8 GiB as one file (the emulator needs up to 16 GiB of RAM for it)")  # fmt: skip
+    ap.add_argument("--small-files", type=int, default=20000, help="files of the many-small-files shape (default 20000)")
+    ap.add_argument("--small-kib", type=int, default=4, help="size of each small file in KiB (default 4)")
     ap.add_argument("--emulator", default="fake-gcs-server", choices=["fake-gcs-server", "gcp-storage-emulator"])
-    ap.add_argument(
-        "--emulator-backend",
-        default="filesystem",
-        choices=["filesystem", "memory"],
-        help="fake-gcs-server storage backend (memory: less noise, ~4x the checkpoint size in RAM)",
-    )
-    ap.add_argument("--tmpdir", default=None, help="where to put shards and emulator data (default $TMPDIR)")
+    ap.add_argument("--only", nargs="*", default=None, help="shape names to run (one-file, shards, small, big-one-file, big-shards)")
+    ap.add_argument("--no-library", action="store_true", help="skip the google-cloud-storage loop (it is slow)")
+    ap.add_argument("--raw-max-gib", type=float, default=2.0,
+                    help="above this size the raw floor is one request per file, not one for all "
+                         "(fake-gcs-server holds a request's object in RAM twice over)")  # fmt: skip
+    ap.add_argument("--tmpdir", default=None, help="where to put files and emulator data (default $TMPDIR)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="store tunables, e.g. max_workers=8 part_size=67108864")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.size_mib <= 0 or args.shards <= 0:
-        ap.error("--size-mib and --shards must be > 0")
+    tunables = dict(kv.split("=", 1) for kv in args.set)
 
     from slurmagent.devtools.localgcs import GcsEmulator
 
+    size = int(args.size_gib * GiB)
+    shapes = [("one-file", 1, size), ("shards", 16, size // 16), ("small", args.small_files, args.small_kib * 1024)]
+    if args.big:
+        shapes += [("big-shards", 16, GiB // 2)]
+    if args.big_one_file:
+        shapes += [("big-one-file", 1, 8 * GiB)]
+    if args.only:
+        shapes = [s for s in shapes if s[0] in args.only]
+
     work = Path(tempfile.mkdtemp(prefix="slurmagent-bench-", dir=args.tmpdir))
-    shard_bytes = args.size_mib * MiB // args.shards
-    total = shard_bytes * args.shards
-    emu = GcsEmulator(args.emulator, data_dir=work / "emulator", backend=args.emulator_backend)
+    emu = GcsEmulator(args.emulator, data_dir=work / "emulator")
+    rows: list[tuple[str, str, int, float, float | None, dict]] = []
     try:
         emu.start()
-        emu.create_bucket("bench")
-        os.environ["STORAGE_EMULATOR_HOST"] = emu.url  # this process only
+        emu.create_bucket(BUCKET)
+        env = {**os.environ, "STORAGE_EMULATOR_HOST": emu.url, "PYTHONPATH": str(REPO)}
+        os.environ["STORAGE_EMULATOR_HOST"] = emu.url
+        from slurmagent.gcp.storage import make_client
 
-        from slurmagent.gcp.storage import GcsCheckpointStore, make_client
-
-        t = time.perf_counter()
-        paths = write_shards(work / "ckpt", args.shards, shard_bytes)
-        gen_s = time.perf_counter() - t
-
-        # (a) baseline: one file after the other, the obvious loop
-        bucket = make_client().bucket("bench")
-        t = time.perf_counter()
-        for p in paths:
-            bucket.blob(f"baseline/{p.relative_to(work / 'ckpt').as_posix()}").upload_from_filename(str(p))
-        base_s = time.perf_counter() - t
-
-        store = GcsCheckpointStore("gs://bench/job", max_workers=args.workers)
-        state = work / "state.json"
-        t = time.perf_counter()
-        r1 = store.sync(work / "ckpt", attempt=0, state_file=state, deadline_s=3600)
-        sync_s = time.perf_counter() - t
-        assert r1.bytes_sent == total, r1
-
-        # (b) change 1 shard of N, sync again
-        victim = paths[len(paths) // 2]
-        with open(victim, "r+b") as fh:
-            fh.seek(shard_bytes // 2)
-            fh.write(os.urandom(min(MiB, shard_bytes)))
-        t = time.perf_counter()
-        r2 = store.sync(work / "ckpt", attempt=0, state_file=state, deadline_s=3600)
-        inc_s = time.perf_counter() - t
-
-        mib = total / MiB
-        base_rate, sync_rate = mib / base_s, mib / sync_s
-        ratio_b = r2.bytes_sent / shard_bytes
-        ok_b = ratio_b <= 1.05
-        cpus = os.cpu_count()
-        backend = f" ({args.emulator_backend} backend)" if args.emulator == "fake-gcs-server" else ""
+        client = make_client()
+        bucket = client.bucket(BUCKET)
         print(
-            f"checkpoint flush bench: {args.shards} shards x {shard_bytes / MiB:.1f} MiB = {mib:.0f} MiB, "
-            f"{args.emulator}{backend} on 127.0.0.1, {cpus} CPUs, sync workers {args.workers} "
-            f"(shards written in {gen_s:.1f}s)"
+            f"checkpoint data path bench: {args.emulator} on 127.0.0.1, {os.cpu_count()} CPUs, "
+            f"slurmagent tunables {tunables or 'default'}",
+            flush=True,
         )
-        print("(a) full upload                                 seconds     MiB/s")
-        print(f"    baseline: sequential upload_from_filename {base_s:8.2f}  {base_rate:8.1f}")
-        print(f"    slurmagent sync (parallel, incl. hashing) {sync_s:8.2f}  {sync_rate:8.1f}")
-        print(f"    sync / baseline                                      {sync_rate / base_rate:6.2f}x")
-        xml = {True: "XML multipart", False: "resumable (no XML multipart API)", None: "resumable"}[
-            store._xml_multipart
-        ]
-        print(f"    large-file uploads used: {xml}")
-        print(f"(b) sync after changing 1 of {args.shards} shards")
-        print(f"    shard size        {shard_bytes:>14,d} B")
-        print(f"    bytes sent        {r2.bytes_sent:>14,d} B   = {ratio_b:.3f}x shard (target <= 1.05x) "
-              f"{'OK' if ok_b else 'MISSED'}")  # fmt: skip
-        print(f"    files sent {r2.files_sent}, unchanged {r2.skipped_unchanged}, {inc_s:.2f}s")
-        return 0 if ok_b else 1
+        for name, count, each in shapes:
+            ckpt = work / name
+            paths = write_files(ckpt, count, each)
+            total = count * each
+            label = f"{count} x {each / MiB:.3g} MiB" if each >= MiB else f"{count} x {each // 1024} KiB"
+            print(f"-- {name}: {label} = {total / MiB:.0f} MiB", flush=True)
+            per_file = total > args.raw_max_gib * GiB and count > 1
+            if per_file:  # one request per file, one after the other
+                raw_up = sum(raw_upload(emu.host, emu.port, f"raw/{name}/{i}", [p]) for i, p in enumerate(paths))
+            else:
+                raw_up = raw_upload(emu.host, emu.port, f"raw/{name}", paths)
+            how = " (1 request per file)" if per_file else ""
+            print(f"   raw upload        {fmt_s(raw_up, total)}{how}", flush=True)
+            lib_up = None
+            if not args.no_library:
+                t0 = time.perf_counter()
+                for p in paths:
+                    bucket.blob(f"lib/{name}/{p.relative_to(ckpt).as_posix()}").upload_from_filename(str(p))
+                lib_up = time.perf_counter() - t0
+                print(f"   library upload    {fmt_s(lib_up, total)}", flush=True)
+            r = run_child("sync", f"gs://{BUCKET}/sa/{name}", ckpt, work / f"{name}.state", env, tunables)
+            assert r["bytes_sent"] == total, r
+            print(f"   slurmagent flush  {fmt_s(r['seconds'], total)}  peak RSS {r['rss_peak_kib'] / 1024:.0f} MiB", flush=True)
+            rows.append(("flush", name + ("*" if per_file else ""), total, raw_up, lib_up, r))
+
+            # the downloaded bytes stay on disk until the restore is done, as the restore's do
+            raw_dir = work / "raw-download"
+            raw_dir.mkdir()
+            if per_file:
+                raw_down = sum(raw_download(emu.host, emu.port, f"raw/{name}/{i}", raw_dir / str(i)) for i in range(count))
+            else:
+                raw_down = raw_download(emu.host, emu.port, f"raw/{name}", raw_dir / "all")
+            print(f"   raw download      {fmt_s(raw_down, total)}", flush=True)
+            lib_down = None
+            if not args.no_library:
+                dest = work / "lib-download"
+                t0 = time.perf_counter()
+                for p in paths:
+                    rel = p.relative_to(ckpt).as_posix()
+                    out = dest / rel
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    bucket.blob(f"lib/{name}/{rel}").download_to_filename(str(out))
+                lib_down = time.perf_counter() - t0
+                shutil.rmtree(dest)
+                print(f"   library download  {fmt_s(lib_down, total)}", flush=True)
+            restored = work / "restored"
+            r = run_child("restore", f"gs://{BUCKET}/sa/{name}", restored, work / "unused", env, tunables)
+            assert r["bytes"] == total, r
+            print(f"   slurmagent restore{fmt_s(r['seconds'], total)}  peak RSS {r['rss_peak_kib'] / 1024:.0f} MiB", flush=True)
+            rows.append(("restore", name + ("*" if per_file else ""), total, raw_down, lib_down, r))
+
+            if name == "shards":  # incremental: 1 of 16 shards changes
+                victim = paths[len(paths) // 2]
+                with open(victim, "r+b") as fh:
+                    fh.seek(each // 2)
+                    fh.write(os.urandom(min(MiB, each)))
+                r = run_child("sync", f"gs://{BUCKET}/sa/{name}", ckpt, work / f"{name}.state", env, tunables)
+                inc = (r["bytes_sent"], each, r["seconds"])
+            shutil.rmtree(restored, ignore_errors=True)
+            shutil.rmtree(raw_dir)
+            shutil.rmtree(ckpt)
+            if count <= 64:  # big objects: free the space (20,000 deletes would take longer than the bench)
+                for prefix in (f"raw/{name}", f"lib/{name}/", f"sa/{name}/"):
+                    delete_prefix(client, prefix)
+
+        print()
+        print("| operation | shape | bytes | raw: 1 request | google-cloud-storage loop | slurmagent | vs raw | vs library | peak RSS (before) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for op, name, total, raw, lib, r in rows:
+            ours = r["seconds"]
+            lib_s = f"{lib:.2f} s" if lib else "-"
+            vs_lib = f"{ours / lib:.2f}x" if lib else "-"
+            print(
+                f"| {op} | {name} | {total / MiB:.0f} MiB | {raw:.2f} s | {lib_s} | {ours:.2f} s | {ours / raw:.2f}x | "
+                f"{vs_lib} | {r['rss_peak_kib'] / 1024:.0f} MiB ({r['rss_before_kib'] / 1024:.0f}) |"
+            )
+        if any(n.endswith("*") for _, n, *_ in rows):
+            print("* raw: one request per file, one after the other (see --raw-max-gib)")
+        if any(n == "shards" for _, n, *_ in rows):
+            sent, shard, secs = inc
+            print(f"\nincremental sync after changing 1 of 16 shards: {sent:,} B sent = {sent / shard:.3f}x the shard, {secs:.2f} s")
+        print("\nhashing on this CPU (256 MiB in memory, best of 3):")
+        for label, rate in hashing_rates():
+            print(f"  {label:32s} {rate:6.2f} GB/s")
+        return 0
     finally:
         emu.stop()
         shutil.rmtree(work, ignore_errors=True)

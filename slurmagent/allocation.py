@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 
-from .checkpoint import CheckpointError, Manifest, RestoreError, no_progress_after
+from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
 from .errors import SlurmagentError
 
 REPORT_TAG = "slurmagent-node-report "
@@ -251,8 +251,8 @@ def merge_reports(
 
 
 def _same(entry: dict) -> str:
-    """What makes two manifest entries the same file (whatever kind of entry it is)."""
-    return json.dumps(entry, sort_keys=True)
+    """What makes two manifest entries the same file: its content (or link target), wherever stored."""
+    return entry_content_id(entry)
 
 
 def _digest(files: Mapping[str, dict]) -> str:

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, TextIO
 
-from .checkpoint import Manifest, no_progress_after, scan_checkpoint_dir
+from .checkpoint import Manifest, entry_content_id, no_progress_after, scan_checkpoint_dir
 from .errors import SlurmagentError
 from .expiry_state import termination_time
 from .fsutil import atomic_write_text
@@ -270,7 +270,7 @@ class RequeueHold:
 
 def manifest_id(m: Manifest) -> str:
     """Identifies one committed manifest (attempt, time, names and content hashes)."""
-    files = {rel: e["sha256"] for rel, e in m.files.items()}
+    files = {rel: entry_content_id(e) for rel, e in m.files.items()}
     return hashlib.sha256(json.dumps([m.attempt, m.created, files], sort_keys=True).encode()).hexdigest()
 
 

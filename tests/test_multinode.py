@@ -107,7 +107,12 @@ def committed(job_id: str) -> dict | None:
 
 
 def committed_file(job_id: str, manifest: dict, rel: str) -> bytes:
-    return bucket().blob(f"jobs/{job_id}/blobs/{manifest['files'][rel]['sha256']}").download_as_bytes()
+    entry = manifest["files"][rel]
+    if "pack" in entry:  # a small file travels in a pack
+        data = bucket().blob(f"jobs/{job_id}/blobs/pack-{entry['pack']}").download_as_bytes()
+        return data[entry["offset"] : entry["offset"] + entry["size"]]
+    name = f"blake3-{entry['blake3']}" if "blake3" in entry else entry["sha256"]
+    return bucket().blob(f"jobs/{job_id}/blobs/{name}").download_as_bytes()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, wait_for
+from slurmagent.checkpoint import entry_content_id
 from slurmagent.gcp.storage import GcsCheckpointStore
 from slurmagent.metrics import Metrics, read_values
 from slurmagent.wrapper import (
@@ -162,7 +163,7 @@ def emu(gcs_emulator_factory, monkeypatch):
 
 
 def committed_state() -> str:
-    return GcsCheckpointStore("gs://ckpt/jobs/77").latest_manifest().files["state"]["sha256"]
+    return entry_content_id(GcsCheckpointStore("gs://ckpt/jobs/77").latest_manifest().files["state"])
 
 
 def test_after_a_failed_final_sync_the_same_node_keeps_the_newer_local_files(emu, tmp_path):
