@@ -338,6 +338,8 @@ class Supervisor:
         self.hold = hold
         self.metrics = metrics
         self.pending: list[int] = []  # signals recorded by the handler, acted on by the loop
+        if store is not None and getattr(store, "warn", False) is None:
+            store.warn = self.say  # files a sync leaves out are said on the job's stderr, like ours
         self.sync_lock = threading.Lock()
         self.stop_sync = threading.Event()
         self.state_file = Path(str(opts.ckpt_dir).rstrip("/") + ".sync-state.json")
@@ -440,12 +442,21 @@ class Supervisor:
     def sync(self, deadline_s: float, final: bool = False) -> bool:
         if self.store is None:
             return False
-        with self.sync_lock:
-            started = self.clock()
+        started = self.clock()
+        # A sync still in flight (the periodic one) is waited for only within this deadline:
+        # the flush's deadline holds, and the blobs it sent are not sent again.
+        if not self.sync_lock.acquire(timeout=max(deadline_s, 0.0)):
+            self._sync_failed(WrapperError(f"the previous sync was still running at the deadline of {deadline_s:g} s"),
+                              final)
+            return False
+        try:
+            left = deadline_s - (self.clock() - started)
             before = stat_scan(self.opts.ckpt_dir)
             try:
+                if left <= 0:
+                    raise WrapperError(f"no time left of the deadline of {deadline_s:g} s")
                 result = self.store.sync(self.opts.ckpt_dir, self.ident.restart_count, self.state_file,
-                                         deadline_s=deadline_s, restored=self.baseline)
+                                         deadline_s=left, restored=self.baseline)
             except Exception as exc:  # noqa: BLE001 - any failure is one line; the job goes on
                 self._sync_failed(exc, final)
                 return False
@@ -453,6 +464,8 @@ class Supervisor:
                 self.committed = result.manifest
                 self.committed_scan = before
                 self.record.write(manifest=manifest_id(result.manifest), files=before)
+        finally:
+            self.sync_lock.release()
         self.bytes_synced += result.bytes_sent
         if self.sync_failures and not final:
             self.say(f"background sync to {self.remote} works again after {self.sync_failures} failed tries")

@@ -57,7 +57,11 @@ class SlowProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.target, timeout=10)
+            try:
+                server = socket.create_connection(self.target, timeout=10)
+            except OSError:  # the server is gone: the client sees its connection closed
+                client.close()
+                continue
             server.settimeout(None)
             with self._lock:
                 self._sockets += [client, server]

@@ -280,3 +280,72 @@ def test_background_sync_errors_are_said_once_counted_and_the_lag_shows(emu, tmp
     assert errors[1] not in values  # the job is over: its lag series is gone
     prom = (metrics_dir / "slurmagent.prom").read_text()
     assert "# TYPE slurmagent_checkpoint_sync_errors_total counter" in prom
+
+
+# --- the flush's deadline holds with a sync in flight, odd names and unreadable files --------
+
+
+def test_a_background_sync_in_flight_on_a_slow_link_does_not_delay_the_requeue(emu, tmp_path, monkeypatch):
+    """SIGTERM while the periodic sync is still pushing 12 MB at 1 MB/s: the final sync gets what is
+    left of the grace (not the background sync's 30 s), then the job is requeued."""
+    from slow_proxy import SlowProxy
+
+    ready = tmp_path / "ready"
+    trainer = ('trap "exit 0" USR1; head -c 12000000 /dev/urandom > "$SLURMAGENT_CKPT_DIR/shard.pt"; '
+               ': > "$1"; while :; do sleep 0.02; done')
+    with SlowProxy("127.0.0.1", emu.port, upload_bps=1_000_000) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        requeues = Requeues()
+        err = io.StringIO()
+        opts = RunOptions(cmd=["sh", "-c", trainer, "sh", str(ready)], ckpt_dir=tmp_path / "ckpt",
+                          remote="gs://ckpt/jobs/77", grace_s=2.0, final_sync_floor_s=1.0, sync_interval_s=0.2,
+                          sync_deadline_s=30.0, stop_wait_s=5)
+        sup = Supervisor(opts, JobIdentity("slurm", "77", "77", 0, ("77",)), GcsCheckpointStore(opts.remote),
+                         requeues, dict(os.environ), err=err)
+
+        def term_during_the_background_sync() -> None:
+            wait_for(ready.exists, 30, "trainer start", interval=0.02)
+            wait_for(lambda: sup.sync_lock.locked(), 30, "a background sync in flight", interval=0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=term_during_the_background_sync, daemon=True).start()
+        outcome = sup.run()
+    text = err.getvalue()
+    assert outcome.exit_code == EXIT_FLUSHED and requeues == ["77"], text
+    assert not outcome.synced and "final sync failed" in text, text
+    # the flush kept its deadline: the grace (2 s) plus the stop, not the background sync's 12-30 s
+    assert outcome.flush_seconds < 10, (outcome.flush_seconds, text)
+
+
+def test_odd_names_sync_and_the_next_attempt_restores_them(emu, tmp_path):
+    """A name with a backslash (or bytes that are not UTF-8) is committed, and the requeued job
+    starts again with it restored: sync and restore apply one name rule."""
+    node = tmp_path / "n1" / "ckpt"
+
+    def plant() -> None:
+        (node / "model\\v1.pt").write_bytes(b"weights")
+        (node / os.fsdecode(b"opt-\xff.pt")).write_bytes(b"optimizer")
+
+    first, err = attempt(tmp_path, 0, "A", ckpt_dir=node, before_flush=plant)
+    assert first.synced and first.exit_code == EXIT_FLUSHED, err
+    second, err = attempt(tmp_path, 1, "", ckpt_dir=tmp_path / "n2" / "ckpt")
+    assert second.resumed and "restored checkpoint of attempt 0" in err, err
+    n2 = tmp_path / "n2" / "ckpt"
+    assert (n2 / "model\\v1.pt").read_bytes() == b"weights"
+    assert (n2 / os.fsdecode(b"opt-\xff.pt")).read_bytes() == b"optimizer"
+
+
+def test_a_file_the_sync_cannot_read_is_left_out_and_the_job_is_still_requeued(emu, tmp_path):
+    """A FIFO or unreadable file in the checkpoint dir: one line, the rest committed, requeued."""
+    node = tmp_path / "n1" / "ckpt"
+
+    def plant() -> None:
+        os.mkfifo(node / "pipe")
+        os.symlink("/etc/shadow", node / "secret")
+
+    requeues = Requeues()
+    first, err = attempt(tmp_path, 0, "A", ckpt_dir=node, before_flush=plant, requeues=requeues)
+    assert first.synced and first.exit_code == EXIT_FLUSHED and requeues == ["77"], err
+    files = set(GcsCheckpointStore("gs://ckpt/jobs/77").latest_manifest().files)
+    assert files == {"state"}, files
+    assert "Traceback" not in err and "secret" in err, err

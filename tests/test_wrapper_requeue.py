@@ -157,7 +157,9 @@ def fake_scontrol(tmp_path: Path) -> tuple[Path, Path]:
 
 
 # Lightning's SIGUSR1 handler in sh: save, `scontrol requeue $SLURM_JOB_ID`, then GO ON training.
-SELF_REQUEUER = ('trap \'printf saved > "$SLURMAGENT_CKPT_DIR/hpc_ckpt_1.ckpt"; scontrol requeue 77; '
+# It ignores the wrapper's SIGTERM (sent as soon as the requeue is held, maybe before the trap's
+# echo ran) and trains on, as Lightning does after requeueing itself: the wrapper's KILL ends it.
+SELF_REQUEUER = ('trap "" TERM; trap \'printf saved > "$SLURMAGENT_CKPT_DIR/hpc_ckpt_1.ckpt"; scontrol requeue 77; '
                  'echo "requeue rc=$?" >> "$2"\' USR1; scontrol show job 77 >> "$2"; : > "$1"; '
                  'while :; do sleep 0.02; done')
 
