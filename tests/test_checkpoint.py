@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slow_proxy import SlowProxy  # noqa: E402
 
 from slurmagent import checkpoint as ck  # noqa: E402
+from slurmagent import checkpoint_hash  # noqa: E402
 from slurmagent.checkpoint import (  # noqa: E402
     Manifest,
     ManifestError,
@@ -265,8 +266,8 @@ def test_hash_is_blake3_and_gcs_crc32c_in_one_read(tmp_path):
 def test_hash_cache_never_rehashes_unchanged_files(tmp_path, monkeypatch):
     write_tree(tmp_path / "c", {"a": b"hello", "b/c": b"world"})
     calls = []
-    real = ck.hash_file
-    monkeypatch.setattr(ck, "hash_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
+    real = checkpoint_hash.hash_file
+    monkeypatch.setattr(checkpoint_hash, "hash_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
     state_path = tmp_path / "state.json"
     s1 = ck.LocalState(state_path, tmp_path / "c")
     d1 = [s1.digest(f) for f in scan_checkpoint_dir(tmp_path / "c")]
@@ -497,8 +498,8 @@ def test_unchanged_sync_sends_nothing_and_hashes_nothing(emu, dirs, monkeypatch)
     r1 = store().sync(dirs.ckpt, 0, dirs.state, 30)
     assert r1.files_sent == 4
     hashed = []
-    real = ck.hash_file
-    monkeypatch.setattr(ck, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
+    real = checkpoint_hash.hash_file
+    monkeypatch.setattr(checkpoint_hash, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
     r2 = store().sync(dirs.ckpt, 0, dirs.state, 30)
     assert (r2.files_sent, r2.bytes_sent, r2.skipped_unchanged) == (0, 0, 4)
     assert r2.manifest_generation == r1.manifest_generation  # nothing changed: manifest kept
@@ -534,8 +535,8 @@ def test_restore_tells_the_hash_cache_so_the_next_sync_reads_nothing(emu, dirs, 
     state = tmp_path / "node2-state.json"
     store().restore(dirs.restore, state_file=state)
     hashed = []
-    real = ck.hash_file
-    monkeypatch.setattr(ck, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
+    real = checkpoint_hash.hash_file
+    monkeypatch.setattr(checkpoint_hash, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
     r = store().sync(dirs.restore, 1, state, 30)
     assert (r.files_sent, r.bytes_sent, hashed) == (0, 0, [])
 
@@ -849,7 +850,7 @@ def test_a_file_that_keeps_changing_does_not_stop_the_others(emu, dirs):
     said = []
     s = store(warn=said.append)
     s.busy_pause_s = 0.05
-    real = ck.hash_file
+    real = checkpoint_hash.hash_file
 
     def log_grows_while_read(path, *a, **k):  # a log appended between every look and every read
         if path.endswith("train.log"):
@@ -857,7 +858,7 @@ def test_a_file_that_keeps_changing_does_not_stop_the_others(emu, dirs):
                 fh.write(b"another line\n")
         return real(path, *a, **k)
 
-    ck.hash_file, saved = log_grows_while_read, ck.hash_file
+    checkpoint_hash.hash_file, saved = log_grows_while_read, checkpoint_hash.hash_file
     try:
         with open(dirs.ckpt / "train.log", "ab") as fh:
             fh.write(b"a line written since the last sync\n")
@@ -866,7 +867,7 @@ def test_a_file_that_keeps_changing_does_not_stop_the_others(emu, dirs):
             fh.write(b"a line written since the last sync\n")
         r2 = s.sync(dirs.ckpt, 0, dirs.state, 30)
     finally:
-        ck.hash_file = saved
+        checkpoint_hash.hash_file = saved
     assert r.busy == ("train.log",), r
     assert r2.busy == ("train.log",), r2
     m = store().latest_manifest()

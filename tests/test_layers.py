@@ -28,7 +28,8 @@ LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "f
 LAYERS = {
     PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "hostlist", "timefmt", "errors"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
-            "checkpoint"],
+            "checkpoint", "checkpoint_errors", "checkpoint_names", "checkpoint_hash", "checkpoint_cache",
+            "checkpoint_manifest"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage"],
     ACTIONS: ["actions"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "runner", "allocation", "trainer",

@@ -68,6 +68,7 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
 from slurmagent import checkpoint as ck
+from slurmagent import checkpoint_hash
 from slurmagent.checkpoint import (
     EMPTY_CRC32C,
     RESERVED_PREFIX,
@@ -1114,9 +1115,9 @@ class GcsCheckpointStore:
         started = time.time()
         try:
             if f.size > self.small_file_max:
-                d, st, data = ck.hash_file(f.path, want_sha256=want_sha256, expect=f, threads=4)
+                d, st, data = checkpoint_hash.hash_file(f.path, want_sha256=want_sha256, expect=f, threads=4)
             else:
-                d, st, data = ck.hash_file(f.path, want_sha256=want_sha256, expect=f, keep_bytes=self.small_file_max)
+                d, st, data = checkpoint_hash.hash_file(f.path, want_sha256=want_sha256, expect=f, keep_bytes=self.small_file_max)
         except FileNotFoundError:
             with run.lock:
                 run.done.add(f.relpath)  # deleted since the scan: not part of this checkpoint
