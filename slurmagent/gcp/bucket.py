@@ -125,6 +125,7 @@ class BucketObjects:
     def manifest_url(self) -> str:
         return f"gs://{self.bucket_name}/{self.manifest_name}"
 
+    # -- client
 
     @property
     def client(self) -> Any:
@@ -198,6 +199,7 @@ class BucketObjects:
             if dl.abort.wait(min(pause, left - 0.2)):
                 raise Aborted()
 
+    # -- raw JSON API requests (streamed, through the client's authorized session)
 
     def raise_for(self, resp: Any) -> None:
         if resp.status_code >= 400:

@@ -43,7 +43,8 @@ def add_to_pack(run: SyncRun, f: LocalFile, d: FileDigest, cid: str, data: bytes
 
 
 def seal_pack(run: SyncRun) -> None:
-    # at most two packs in memory: the io lane waits here, never past the deadline
+    """Hand the pack being filled to the ``pack`` lane.  At most two sealed packs are in memory:
+    the io lane waits here for a slot, never past the deadline."""
     if not run.pack_slots.acquire(timeout=max(0.0, run.dl.remaining())):
         raise Aborted()
     with run.lock:
@@ -95,6 +96,7 @@ def upload_pack(run: SyncRun, members: list[tuple[LocalFile, FileDigest, str, by
             run.done.add(f.relpath)
             offset += d.size
 
+
 # ------------------------------------------------------------------------ restore
 
 
@@ -119,7 +121,11 @@ def schedule_pack_restore(
         pool.submit(fetch_pack_run, objects, name, ms, stage, dl)
 
 
-def fetch_pack_run(objects: BucketObjects, name: str, ms: list[tuple[int, str, dict]], stage: list[str], dl: Deadline) -> None:
+def fetch_pack_run(
+    objects: BucketObjects, name: str, ms: list[tuple[int, str, dict]], stage: list[str], dl: Deadline
+) -> None:
+    """One ranged read of pack ``name`` split into the files ``ms`` as it streams; each file's size and
+    CRC32C checked (a mismatch is read once more before the restore fails)."""
     import google_crc32c
 
     start = ms[0][2]["offset"]

@@ -166,7 +166,15 @@ def after_restore(
 
 
 def schedule_download(
-    objects: BucketObjects, settings: TransferSettings, pool: WorkerPool, i: int, rel: str, entry: dict, path: str, fds: dict[int, int], dl: Deadline
+    objects: BucketObjects,
+    settings: TransferSettings,
+    pool: WorkerPool,
+    i: int,
+    rel: str,
+    entry: dict,
+    path: str,
+    fds: dict[int, int],
+    dl: Deadline,
 ) -> None:
     """Queue the download of one file into ``path``: whole, or as parallel ranged reads."""
     size = entry["size"]

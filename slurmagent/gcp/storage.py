@@ -165,7 +165,9 @@ class GcsCheckpointStore:
         attempt's manifest is never overwritten; ``if_generation_match`` on the one read).
         Every blob it names must already be stored. Returns the manifest's generation; an
         identical manifest of the same attempt already in place is kept as it is."""
-        return self._guard(lambda dl: self.manifests.commit(manifest, dl), Deadline(deadline_s), "committing the manifest of")
+        return self._guard(
+            lambda dl: self.manifests.commit(manifest, dl), Deadline(deadline_s), "committing the manifest of"
+        )
 
     # -- sync
 
@@ -267,7 +269,6 @@ class GcsCheckpointStore:
         """Put exactly the entries of ``manifest`` (one already read, possibly a part of one)
         into ``ckpt_dir``, all or none, as :meth:`restore` does."""
         self._restore(Path(ckpt_dir), deadline_s, state_file, manifest)
-
 
     def _restore(
         self, root: Path, deadline_s: float, state_file: str | os.PathLike | None, manifest: Manifest | None = None

@@ -74,7 +74,6 @@ class SyncRun:
         self.done: set[str] = set()
         self.committed: dict[str, tuple[int, int]] | None = None  # relpath -> (size, mtime_ns), once committed
 
-
     def file_busy(self, f: LocalFile, cid: str | None = None) -> None:
         """``f`` changed while it was read: another try later, and its content is no longer claimed."""
         with self.lock:

@@ -113,6 +113,7 @@ def sync_file(run: SyncRun, f: LocalFile, lane: str = "io") -> None:
 
 
 def upload_claimed(run: SyncRun, f: LocalFile, d: FileDigest, cid: str, data: bytes | None = None) -> None:
+    """Put content ``cid`` (this sync's claim on it) on the remote: already there, packed, in parts or whole."""
     dl = run.dl
     if cid in run.in_manifest or (cid in run.known and run.objects.blob_exists(cid, dl)):
         with run.lock:
@@ -234,7 +235,9 @@ def upload_parallel(run: SyncRun, f: LocalFile, d: FileDigest, cid: str) -> None
                 for j in range(0, len(sources), COMPOSE_MAX):
                     inter = f"{tmp}/c{level}-{j // COMPOSE_MAX:05d}"
                     group = sources[j : j + COMPOSE_MAX]
-                    run.objects.call(lambda t, i=inter, g=group: run.objects.compose(i, g, t, None), dl, f"composing {f.relpath}")
+                    run.objects.call(
+                        lambda t, i=inter, g=group: run.objects.compose(i, g, t, None), dl, f"composing {f.relpath}"
+                    )
                     grouped.append(inter)
                 temporaries += grouped
                 sources, level = grouped, level + 1
