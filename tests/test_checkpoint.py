@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slow_proxy import SlowProxy  # noqa: E402
 
 from slurmagent import checkpoint as ck  # noqa: E402
+from slurmagent import checkpoint_hash  # noqa: E402
 from slurmagent.checkpoint import (  # noqa: E402
     Manifest,
     ManifestError,
@@ -265,8 +266,8 @@ def test_hash_is_blake3_and_gcs_crc32c_in_one_read(tmp_path):
 def test_hash_cache_never_rehashes_unchanged_files(tmp_path, monkeypatch):
     write_tree(tmp_path / "c", {"a": b"hello", "b/c": b"world"})
     calls = []
-    real = ck.hash_file
-    monkeypatch.setattr(ck, "hash_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
+    real = checkpoint_hash.hash_file
+    monkeypatch.setattr(checkpoint_hash, "hash_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
     state_path = tmp_path / "state.json"
     s1 = ck.LocalState(state_path, tmp_path / "c")
     d1 = [s1.digest(f) for f in scan_checkpoint_dir(tmp_path / "c")]
@@ -497,8 +498,8 @@ def test_unchanged_sync_sends_nothing_and_hashes_nothing(emu, dirs, monkeypatch)
     r1 = store().sync(dirs.ckpt, 0, dirs.state, 30)
     assert r1.files_sent == 4
     hashed = []
-    real = ck.hash_file
-    monkeypatch.setattr(ck, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
+    real = checkpoint_hash.hash_file
+    monkeypatch.setattr(checkpoint_hash, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
     r2 = store().sync(dirs.ckpt, 0, dirs.state, 30)
     assert (r2.files_sent, r2.bytes_sent, r2.skipped_unchanged) == (0, 0, 4)
     assert r2.manifest_generation == r1.manifest_generation  # nothing changed: manifest kept
@@ -534,8 +535,8 @@ def test_restore_tells_the_hash_cache_so_the_next_sync_reads_nothing(emu, dirs, 
     state = tmp_path / "node2-state.json"
     store().restore(dirs.restore, state_file=state)
     hashed = []
-    real = ck.hash_file
-    monkeypatch.setattr(ck, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
+    real = checkpoint_hash.hash_file
+    monkeypatch.setattr(checkpoint_hash, "hash_file", lambda *a, **k: hashed.append(a[0]) or real(*a, **k))
     r = store().sync(dirs.restore, 1, state, 30)
     assert (r.files_sent, r.bytes_sent, hashed) == (0, 0, [])
 
@@ -661,7 +662,7 @@ def test_stale_attempt_is_refused_and_manifest_unchanged(emu, dirs, tmp_path):
 def _race(write_a, dir_b, attempt_b, state_b):
     """B reads the manifest, then A commits before B writes: B's write hits a 412."""
     b = store()
-    real = b._read_manifest
+    real = b.manifests.read
     reads = []
 
     def hooked(dl):
@@ -671,11 +672,11 @@ def _race(write_a, dir_b, attempt_b, state_b):
             write_a()
         return got
 
-    b._read_manifest = hooked
+    b.manifests.read = hooked
     try:
         return b.sync(dir_b, attempt_b, state_b, 30), reads
     finally:
-        del b._read_manifest
+        del b.manifests.read
 
 
 @pytest.mark.parametrize("attempt_a,attempt_b,b_wins", [(3, 2, False), (2, 2, True)])
@@ -740,7 +741,7 @@ def test_interrupted_sync_restores_previous_checkpoint(emu, dirs, monkeypatch):
     def die(*a, **k):
         raise KeyboardInterrupt("killed before the manifest")
 
-    monkeypatch.setattr(s, "_commit_manifest", die)
+    monkeypatch.setattr(s.manifests, "write", die)
     with pytest.raises(KeyboardInterrupt):
         s.sync(dirs.ckpt, 0, dirs.state, 30)
     names = {b.name for b in make_client().list_blobs("ckpt", prefix="job1/blobs/")}
@@ -759,7 +760,7 @@ def test_killed_sync_process_restores_previous_checkpoint(emu, dirs):
         import os, signal
         from slurmagent.gcp.storage import GcsCheckpointStore
         s = GcsCheckpointStore("gs://ckpt/job1", timeout_s=5)
-        s._commit_manifest = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        s.manifests.write = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         s.sync({str(dirs.ckpt)!r}, 0, {str(dirs.state)!r}, 30)
         """
     )
@@ -825,16 +826,16 @@ def test_file_rewritten_between_hash_and_upload_is_read_again(emu, dirs):
     write_tree(dirs.ckpt, {"a": b"version one"})
     s = store()
     s.small_file_max = 0  # streamed from the file, not uploaded from the hashed bytes
-    real = s._upload_whole
+    real = s.objects.post_media
     rewrites = []
 
-    def rewrite_then_upload(f, d, cid, data, dl):
+    def rewrite_then_upload(*a, **k):  # after the hashing, before the bytes go
         if not rewrites:
-            Path(f.path).write_bytes(b"version two")  # same size, written in place
-            rewrites.append(f.relpath)
-        return real(f, d, cid, data, dl)
+            (dirs.ckpt / "a").write_bytes(b"version two")  # same size, written in place
+            rewrites.append("a")
+        return real(*a, **k)
 
-    s._upload_whole = rewrite_then_upload
+    s.objects.post_media = rewrite_then_upload
     r = s.sync(dirs.ckpt, 0, dirs.state, 30)
     assert rewrites == ["a"] and r.busy == ()
     assert remote_contents() >= {b"version two"} and b"version one" not in remote_contents()
@@ -849,7 +850,7 @@ def test_a_file_that_keeps_changing_does_not_stop_the_others(emu, dirs):
     said = []
     s = store(warn=said.append)
     s.busy_pause_s = 0.05
-    real = ck.hash_file
+    real = checkpoint_hash.hash_file
 
     def log_grows_while_read(path, *a, **k):  # a log appended between every look and every read
         if path.endswith("train.log"):
@@ -857,7 +858,7 @@ def test_a_file_that_keeps_changing_does_not_stop_the_others(emu, dirs):
                 fh.write(b"another line\n")
         return real(path, *a, **k)
 
-    ck.hash_file, saved = log_grows_while_read, ck.hash_file
+    checkpoint_hash.hash_file, saved = log_grows_while_read, checkpoint_hash.hash_file
     try:
         with open(dirs.ckpt / "train.log", "ab") as fh:
             fh.write(b"a line written since the last sync\n")
@@ -866,7 +867,7 @@ def test_a_file_that_keeps_changing_does_not_stop_the_others(emu, dirs):
             fh.write(b"a line written since the last sync\n")
         r2 = s.sync(dirs.ckpt, 0, dirs.state, 30)
     finally:
-        ck.hash_file = saved
+        checkpoint_hash.hash_file = saved
     assert r.busy == ("train.log",), r
     assert r2.busy == ("train.log",), r2
     m = store().latest_manifest()
@@ -928,13 +929,13 @@ def test_emulator_stopped_during_sync_gives_up_clearly_within_deadline(emu, dirs
     before = snapshot(dirs.ckpt)
     state_before = dirs.state.read_bytes()
     s = store(timeout_s=2)
-    real = s._post_media
+    real = s.objects.post_media
 
     def stop_then_upload(*a, **k):
         emu.stop()
         return real(*a, **k)
 
-    s._post_media = stop_then_upload
+    s.objects.post_media = stop_then_upload
     deadline = 3.0
     t0 = time.monotonic()
     with pytest.raises(StorageUnavailableError, match=r"gave up after \d+ tries|deadline of 3s") as ei:
@@ -947,7 +948,7 @@ def test_emulator_stopped_during_sync_gives_up_clearly_within_deadline(emu, dirs
     assert json.loads(dirs.state.read_bytes())["version"] >= json.loads(state_before)["version"]
     emu.restart()
     assert set(store().latest_manifest().files) == {"a.pt"}  # previous checkpoint intact
-    s._post_media = real
+    s.objects.post_media = real
     s.sync(dirs.ckpt, 0, dirs.state, 30)
     assert s.last_sync_error == ""
 
@@ -1094,7 +1095,7 @@ def test_transient_classification(exc, transient):
 
 
 def test_call_retries_transient_errors_then_succeeds():
-    from slurmagent.gcp import storage as gs
+    from slurmagent.gcp.transfer import Deadline
 
     s = GcsCheckpointStore("gs://ckpt/p", client=object(), timeout_s=7)
     seen = []
@@ -1105,12 +1106,12 @@ def test_call_retries_transient_errors_then_succeeds():
             raise _api_error(503 if len(seen) == 1 else 429)
         return "ok"
 
-    assert s._call(flaky, gs._Deadline(10), "testing") == "ok"
+    assert s.objects.call(flaky, Deadline(10), "testing") == "ok"
     assert len(seen) == 3 and all(0 < t <= 7 for t in seen)
 
 
 def test_call_does_not_retry_permanent_errors():
-    from slurmagent.gcp import storage as gs
+    from slurmagent.gcp.transfer import Deadline
 
     s = GcsCheckpointStore("gs://ckpt/p", client=object())
     seen = []
@@ -1120,5 +1121,5 @@ def test_call_does_not_retry_permanent_errors():
         raise _api_error(403)
 
     with pytest.raises(StorageUnavailableError, match="testing on gs://ckpt/p failed: Forbidden"):
-        s._call(forbidden, gs._Deadline(10), "testing")
+        s.objects.call(forbidden, Deadline(10), "testing")
     assert seen == [1]

@@ -28,8 +28,11 @@ LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "f
 LAYERS = {
     PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "hostlist", "timefmt", "errors"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
-            "checkpoint"],
-    ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage"],
+            "checkpoint", "checkpoint_errors", "checkpoint_names", "checkpoint_hash", "checkpoint_cache",
+            "checkpoint_manifest"],
+    ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage",
+               "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs", "gcp.sync",
+               "gcp.restore"],
     ACTIONS: ["actions"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "runner", "allocation", "trainer",
                "doctor", "install"],

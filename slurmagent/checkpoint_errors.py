@@ -1,0 +1,66 @@
+"""The checkpoint store's errors, one class per thing a user can act on.
+
+Its own module so that every part of the store (name rules, hashing, manifest,
+the Cloud Storage side) raises the same classes without importing each other.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from slurmagent.errors import SlurmagentError
+
+__all__ = [
+    "CheckpointError",
+    "RemoteURLError",
+    "ManifestError",
+    "StaleAttemptError",
+    "StorageUnavailableError",
+    "SyncDeadlineError",
+    "RestoreError",
+    "LocalChangedError",
+]
+
+
+class CheckpointError(SlurmagentError):
+    """Base class of checkpoint-store failures (one line for the user)."""
+
+    exit_code = 1
+
+
+class RemoteURLError(CheckpointError):
+    """The checkpoint remote is not a valid ``gs://BUCKET[/PREFIX]`` URL."""
+
+    exit_code = 2
+
+
+class ManifestError(CheckpointError):
+    """A checkpoint manifest is not valid JSON or does not follow the schema."""
+
+
+class StaleAttemptError(CheckpointError):
+    """A newer attempt (restart) already owns the remote checkpoint; ours must not overwrite it."""
+
+
+class StorageUnavailableError(CheckpointError):
+    """Cloud Storage kept failing (transient errors) until the caller's deadline, or refused."""
+
+
+class SyncDeadlineError(StorageUnavailableError):
+    """A sync or restore did not finish within its deadline; what was left is named.
+
+    ``unfinished``: relpaths not transferred; ``unfinished_bytes``: their size.
+    """
+
+    def __init__(self, message: str, unfinished: Iterable[str] = (), unfinished_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.unfinished = tuple(unfinished)
+        self.unfinished_bytes = unfinished_bytes
+
+
+class RestoreError(CheckpointError):
+    """A checkpoint could not be restored (missing or corrupt blob); nothing was put in place."""
+
+
+class LocalChangedError(CheckpointError):
+    """A checkpoint file changed while it was being hashed or uploaded; sync again later."""

@@ -1,0 +1,129 @@
+"""The manifest on Cloud Storage: read with its generation, written last and fenced.
+
+Fencing: the manifest carries the writer's ``attempt`` (restart count).  Before
+writing, the current manifest and its generation are read; a higher attempt
+there raises :class:`StaleAttemptError`; the write uses
+``if_generation_match=<generation read>`` (0 when absent), and on 412 the
+manifest is read again and the decision retaken.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+from slurmagent.checkpoint import Manifest, StaleAttemptError, StorageUnavailableError
+from slurmagent.gcp.bucket import BucketObjects
+from slurmagent.gcp.transfer import Deadline, is_not_found, is_precondition_failed
+
+__all__ = ["ManifestStore"]
+
+log = logging.getLogger("slurmagent.gcp.storage")
+
+
+class ManifestStore:
+    """``PREFIX/manifest.json`` of one checkpoint prefix."""
+
+    def __init__(self, objects: BucketObjects) -> None:
+        self.objects = objects
+
+    def read(self, dl: Deadline) -> tuple[Manifest | None, int]:
+        """(manifest, generation); (None, 0) when there is none."""
+
+        def once(timeout: float) -> tuple[bytes | None, int]:
+            blob = self.objects.bucket.blob(self.objects.manifest_name)
+            data = blob.download_as_bytes(timeout=timeout, retry=None)
+            if blob.generation:  # from x-goog-generation, consistent with the content
+                return data, int(blob.generation)
+            # The backend did not say which generation it sent (gcp-storage-emulator):
+            # read the metadata, then the content of exactly that generation.
+            for _ in range(5):
+                meta = self.objects.bucket.get_blob(self.objects.manifest_name, timeout=timeout, retry=None)
+                if meta is None:
+                    return None, 0
+                try:
+                    data = self.objects.bucket.blob(self.objects.manifest_name).download_as_bytes(
+                        if_generation_match=meta.generation, timeout=timeout, retry=None
+                    )
+                except Exception as exc:
+                    if is_precondition_failed(exc):
+                        continue
+                    raise
+                return data, int(meta.generation)
+            raise StorageUnavailableError(f"{self.objects.manifest_url} keeps changing; could not read it")
+
+        try:
+            data, generation = self.objects.call(once, dl, "reading the manifest")
+        except Exception as exc:
+            if not is_not_found(exc):
+                raise
+            data, generation = None, 0
+        if data is None:
+            self.objects.check_bucket(dl)
+            return None, 0
+        return Manifest.from_json(data, source=self.objects.manifest_url), generation
+
+    def commit(self, manifest: Manifest, dl: Deadline) -> int:
+        """Write ``manifest`` as the complete checkpoint, fenced as a sync does (a newer
+        attempt's manifest is never overwritten; ``if_generation_match`` on the one read).
+        Every blob it names must already be stored. Returns the manifest's generation; an
+        identical manifest of the same attempt already in place is kept as it is."""
+        current, generation = self.read(dl)
+        if current is not None and current.attempt > manifest.attempt:
+            raise self.stale(current, manifest.attempt)
+        if (
+            current is not None
+            and current.attempt == manifest.attempt
+            and current.files == manifest.files
+            and current.writers == manifest.writers
+            and current.node_count == manifest.node_count
+            and current.no_progress == manifest.no_progress
+        ):
+            return generation
+        return self.write(manifest, current, generation, dl)
+
+    def stale(self, current: Manifest, attempt: int) -> StaleAttemptError:
+        """The refusal to overwrite ``current``, a newer attempt's checkpoint."""
+        return StaleAttemptError(
+            f"checkpoint {self.objects.manifest_url} belongs to attempt {current.attempt}, newer than ours "
+            f"({attempt}); refusing to overwrite it"
+        )
+
+    def write(self, manifest: Manifest, current: Manifest | None, generation: int, dl: Deadline) -> int:
+        """Write ``manifest`` over ``current`` (read at ``generation``); on a 412 read again and retake
+        the decision. Returns the new generation."""
+        data = manifest.to_json().encode("utf-8")
+        races = 0
+        while True:
+            if current is not None and current.attempt > manifest.attempt:
+                raise self.stale(current, manifest.attempt)
+            blob = self.objects.bucket.blob(self.objects.manifest_name)
+
+            def once(timeout: float, blob: Any = blob, gen: int = generation) -> int:
+                blob.upload_from_string(
+                    data,
+                    content_type="application/json",
+                    if_generation_match=gen,
+                    timeout=timeout,
+                    retry=None,
+                )
+                return int(blob.generation)
+
+            try:
+                return self.objects.call(once, dl, "writing the manifest")
+            except Exception as exc:
+                if not is_precondition_failed(exc):
+                    raise
+            races += 1
+            log.info("manifest %s changed under us (412); reading it again", self.objects.manifest_url)
+            current, generation = self.read(dl)
+            if current is not None and current.to_json() == manifest.to_json():
+                return generation  # our own write, whose reply was lost
+            if dl.remaining() < 0.3:
+                raise StorageUnavailableError(
+                    f"writing the manifest on {self.objects.url}: gave up after {races} concurrent changes "
+                    f"(deadline {dl.total:g}s)"
+                )
+            time.sleep(min(0.05 * races * random.random(), max(dl.remaining() - 0.2, 0)))
