@@ -115,6 +115,15 @@ class GcsCheckpointStore:
         self.last_sync_error = ""
         self.last_sync: SyncResult | None = None
 
+    @property
+    def warn(self) -> Callable[[str], None] | None:
+        """Where lines about files a sync leaves out go (None: the storage logger)."""
+        return self.notices.warn
+
+    @warn.setter
+    def warn(self, callback: Callable[[str], None] | None) -> None:
+        self.notices.warn = callback
+
     # -- names and client
 
     @property
