@@ -314,7 +314,7 @@ def status(state: State, as_json: bool) -> None:
 @click.pass_obj
 def journal_cmd(state: State, replay: bool, node: str | None) -> None:
     """Show (or replay) this node's journal of pending actions."""
-    from .actions import Actions  # start-up speed
+    from .action_handlers import Actions  # start-up speed
     from .journal import Journal  # start-up speed
     from .slurm import Slurm  # start-up speed
 

@@ -9,7 +9,7 @@
   dynamic nodes powered down (POWER_DOWN_ASAP), `reportHostAsFaulty` per node where Google
   takes it (a refusal falls back to recreate, journaled), ONE `recreateInstances` per MIG.
   The nodes' reasons switch to `slurmagent: repairing: ...` first so a second run does not
-  ask twice. What is sent and how it is undone on failure is `actions.py`'s.
+  ask twice. What is sent and how it is undone on failure is `action_handlers.py`'s.
 * `resume-if-healthy`: at boot, once slurmd of this boot has registered, resume the node if
   it is healthy and drained by slurmagent (a fault, or a planned drain ahead of the VM's end:
   a static node recreated after its flex expiry comes back by itself); drain it (through the
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 from . import actions, hostlist, policy, reasons
-from .actions import Actions
+from .action_handlers import Actions
 from .config import Config
 from .decisionlog import warn
 from .errors import SlurmagentError, SlurmError

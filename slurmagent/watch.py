@@ -20,7 +20,7 @@ admin's drain; application-class XIDs are counted and logged. One decision line 
 When the XID leaves a GPU unusable under a running job (``policy.evicts_jobs``: its immediate
 action is a GPU reset or a node reboot) and our drain stands (not held back by the circuit
 breaker, not an admin's drain), the jobs running on the node leave it at once
-(``actions.FaultEviction``: wrapped jobs flush, the others are requeued); the loop follows
+(``eviction.FaultEviction``: wrapped jobs flush, the others are requeued); the loop follows
 the flushed ones until they are off the node or their deadline passed (event ``fault-evict``).
 
 The daemon runs threads, so it never forks a child itself: a GPU snapshot (to map kernel-log
@@ -48,6 +48,7 @@ from .checks import Finding, Report, Severity, xid_finding
 from .config import Config
 from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError, SlurmError
+from .eviction import FaultEviction
 from .health import read_snapshot
 from .host import sd_notify, watchdog_interval
 from .nvml import NVML_WAIT_MS, GpuRef, NvmlUnavailable, NvmlXidEvents, XidEvent
@@ -221,7 +222,7 @@ class Watcher:
         self.recent: dict[tuple[int | None, int], tuple[float, str]] = {}
         self.app_xids = 0
         self.drains = 0
-        self.evictions: list[actions.FaultEviction] = []  # flushed jobs followed until off the node
+        self.evictions: list[FaultEviction] = []  # flushed jobs followed until off the node
         self.evicted: dict[tuple[str, int], None] = {}  # (job, restarts) already made to leave, oldest first
         self.judged = 0
         self._stopping = False
@@ -482,7 +483,7 @@ class Watcher:
 
     def _evict(self, reason: str, fault_at: float) -> None:
         """Right after the drain: the node's running jobs leave it (never raises: the drain stands)."""
-        eviction = actions.FaultEviction(self.cfg, self.slurm, self.node, fault_at, source="watch", reason=reason,
+        eviction = FaultEviction(self.cfg, self.slurm, self.node, fault_at, source="watch", reason=reason,
                                          log=self.log)
         try:
             leaves = eviction.start(skip=self.evicted)

@@ -34,7 +34,7 @@ from slurmagent.config import parse
 from slurmagent.gcp import metadata
 from slurmagent.gcp.compute import Compute
 from slurmagent.journal import Journal
-from slurmagent.actions import Actions
+from slurmagent.action_handlers import Actions
 from slurmagent.nodes import node_from_kv
 from slurmagent.repair import run_repair
 from slurmagent.slurm import Slurm

@@ -30,7 +30,7 @@ LAYERS = {
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
             "checkpoint"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage"],
-    ACTIONS: ["actions"],
+    ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "runner", "allocation", "trainer",
                "doctor", "install"],
     FACE: ["cli", "entry", "hookmain"],
