@@ -23,7 +23,7 @@ import uuid
 import weakref
 from typing import Any, Callable
 
-from . import hostlist, metrics, policy, reasons
+from . import hostlist, metrics, policy, reasons, repair_policy
 from .config import Config
 from .decisionlog import warn
 from .errors import SlurmError
@@ -252,7 +252,7 @@ class Actions:
         why = self.opted_out(found[0] if found else None, node)
         if why:
             return f"excluded ({why}): not resumed"
-        powered_down = bool(found) and p.get("powered_down") and policy.dynamic_cleanup(found)[1] == [node]
+        powered_down = bool(found) and p.get("powered_down") and repair_policy.dynamic_cleanup(found)[1] == [node]
         if not found or not (found[0].ours or powered_down):
             return "nothing to do (not drained by slurmagent)"
         if p.get("only_reason") and found[0].reason != p["only_reason"]:
@@ -388,7 +388,7 @@ def send_repair(compute: Any, p: dict[str, Any], live: dict[str, dict[str, Any]]
         for name, info in sorted(live.items()):
             rid = str(uuid.uuid5(uuid.UUID(p["request_id"]), name))
             rule = reasons.rule_of(info["reason"])
-            ops.append(compute.report_faulty(info["zone"], name, policy.fault_behavior(rule),
+            ops.append(compute.report_faulty(info["zone"], name, repair_policy.fault_behavior(rule),
                                              f"{reasons.PREFIX} {reasons.fault_text(info['reason'])}", rid,
                                              deadline_s=deadline))
     for op in ops:

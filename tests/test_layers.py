@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slurmagent"
 PURE, STATE, ADAPTERS, ACTIONS, RUNTIMES, FACE = range(6)
 LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "face"]
 LAYERS = {
-    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "hostlist", "timefmt", "errors"],
+    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "hostlist", "timefmt", "errors"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
             "checkpoint"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage"],
