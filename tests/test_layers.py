@@ -26,10 +26,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slurmagent"
 PURE, STATE, ADAPTERS, ACTIONS, RUNTIMES, FACE = range(6)
 LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "face"]
 LAYERS = {
-    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "hostlist", "timefmt", "errors"],
+    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "kernel_xid", "hostlist", "timefmt", "errors"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
             "checkpoint"],
-    ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage"],
+    ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "kernlog_changes", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
                "child_process", "runner", "allocation", "node_agent", "trainer", "doctor", "install"],
