@@ -16,7 +16,8 @@ from .errors import SlurmagentError
 from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .child_process import RequeueHold
-from .run_setup import JobIdentity, RunOptions, WrapperError, default_ckpt_dir, expand_node, make_private_dir, parse_signal
+from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, expand_node, make_private_dir,
+                        parse_signal)
 from .wrapper import FLUSH_SIGNALS, Supervisor
 
 def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
