@@ -182,7 +182,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.option("--deadline", type=click.FloatRange(1.0), default=600.0)
 def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline) -> None:
     """Internal: one node's part of a multi-node job's restore or sync (run by the wrapper via srun)."""
-    from .allocation import node_agent_main  # start-up speed: only this hidden command needs it
+    from .node_agent import node_agent_main  # start-up speed: only this hidden command needs it
 
     sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,
                              generation=generation, scope=scope, deadline_s=deadline, env=os.environ))
@@ -314,7 +314,7 @@ def status(state: State, as_json: bool) -> None:
 @click.pass_obj
 def journal_cmd(state: State, replay: bool, node: str | None) -> None:
     """Show (or replay) this node's journal of pending actions."""
-    from .actions import Actions  # start-up speed
+    from .action_handlers import Actions  # start-up speed
     from .journal import Journal  # start-up speed
     from .slurm import Slurm  # start-up speed
 

@@ -13,6 +13,7 @@ from . import kernlog
 from .checks import Limits, Report, run_checks, timeout_report
 from .config import Config
 from .errors import NvmlTimeout
+from .kernel_xid import KernelXid, map_to_gpus
 from .slurm import expected_gpus_for, slurm_conf_path
 from .snapshot import NodeSnapshot, load
 
@@ -74,11 +75,11 @@ def evaluate(cfg: Config, node: str, commit_cursor: bool) -> Report:
                 return report
             print(f"slurmagent: {exc}; kernel-log cursor not saved (these XIDs will be judged again)",
                   file=sys.stderr)
-        xids = [(gpu, k.xid, k.detail) for gpu, k in kernlog.map_to_gpus(new, snap.gpus)]
+        xids = [(gpu, k.xid, k.detail) for gpu, k in map_to_gpus(new, snap.gpus)]
     return run_checks(snap, expected, limits, xids)
 
 
-def _peek(source: kernlog.Source, state) -> list[kernlog.KernelXid] | None:
+def _peek(source: kernlog.Source, state) -> list[KernelXid] | None:
     try:
         return kernlog.read_new(source, state, commit=False)
     except kernlog.KernlogError:

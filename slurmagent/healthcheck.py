@@ -8,7 +8,7 @@ it exits 0 at once, without touching NVML.
 
 When the verdict leaves a GPU unusable under a running job (``policy.evicts_jobs``: GPU lost or
 missing, NVML down, an XID asking for a GPU reset or a node reboot) and our drain stands, the
-jobs running on the node leave it at once, as with `watch` (``actions.FaultEviction``); the
+jobs running on the node leave it at once, as with `watch` (``eviction.FaultEviction``); the
 check then follows the flushed ones for at most `FOLLOW_MAX_S` (slurmd gives a health check
 a minute) before it requeues those still on the node.
 
@@ -31,6 +31,7 @@ from .checks import Report
 from .config import Config
 from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError
+from .eviction import FaultEviction
 from .fsutil import UntrustedFile, open_state_file
 from .reasons import reason_for
 from .slurm import Slurm
@@ -142,7 +143,7 @@ def _evict(cfg: Config, slurm: Slurm, node: str, reason: str, log: DecisionLog, 
     follow = min(float(cfg.watch.flush_deadline_s), FOLLOW_MAX_S)
     if follow != float(cfg.watch.flush_deadline_s):
         cfg = replace(cfg, watch=replace(cfg.watch, flush_deadline_s=follow))
-    eviction = actions.FaultEviction(cfg, slurm, node, fault_at, source="healthcheck", reason=reason, log=log)
+    eviction = FaultEviction(cfg, slurm, node, fault_at, source="healthcheck", reason=reason, log=log)
     try:
         leaves = eviction.wait() if eviction.start() else []
     except SlurmagentError as exc:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SlurmagentError
-from .kernlog import normalize_pci
+from .kernel_xid import normalize_pci
 from .snapshot import Ecc, GpuState, NodeSnapshot, NvLink, Pcie, RemappedRows, RetiredPages
 
 log = logging.getLogger(__name__)

@@ -2,14 +2,14 @@
 
 * `repair`: replay the journal, read the nodes once, follow up what it asked before (an
   admin's resume cancels our pending repair, journaled; a dynamic node is not left DOWN),
-  plan (`policy.plan_repair`: what to repair, skip or refuse; the breaker holds repairs back
+  plan (`repair_policy.plan_repair`: what to repair, skip or refuse; the breaker holds repairs back
   while it is open; opted-out nodes are left alone), then per node the VM's facts (cache,
   else one `instances.get` in the home zone, then ONE list/aggregatedList for VMs in other
-  zones) and the choice (`policy.choose_repair`, by `[repair] strategy`), and the requests:
+  zones) and the choice (`repair_policy.choose_repair`, by `[repair] strategy`), and the requests:
   dynamic nodes powered down (POWER_DOWN_ASAP), `reportHostAsFaulty` per node where Google
   takes it (a refusal falls back to recreate, journaled), ONE `recreateInstances` per MIG.
   The nodes' reasons switch to `slurmagent: repairing: ...` first so a second run does not
-  ask twice. What is sent and how it is undone on failure is `actions.py`'s.
+  ask twice. What is sent and how it is undone on failure is `action_handlers.py`'s.
 * `resume-if-healthy`: at boot, once slurmd of this boot has registered, resume the node if
   it is healthy and drained by slurmagent (a fault, or a planned drain ahead of the VM's end:
   a static node recreated after its flex expiry comes back by itself); drain it (through the
@@ -27,8 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from . import actions, hostlist, policy, reasons
-from .actions import Actions
+from . import actions, hostlist, policy, reasons, repair_policy
+from .action_handlers import Actions
 from .config import Config
 from .decisionlog import warn
 from .errors import SlurmagentError, SlurmError
@@ -84,12 +84,12 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     nodes = slurm.nodes()
     now = clock()
     state = load_state(rt.state_dir)
-    cleanup = policy.dynamic_cleanup(nodes)
+    cleanup = repair_policy.dynamic_cleanup(nodes)
     if not dry_run:
         _follow_admin_resumes(rt, nodes, out)
         _dynamic_cleanup(rt, cleanup, {n.name: n for n in nodes}, res, out)
     b = policy.breaker(nodes, rt.fraction, now, float(cfg.repair.suppressed_ttl_s))
-    plan = policy.plan_repair(nodes, names, force=force, breaker_state=b, now=now,
+    plan = repair_policy.plan_repair(nodes, names, force=force, breaker_state=b, now=now,
                               retry_after_s=float(cfg.repair.retry_after_s),
                               history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day),
                               strategy=cfg.repair.strategy)
@@ -128,7 +128,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     choices = run.choose(plan.todo, by_name)
     if dry_run:
         for name, (choice, target) in choices.items():
-            print(policy.dry_run_line(name, choice.action, target, name in plan.needs_drain, by_name[name].reason,
+            print(repair_policy.dry_run_line(name, choice.action, target, name in plan.needs_drain, by_name[name].reason,
                                       choice.why), file=out)
             res.ok[name] = f"dry-run: {choice.action}"
         return res
@@ -143,7 +143,7 @@ def _follow_admin_resumes(rt: Actions, nodes: list[NodeInfo], out: TextIO) -> No
     asked = requested(rt.state_dir)
     if not asked:
         return
-    cancelled = policy.cancelled_repairs(nodes, asked)
+    cancelled = repair_policy.cancelled_repairs(nodes, asked)
     for name in cancelled:
         outcome = actions.note_cancelled_repair(
             rt, name, f"{name} resumed by hand since our request of {fmt_time(from_epoch(asked[name]))}; "
@@ -170,7 +170,7 @@ def _dynamic_cleanup(rt: Actions, cleanup: tuple[list[str], list[str]], by_name:
         res.ok[n] = outcome
 
 
-def _force_drains(rt: Actions, plan: policy.RepairPlan, by_name: dict[str, NodeInfo], reason_of: dict[str, str],
+def _force_drains(rt: Actions, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo], reason_of: dict[str, str],
                   res: RepairResult, out: TextIO) -> None:
     """--force on a node the breaker kept from draining: drain it now, with its fault."""
     for name in list(plan.needs_drain):
@@ -184,12 +184,12 @@ def _force_drains(rt: Actions, plan: policy.RepairPlan, by_name: dict[str, NodeI
             res.failed[name] = f"could not drain it: {outcome.action}"
 
 
-Choice = tuple[policy.RepairChoice, dict[str, Any]]  # what to do, and where (zone, mig)
+Choice = tuple[repair_policy.RepairChoice, dict[str, Any]]  # what to do, and where (zone, mig)
 
 
 class RepairRun:
     """One `repair` run past planning: each node's VM facts (cache, else the API), the choice
-    (`policy.choose_repair`), then the requests: power-downs (one scontrol per reason),
+    (`repair_policy.choose_repair`), then the requests: power-downs (one scontrol per reason),
     reportHostAsFaulty per node (a refusal falls back to recreate, journaled), then ONE
     recreateInstances per MIG for the planned and the fallen-back nodes together."""
 
@@ -238,17 +238,17 @@ class RepairRun:
             node, cached = by_name[name], self.migs.get(name) or {}
             refused = str(cached.get("report_refused", ""))
             refused_report = bool(refused) and self.strategy == "report-faulty"  # then its MIG is needed
-            if not policy.needs_vm(self.strategy, node) and not refused_report:
+            if not repair_policy.needs_vm(self.strategy, node) and not refused_report:
                 target = {"zone": cached.get("zone", ""), "mig": cached.get("mig")}
-                choices[name] = (policy.choose_repair(self.strategy, node, None), target)
+                choices[name] = (repair_policy.choose_repair(self.strategy, node, None), target)
                 continue
-            known = policy.known_target("recreate" if refused_report else self.strategy, cached, "")
+            known = repair_policy.known_target("recreate" if refused_report else self.strategy, cached, "")
             if known is not None:
-                vm = policy.VmFacts.from_dict(known["vm"]) if known.get("vm") else policy.VmFacts(
+                vm = repair_policy.VmFacts.from_dict(known["vm"]) if known.get("vm") else repair_policy.VmFacts(
                     known["zone"], mig=known.get("mig"))
-                choices[name] = (policy.choose_repair(self.strategy, node, vm, refused), known)
+                choices[name] = (repair_policy.choose_repair(self.strategy, node, vm, refused), known)
             elif self.dry_run and self.strategy != "auto":
-                choices[name] = (policy.RepairChoice("recreate"), {})  # looked up at run time
+                choices[name] = (repair_policy.RepairChoice("recreate"), {})  # looked up at run time
             else:
                 lookup.append(name)
         if lookup:
@@ -258,14 +258,14 @@ class RepairRun:
                           **({"report_refused": refused} if refused else {})}
                 if not self.dry_run:
                     self.migs[name] = target
-                choices[name] = (policy.choose_repair(self.strategy, by_name[name], vm, refused), target)
+                choices[name] = (repair_policy.choose_repair(self.strategy, by_name[name], vm, refused), target)
         for name, (choice, _) in list(choices.items()):
             if choice.action == "fail":
                 self.fail(name, f"VM {name}: {choice.why}")
                 del choices[name]
         return {n: choices[n] for n in todo if n in choices}
 
-    def lookup(self, names: list[str]) -> dict[str, policy.VmFacts]:
+    def lookup(self, names: list[str]) -> dict[str, repair_policy.VmFacts]:
         """VM facts: instances.get in the home zone; the rest with ONE list per `[gcp] zones`
         zone, or ONE aggregatedList (regional MIGs put VMs in several zones)."""
         from .gcp.compute import ComputeError  # google is imported on the repair path only, for start-up speed
@@ -276,7 +276,7 @@ class RepairRun:
         except SlurmagentError as exc:
             self.fail_all(names, exc)
             return {}
-        found: dict[str, policy.VmFacts] = {}
+        found: dict[str, repair_policy.VmFacts] = {}
         missing: dict[str, str] = {}
         for name in names:
             try:
@@ -332,11 +332,11 @@ class RepairRun:
                 return
             deadline = float(self.cfg.repair.operation_timeout_s)
             targets = {n: {"zone": t.get("zone") or zone} for n, t in reports.items()}
-            for entry in self._begin(policy.repair_requests(targets, "report-faulty", reason_of, project, deadline,
+            for entry in self._begin(repair_policy.repair_requests(targets, "report-faulty", reason_of, project, deadline,
                                                             _new_id), by_name):
                 sent += self._report(entry, compute, choices, recreate, fallback)
             if recreate:
-                payloads = policy.repair_requests(recreate, "recreate", reason_of, project, deadline, _new_id)
+                payloads = repair_policy.repair_requests(recreate, "recreate", reason_of, project, deadline, _new_id)
                 for p in payloads:
                     why = {n: fallback[n] for n in p["nodes"] if n in fallback}
                     if why:
@@ -390,7 +390,7 @@ class RepairRun:
                 return ""
             recreate[name] = {"zone": cached.get("zone") or entry.payload["nodes"][name]["zone"], "mig": mig}
             fallback[name] = f"reportHostAsFaulty refused: {exc}"
-            return f"falling back to recreate via MIG {policy.mig_short(mig)}"
+            return f"falling back to recreate via MIG {repair_policy.mig_short(mig)}"
 
         try:
             ops = actions.finish_repair(self.rt, entry, compute, fallback=instead)
@@ -400,7 +400,7 @@ class RepairRun:
             else:
                 self.fail(name, f"{exc}" + ("; in no MIG: left drained (never deleted)" if exc.refused else ""))
             return []
-        behavior = policy.fault_behavior(reasons.rule_of(entry.payload["nodes"][name]["reason"]))
+        behavior = repair_policy.fault_behavior(reasons.rule_of(entry.payload["nodes"][name]["reason"]))
         what = f"reported host as faulty ({behavior})"
         self.res.ok[name] = what
         print(f"{name}: {what} (operation {', '.join(o.name for o in ops)}; {choices[name][0].why})", file=self.out)
@@ -418,7 +418,7 @@ class RepairRun:
             for n in members:
                 self.fail(n, str(exc))
             return []
-        what = f"recreate requested via MIG {policy.mig_short(p['mig'])}"
+        what = f"recreate requested via MIG {repair_policy.mig_short(p['mig'])}"
         for n in members:
             self.res.ok[n] = what
             print(f"{n}: {what} (operation {', '.join(o.name for o in ops)})", file=self.out)

@@ -15,18 +15,10 @@ from .config import Config
 from .errors import SlurmagentError
 from .host import node_name, slurmagent_argv
 from .slurm import Slurm
-from .wrapper import (
-    FLUSH_SIGNALS,
-    JobIdentity,
-    RequeueHold,
-    RunOptions,
-    Supervisor,
-    WrapperError,
-    default_ckpt_dir,
-    expand_node,
-    make_private_dir,
-    parse_signal,
-)
+from .child_process import RequeueHold
+from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, expand_node, make_private_dir,
+                        parse_signal)
+from .wrapper import FLUSH_SIGNALS, Supervisor
 
 def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
                   ckpt_signal="USR1", grace=None, max_requeues=None, sync_interval=None) -> RunOptions:

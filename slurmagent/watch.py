@@ -8,7 +8,7 @@ Two inputs feed one judge:
 * The kernel log through the same :mod:`slurmagent.kernlog` source and cursor the Prolog
   uses. ``/dev/kmsg`` wakes the loop itself (``poll`` on an fd at its end); a plain file
   (``[health] kernel_log``) is ``stat``-ed every ``interval`` seconds; journalctl/dmesg are
-  read every 5 s. Nothing is read when nothing changed.
+  read every 5 s (`kernlog_changes.py`). Nothing is read when nothing changed.
   Read, judge, act and commit happen under the kernlog lock, and the cursor is committed
   only after the decision was acted on: an XID is judged once, across restarts too.
 
@@ -20,7 +20,7 @@ admin's drain; application-class XIDs are counted and logged. One decision line 
 When the XID leaves a GPU unusable under a running job (``policy.evicts_jobs``: its immediate
 action is a GPU reset or a node reboot) and our drain stands (not held back by the circuit
 breaker, not an admin's drain), the jobs running on the node leave it at once
-(``actions.FaultEviction``: wrapped jobs flush, the others are requeued); the loop follows
+(``eviction.FaultEviction``: wrapped jobs flush, the others are requeued); the loop follows
 the flushed ones until they are off the node or their deadline passed (event ``fault-evict``).
 
 The daemon runs threads, so it never forks a child itself: a GPU snapshot (to map kernel-log
@@ -48,8 +48,11 @@ from .checks import Finding, Report, Severity, xid_finding
 from .config import Config
 from .decisionlog import DecisionLog, path_for as decision_log_path
 from .errors import SlurmagentError, SlurmError
+from .eviction import FaultEviction
 from .health import read_snapshot
 from .host import sd_notify, watchdog_interval
+from .kernel_xid import map_to_gpus
+from .kernlog_changes import change_detector
 from .nvml import NVML_WAIT_MS, GpuRef, NvmlUnavailable, NvmlXidEvents, XidEvent
 from .nvml_deadline import ThreadSafeReader
 from .reasons import reason_for
@@ -57,98 +60,11 @@ from .slurm import Slurm
 
 DEFAULT_INTERVAL_S = 0.25  # kernel-log poll period
 NVML_RETRY_S = 60.0  # NVML unavailable: try again this often (said once, not every time)
-SLOW_SOURCE_S = 5.0  # journalctl/dmesg cost a process each: poll them this often
 DUPLICATE_WINDOW_S = 30.0  # the NVML event and the NVRM line of one XID arrive within this
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # after a failed drain or a busy kernlog lock
 EVENT_WAIT_S = 1.0  # loop period when every input wakes it (kmsg fd, NVML pipe): watchdog, retries
 FOLLOW_S = 0.5  # loop period while flushed jobs are followed off a failed GPU
 EVICTED_KEPT = 1000  # jobs remembered as already moved off this node (a repeated XID skips them)
-
-
-# --- change detection for the kernel-log source --------------------------------------------
-
-
-class _Always:
-    """Sources that cost a process to read (journalctl, dmesg): read every SLOW_SOURCE_S."""
-
-    def __init__(self, period: float):
-        self.period = period
-        self.next = 0.0
-
-    fd = None
-
-    def changed(self) -> bool:
-        now = time.monotonic()
-        if now >= self.next:
-            self.next = now + self.period
-            return True
-        return False
-
-    def close(self) -> None:
-        pass
-
-
-class _FileStat:
-    """A plain file: changed when its inode, size or mtime changed (one stat per poll)."""
-
-    fd = None
-
-    def __init__(self, path: str):
-        self.path = path
-        self.last: tuple | None = None
-
-    def changed(self) -> bool:
-        try:
-            st = os.stat(self.path)
-            key: tuple = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            key = ()
-        if key != self.last:
-            self.last = key
-            return True
-        return False
-
-    def close(self) -> None:
-        pass
-
-
-class _KmsgPoll:
-    """/dev/kmsg: an fd at the end of the buffer becomes readable when a record is added."""
-
-    def __init__(self, path: str):
-        self.fd: int | None = None
-        with contextlib.suppress(OSError):
-            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            os.lseek(self.fd, 0, os.SEEK_END)
-
-    def changed(self) -> bool:
-        if self.fd is None:
-            return True
-        readable, _, _ = select.select([self.fd], [], [], 0)
-        if not readable:
-            return False
-        while True:  # drain what arrived; the source reads it from the cursor
-            try:
-                if not os.read(self.fd, 65536):
-                    break
-            except BlockingIOError:
-                break
-            except OSError:  # EPIPE: overwritten records; keep draining
-                continue
-        return True
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def change_detector(source: kernlog.Source):
-    if isinstance(source, kernlog.FileSource):
-        return _FileStat(str(source.path))
-    if isinstance(source, kernlog.KmsgSource):
-        return _KmsgPoll(source.path)
-    return _Always(SLOW_SOURCE_S)
 
 
 # --- the watcher ------------------------------------------------------------------------
@@ -221,7 +137,7 @@ class Watcher:
         self.recent: dict[tuple[int | None, int], tuple[float, str]] = {}
         self.app_xids = 0
         self.drains = 0
-        self.evictions: list[actions.FaultEviction] = []  # flushed jobs followed until off the node
+        self.evictions: list[FaultEviction] = []  # flushed jobs followed until off the node
         self.evicted: dict[tuple[str, int], None] = {}  # (job, restarts) already made to leave, oldest first
         self.judged = 0
         self._stopping = False
@@ -408,7 +324,7 @@ class Watcher:
                     gpus = self.gpu_refs()
                     self.judge([
                         XidEvent(xid=k.xid, gpu=g, source="kernel_log", detail=k.detail, raw=k.raw, pci=k.pci)
-                        for g, k in kernlog.map_to_gpus(batch.xids, gpus)
+                        for g, k in map_to_gpus(batch.xids, gpus)
                     ])
                 saved = kernlog.load_cursor(self.state_dir)
                 if saved != batch.cursor:
@@ -482,7 +398,7 @@ class Watcher:
 
     def _evict(self, reason: str, fault_at: float) -> None:
         """Right after the drain: the node's running jobs leave it (never raises: the drain stands)."""
-        eviction = actions.FaultEviction(self.cfg, self.slurm, self.node, fault_at, source="watch", reason=reason,
+        eviction = FaultEviction(self.cfg, self.slurm, self.node, fault_at, source="watch", reason=reason,
                                          log=self.log)
         try:
             leaves = eviction.start(skip=self.evicted)

@@ -14,45 +14,35 @@ done, then issued once, so Slurm's kill timer never starts while the upload runs
 A fault flush (`nodes.FAULT_FLUSH_SIGNAL`, SIGPWR, sent by `watch`/`healthcheck` when a GPU
 died under the job) is the same flush with at most FAULT_GRACE_S for the trainer, which may
 hang on the dead GPU: the last committed checkpoint is what counts. A child that does not
-die after SIGKILL (stuck in the kernel on that GPU) is left behind after REAP_WAIT_S, so the
-sync and the requeue still happen.
+die after SIGKILL (stuck in the kernel on that GPU) is left behind (`child_process.py`), so
+the sync and the requeue still happen. Who the job is, its options and its directory are
+`run_setup.py`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import re
-import shlex
-import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, TextIO
 
-from .checkpoint import Manifest, entry_content_id, no_progress_after, scan_checkpoint_dir
+from .checkpoint import Manifest, no_progress_after
+from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
-from .fsutil import atomic_write_text
-from .host import node_name
 from .nodes import FAULT_FLUSH_SIGNAL
+from .run_setup import DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, manifest_id, signal_name, stat_scan
 
 EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
 EXIT_REQUEUE_REFUSED = 75  # EX_TEMPFAIL: flushed, but the job was NOT requeued
 FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, FAULT_FLUSH_SIGNAL)
 FAULT_GRACE_S = 5.0  # a fault flush waits at most this long for the trainer (instead of --grace)
-REAP_WAIT_S = 10.0  # after SIGKILL: a child stuck in uninterruptible sleep is left behind after this
 FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGHUP, signal.SIGINT)
-UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 SELF_REQUEUE_CAUSE = "the job requeued itself"
 
 
@@ -75,230 +65,6 @@ class CheckpointStore(Protocol):
 
 class MetricsSink(Protocol):
     def update(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None: ...
-
-
-class WrapperError(SlurmagentError):
-    """The wrapper cannot start the job safely (bad option, unsafe directory, restore failed)."""
-
-
-@dataclass(frozen=True)
-class JobIdentity:
-    """Who we are: a Slurm job (array task), a Cloud Run task, or a plain process."""
-
-    platform: str  # "slurm" | "cloud-run" | "local"
-    job_id: str  # what `scontrol requeue` takes (ARRAYJOBID_TASKID for array tasks)
-    name: str  # the remote prefix's last part
-    restart_count: int
-    aliases: tuple[str, ...] = ()  # every id the job's own code may name it by (SLURM_JOB_ID too)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> JobIdentity:
-        if env.get("SLURM_JOB_ID"):
-            array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-            job_id = f"{array_job}_{task}" if array_job and task else env["SLURM_JOB_ID"]
-            aliases = tuple(dict.fromkeys(i for i in (job_id, env["SLURM_JOB_ID"]) if _JOB_ID_RE.fullmatch(i)))
-            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")), aliases)
-        if env.get("CLOUD_RUN_JOB"):
-            job, index = env["CLOUD_RUN_JOB"], env.get("CLOUD_RUN_TASK_INDEX", "0")
-            return cls("cloud-run", job, f"{job}-task-{index}", _int(env.get("CLOUD_RUN_TASK_ATTEMPT")))
-        return cls("local", str(os.getpid()), f"local-{os.getpid()}", 0)
-
-
-_JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?")
-
-
-def _int(value: str | None) -> int:
-    try:
-        return max(0, int(value or 0))
-    except ValueError:
-        return 0
-
-
-@dataclass
-class RunOptions:
-    cmd: list[str]
-    ckpt_dir: Path
-    remote: str = ""
-    ckpt_signal: int = signal.SIGUSR1
-    grace_s: float = 90.0
-    max_requeues: int = 3
-    sync_interval_s: float = 60.0
-    flush_lead_s: float = 120.0
-    expiry_files: tuple[Path, ...] = ()
-    restore_deadline_s: float = 600.0
-    final_sync_floor_s: float = 15.0
-    multi_node: bool = False  # restore always takes the committed manifest
-    stop_wait_s: float = 10.0  # after a held requeue: SIGTERM, this long, then SIGKILL
-    progress_report_s: float = 15.0  # a restore that takes longer says what it is doing this often
-    error_report_s: float = 300.0  # a background sync that keeps failing is said at most this often
-    sync_deadline_s: float = 30.0  # a background sync may take the longer of this and the interval
-
-
-@dataclass
-class Outcome:
-    """What happened, for the exit code, the last log line and the tests."""
-
-    exit_code: int
-    flushed: bool = False
-    flush_cause: str = ""
-    requeued: bool = False
-    requeue_refused: str = ""  # why the job was not requeued after a flush
-    held_requeue: bool = False  # the job asked for its own requeue (held by our scontrol)
-    child_killed: bool = False
-    child_code: int | None = None
-    synced: bool = False
-    resumed: bool = False
-    no_progress: int = 0  # this attempt's no-progress streak (0: it made progress)
-    flush_seconds: float = 0.0
-    bytes_synced: int = 0
-    summary: str = ""  # the last stderr line: which exit code and why
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def parse_signal(name: str) -> int:
-    """A catchable signal by name (USR1, SIGUSR1) or number; anything else is a usage error."""
-    raw = name.strip().upper()
-    if raw.isdigit():
-        num = int(raw)
-        if num not in signal.valid_signals():
-            raise WrapperError(f"--ckpt-signal {name}: no such signal on this system (1..{signal.NSIG - 1})")
-    else:
-        try:
-            num = int(getattr(signal, raw if raw.startswith("SIG") else "SIG" + raw))
-        except (AttributeError, TypeError):
-            raise WrapperError(f"--ckpt-signal {name}: unknown signal name") from None
-    if num in UNCATCHABLE:
-        raise WrapperError(f"--ckpt-signal {name}: {signal_name(num)} cannot be caught, so the job could never checkpoint")
-    return num
-
-
-# --- the default checkpoint directory: private to the user ------------------------------
-
-
-def default_ckpt_dir(env: Mapping[str, str], ident: JobIdentity, uid: int | None = None) -> Path:
-    """`${TMPDIR:-/tmp}/slurmagent-<uid>/<job>`: a per-user parent, so no other user can
-    create, replace or read a job's directory (see `make_private_dir`)."""
-    uid = os.geteuid() if uid is None else uid
-    return Path(env.get("TMPDIR") or "/tmp") / f"slurmagent-{uid}" / ident.name
-
-
-def make_private_dir(path: Path, uid: int | None = None) -> Path:
-    """Create `path` and its per-user parent with mode 0700, or accept them when they exist as
-    real directories owned by `uid`. A symlink or a directory of another user (planted in a
-    shared /tmp to read or replace the checkpoint) is refused, never followed or used."""
-    uid = os.geteuid() if uid is None else uid
-    for d in (path.parent, path):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise WrapperError(f"cannot create checkpoint dir {d}: {exc.strerror}; pass --ckpt-dir") from None
-        try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            why = "it is a symlink" if os.path.islink(d) else (exc.strerror or str(exc))
-            raise WrapperError(f"refusing checkpoint dir {d}: {why} (not created by you); "
-                               "remove it or pass --ckpt-dir") from None
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != uid:
-                raise WrapperError(f"refusing checkpoint dir {d}: owned by uid {st.st_uid}, not by you (uid {uid}); "
-                                   "remove it or pass --ckpt-dir")
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                os.fchmod(fd, 0o700)  # ours: make it private again
-        finally:
-            os.close(fd)
-    return path
-
-
-def expand_node(path: str, env: Mapping[str, str]) -> str:
-    """`%n` -> this node's name, so per-node paths work when several slurmd share a host."""
-    return path.replace("%n", node_name(None, env))
-
-
-# --- the job's own requeue, held ----------------------------------------------------------
-
-SHIM = """#!/bin/sh
-# Written by `slurmagent run` for this job only. The job's own `scontrol requeue` of itself
-# (PyTorch Lightning's auto-requeue, submitit) is held: the wrapper requeues the job once,
-# after its final checkpoint sync. Every other scontrol call goes to the real one.
-if [ "$#" -eq 2 ] && [ "$1" = requeue ]; then
-  case "$2" in
-    {ids})
-      printf '%s\\n' "$2" >> {request}
-      echo "slurmagent: requeue of job $2 held until the checkpoint is synced" >&2
-      exit 0 ;;
-  esac
-fi
-exec {real} "$@"
-"""
-
-
-class RequeueHold:
-    """A private directory (0700) put first on the child's PATH, holding an `scontrol` that
-    records the child's requeue of its own job in a file there and exits 0."""
-
-    def __init__(self, job_ids: tuple[str, ...], real_scontrol: str, base: str | None = None):
-        if not job_ids or not all(_JOB_ID_RE.fullmatch(i) for i in job_ids):
-            raise ValueError(f"not Slurm job ids: {job_ids!r}")
-        self.dir = Path(tempfile.mkdtemp(prefix="slurmagent-hold-", dir=base))
-        self.request = self.dir / "requeue-requested"
-        shim = self.dir / "scontrol"
-        shim.write_text(SHIM.format(ids="|".join(job_ids), request=shlex.quote(str(self.request)),
-                                    real=shlex.quote(real_scontrol)))
-        shim.chmod(0o700)
-
-    def child_path(self, path: str | None) -> str:
-        return f"{self.dir}{os.pathsep}{path}" if path else str(self.dir)
-
-    def requested(self) -> bool:
-        return self.request.exists()
-
-    def cleanup(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-# --- what this directory last matched: a committed manifest, or (no remote) a scan -------
-
-
-def manifest_id(m: Manifest) -> str:
-    """Identifies one committed manifest (attempt, time, names and content hashes)."""
-    files = {rel: entry_content_id(e) for rel, e in m.files.items()}
-    return hashlib.sha256(json.dumps([m.attempt, m.created, files], sort_keys=True).encode()).hexdigest()
-
-
-def stat_scan(ckpt_dir: Path) -> dict[str, list[int]]:
-    """{relpath: [size, mtime_ns]} of the checkpoint files (cheap: no file is read)."""
-    return {f.relpath: [f.size, f.mtime_ns] for f in scan_checkpoint_dir(ckpt_dir)}
-
-
-class DirRecord:
-    """A small JSON file beside the checkpoint directory (never inside it): which committed
-    manifest the directory last held (restored, or synced from it), and, without a remote,
-    the file list and no-progress streak of the last attempt."""
-
-    def __init__(self, ckpt_dir: Path):
-        self.path = Path(str(ckpt_dir).rstrip("/") + ".slurmagent-run.json")
-
-    def read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def write(self, **data) -> None:
-        try:
-            atomic_write_text(self.path, json.dumps({"version": 1, **data}, sort_keys=True), 0o600)
-        except OSError:
-            pass  # only costs a full restore next time
 
 
 class _LastRetry(logging.Handler):
@@ -604,7 +370,7 @@ class Supervisor:
                 if signum in FLUSH_SIGNALS:
                     return signal_name(signum)
                 if signum in FORWARD_SIGNALS:
-                    _killpg(child, signum)
+                    killpg(child, signum)
             if self.hold is not None and self.hold.requested():
                 return SELF_REQUEUE_CAUSE
             now = self.clock()
@@ -627,7 +393,7 @@ class Supervisor:
         else:
             self.say(f"{cause}: asking the job to checkpoint ({signal_name(self.opts.ckpt_signal)}, grace {grace:g} s"
                      + (": a GPU failed under the job, the last committed checkpoint counts)" if is_fault(cause) else ")"))
-            _killpg(child, self.opts.ckpt_signal)
+            killpg(child, self.opts.ckpt_signal)
             while child.poll() is None and self.clock() < deadline:
                 if self.hold is not None and self.hold.requested():
                     outcome.held_requeue = True
@@ -639,7 +405,7 @@ class Supervisor:
                 outcome.child_killed = True
                 self.say(f"the job did not exit within {grace:g} s: stopping it; the last complete "
                          "checkpoint stays")
-                _terminate_group(child, 5.0, self.say)
+                terminate_group(child, 5.0, self.say)
         outcome.child_code = child.returncode
         self.stop_sync.set()
         if self.hold is not None:
@@ -656,7 +422,7 @@ class Supervisor:
         if child.poll() is not None:
             return
         self.say(f"{why}: stopping the job")
-        if not _terminate_group(child, self.opts.stop_wait_s, self.say):
+        if not terminate_group(child, self.opts.stop_wait_s, self.say):
             outcome.child_killed = True
 
     # --- requeue ------------------------------------------------------------------------------
@@ -722,20 +488,6 @@ def _series(key: tuple) -> str:
     return f"{name}{{{inner}}}"
 
 
-def _terminate_group(child: subprocess.Popen, wait_s: float, say: Callable[[str], None]) -> bool:
-    """SIGTERM to the child's group, then SIGKILL after `wait_s`; True when it left by itself."""
-    _killpg(child, signal.SIGTERM)
-    try:
-        child.wait(timeout=wait_s)
-        return True
-    except subprocess.TimeoutExpired:
-        _killpg(child, signal.SIGKILL)
-        if not reap(child, REAP_WAIT_S):
-            say(f"the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
-                "leaving it behind to sync and requeue")
-        return False
-
-
 def is_fault(cause: str) -> bool:
     """Was the flush started by the fault flush signal (a GPU died under the job)?"""
     return cause == signal.Signals(FAULT_FLUSH_SIGNAL).name
@@ -744,25 +496,3 @@ def is_fault(cause: str) -> bool:
 def flush_grace(grace_s: float, cause: str) -> float:
     """How long the trainer may take to checkpoint: `--grace`, at most FAULT_GRACE_S on a fault."""
     return min(grace_s, FAULT_GRACE_S) if is_fault(cause) else grace_s
-
-
-def reap(child: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for a killed child at most `timeout_s`; False when it is still there (a process in
-    uninterruptible sleep, e.g. a driver call on a dead GPU, dies only when that call returns)."""
-    try:
-        child.wait(timeout=timeout_s)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _killpg(child: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(child.pid, signum)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        try:
-            child.send_signal(signum)
-        except ProcessLookupError:
-            pass

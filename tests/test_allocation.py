@@ -21,13 +21,11 @@ from slurmagent.allocation import (
     AllocationStore,
     NodeReport,
     SrunLauncher,
-    agent_restore,
-    agent_sync,
     allocation_store,
     merge_reports,
     select_for_node,
-    set_aside_uncommitted,
 )
+from slurmagent.node_agent import agent_restore, agent_sync, set_aside_uncommitted
 from slurmagent.checkpoint import CheckpointError, Manifest, ManifestError, RestoreError, StorageUnavailableError
 
 SHA = {c: c * 64 for c in "abcdef"}

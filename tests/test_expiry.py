@@ -416,7 +416,7 @@ def test_slurm_down_is_an_error_line_not_a_crash(tmp_path):
 
 
 def test_state_file_is_what_wrapper_and_status_read(tmp_path):
-    from slurmagent.wrapper import termination_time
+    from slurmagent.expiry_state import termination_time
 
     watch(tmp_path, slurm_with(), T0 + 3 * 3600).check(Events())
     path = tmp_path / "state" / NODE / "expiry.json"

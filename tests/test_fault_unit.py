@@ -10,7 +10,8 @@ import pytest
 
 from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict
 from fakes.slurm import FakeSlurm
-from slurmagent import actions, metrics, policy
+from slurmagent import action_handlers, metrics, policy
+from slurmagent.eviction import FaultEviction
 from slurmagent.checks import Finding, Severity, xid_finding
 from slurmagent.config import parse
 from slurmagent.decisionlog import DecisionLog, read_records
@@ -92,8 +93,8 @@ def eviction(tmp_path, sc, node="n1", clock=None, **watch):
     cfg = cfg_for(tmp_path, **watch)
     log = DecisionLog(tmp_path / "log" / "hooks.log", use_syslog=False)
     clock = clock or Clock()
-    return actions.FaultEviction(cfg, Slurm(runner=sc), node, clock(), source="watch",
-                                 reason="slurmagent: xid 79 on gpu 3 (fallen off the bus)", log=log, clock=clock)
+    return FaultEviction(cfg, Slurm(runner=sc), node, clock(), source="watch",
+                         reason="slurmagent: xid 79 on gpu 3 (fallen off the bus)", log=log, clock=clock)
 
 
 def decisions(tmp_path) -> list[dict]:
@@ -187,7 +188,7 @@ def test_multi_node_job_is_requeued_once_whichever_nodes_ask(tmp_path):
     assert late.jobs[0].action == "nothing to do (already requeued)"
     assert eviction(tmp_path, sc, "n2").start() == []  # and a later look finds nothing running there
     sc.jobs["21"]["JobState"] = "RUNNING"  # restarted; a replay of the old request must not hit this life
-    rt = actions.Actions(cfg_for(tmp_path), Slurm(runner=sc), "n2")
+    rt = action_handlers.Actions(cfg_for(tmp_path), Slurm(runner=sc), "n2")
     _, outcome = rt.run("fault-requeue", job_id="21", restarts=0, cancel=True)
     assert outcome == "nothing to do (already requeued)"
     assert sc.jobs["21"]["Restarts"] == "1" and len(sc.of("scontrol", "requeue")) == 2  # one refused by Slurm

@@ -29,12 +29,12 @@ from fakes.slurm import FakeSlurm
 from fake_gcp import FakeGcp
 from test_hostile import DRAIN_N1, XID79, Node
 
-from slurmagent import host, kernlog, policy, reasons
+from slurmagent import host, kernlog, policy, reasons, repair_policy
 from slurmagent.config import parse
 from slurmagent.gcp import metadata
 from slurmagent.gcp.compute import Compute
 from slurmagent.journal import Journal
-from slurmagent.actions import Actions
+from slurmagent.action_handlers import Actions
 from slurmagent.nodes import node_from_kv
 from slurmagent.repair import run_repair
 from slurmagent.slurm import Slurm
@@ -373,7 +373,7 @@ def test_breaker_and_repair_plan_with_marks_from_the_future():
              node_from_kv({"NodeName": "n3", "State": "IDLE"}), node_from_kv({"NodeName": "n4", "State": "IDLE"})]
     b = policy.breaker(nodes, 0.25, now=time.time())
     assert b.suppressed == ("n1",) and b.open
-    plan = policy.plan_repair(nodes, [], force=True, breaker_state=b, now=time.time())
+    plan = repair_policy.plan_repair(nodes, [], force=True, breaker_state=b, now=time.time())
     assert plan.todo == [] and plan.skipped["n2"].startswith("repair already requested")
 
 

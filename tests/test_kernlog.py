@@ -15,20 +15,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slurmagent import host, kernlog
+from slurmagent.kernel_xid import KernelXid, map_to_gpus, normalize_pci, parse_line, parse_lines, parse_text
 from slurmagent.kernlog import (
     Cursor,
     DmesgSource,
     FileSource,
     JournalSource,
-    KernelXid,
     KernlogError,
     KmsgSource,
     commit_cursor,
     load_cursor,
-    map_to_gpus,
-    normalize_pci,
-    parse_line,
-    parse_text,
     read_new,
     read_since,
 )
@@ -406,7 +402,7 @@ def test_kmsg_skips_seen_sequence_numbers(tmp_path: Path) -> None:
     )
     lines, pos = KmsgSource(str(path)).read(10)
     assert pos == 11
-    assert [x.xid for x in kernlog.parse_lines(lines)] == [13]
+    assert [x.xid for x in parse_lines(lines)] == [13]
     assert KmsgSource(str(path)).read(11) == ([], 11)
     assert KmsgSource(str(path)).read(None)[1] == 11
 

@@ -1,8 +1,8 @@
 """The package's floors stay as they are built (DESIGN.md, section Layout), read from `ast`:
 
 * an import goes to the same layer or a lower one, never up (the face may import anything);
-* a runtime imports no other runtime except `health` (`runner` wires `wrapper`'s Supervisor:
-  together they are the `run`/`sbatch` runtime);
+* a runtime imports no other runtime except `health` (the modules of one runtime, as the
+  `run`/`sbatch` group in RUNTIME_GROUPS, import each other);
 * no import circle, function-local imports included;
 * no module imports (or reaches through an imported module) a `_private` name of another;
 * a function-local import of a slurmagent module carries a comment saying it is for start-up
@@ -26,20 +26,21 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slurmagent"
 PURE, STATE, ADAPTERS, ACTIONS, RUNTIMES, FACE = range(6)
 LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "face"]
 LAYERS = {
-    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "hostlist", "timefmt", "errors"],
+    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "kernel_xid", "hostlist", "timefmt", "errors"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
             "checkpoint", "checkpoint_errors", "checkpoint_names", "checkpoint_hash", "checkpoint_cache",
             "checkpoint_manifest"],
-    ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "slurm", "gcp.metadata", "gcp.events", "gcp.compute", "gcp.storage",
-               "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs", "gcp.sync",
-               "gcp.restore"],
-    ACTIONS: ["actions"],
-    RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "runner", "allocation", "trainer",
-               "doctor", "install"],
+    ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "kernlog_changes", "slurm", "gcp.metadata", "gcp.events", "gcp.compute",
+               "gcp.storage", "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs",
+               "gcp.sync", "gcp.restore"],
+    ACTIONS: ["actions", "action_handlers", "eviction"],
+    RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
+               "child_process", "runner", "allocation", "node_agent", "trainer", "doctor", "install"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
-RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "allocation": "run"}  # one runtime in three modules
+RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
+                  "allocation": "run", "node_agent": "run"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness

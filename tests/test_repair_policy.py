@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from slurmagent import policy, reasons
+from slurmagent import policy, reasons, repair_policy
 from slurmagent.checks import Finding, Severity
 from slurmagent.nodes import NodeInfo, node_from_kv, parse_comment, parse_kv
 from slurmagent.timefmt import parse_slurm_time
@@ -51,8 +51,8 @@ def test_reasons_round_trip():
     assert reasons.rule_of(rep) == "xid 79" and reasons.rule_of("slurmagent: ecc-uncorrectable: gpu 2 3 errs") == "ecc-uncorrectable"
     assert not reasons.repairable("slurmagent: expiry: terminates at 2026-11-30T10:00:00Z")
     assert reasons.repairable(r)
-    assert policy.fault_behavior("hw-slowdown") == "PERFORMANCE"
-    assert policy.fault_behavior("xid 79") == "UNRECOVERABLE_GPU_ERROR"
+    assert repair_policy.fault_behavior("hw-slowdown") == "PERFORMANCE"
+    assert repair_policy.fault_behavior("xid 79") == "UNRECOVERABLE_GPU_ERROR"
 
 
 def test_comment_marks():
@@ -144,17 +144,17 @@ def test_plan_repair():
              view("n5", "IDLE+DRAIN", "slurmagent: expiry: terminates soon", T0), view("n6", "IDLE"),
              view("n7", "IDLE+DRAIN", ours, T0), *[view(f"n{i}") for i in range(8, 30)]]
     b = policy.breaker(nodes, 0.25, now=T0)
-    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0 + 60,
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0 + 60,
                               history={"n7": [T0 - 100, T0 - 50, T0 - 10]})
     assert plan.todo == ["n1"]
     assert set(plan.skipped) == {"n3", "n4", "n5"} and "already requested" in plan.skipped["n3"]
     assert "n7" in plan.refused and "3 times" in plan.refused["n7"]
-    named = policy.plan_repair(nodes, ["n1", "n2", "n6", "nx"], force=False, breaker_state=b, now=T0 + 60)
+    named = repair_policy.plan_repair(nodes, ["n1", "n2", "n6", "nx"], force=False, breaker_state=b, now=T0 + 60)
     assert named.todo == ["n1"]
     assert "someone else" in named.refused["n2"] and "not drained" in named.refused["n6"] and "no such" in named.refused["nx"]
-    later = policy.plan_repair(nodes, ["n3"], force=False, breaker_state=b, now=T0 + 7200)
+    later = repair_policy.plan_repair(nodes, ["n3"], force=False, breaker_state=b, now=T0 + 7200)
     assert later.todo == ["n3"]  # asked long ago and still drained: ask again
-    forced = policy.plan_repair(nodes, ["n4"], force=True, breaker_state=b, now=T0)
+    forced = repair_policy.plan_repair(nodes, ["n4"], force=True, breaker_state=b, now=T0)
     assert forced.todo == ["n4"]
 
 
@@ -164,9 +164,9 @@ def test_plan_repair_with_open_breaker():
                     n3=view("n3", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")),
                     n4=view("n4", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")))
     b = policy.breaker(nodes, 0.25, now=T0)
-    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0)
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0)
     assert plan.todo == [] and plan.suppressed == ["n1", "n2"]
-    forced = policy.plan_repair(nodes, ["n3"], force=True, breaker_state=b, now=T0)
+    forced = repair_policy.plan_repair(nodes, ["n3"], force=True, breaker_state=b, now=T0)
     assert forced.todo == ["n3"] and forced.needs_drain == ["n3"]
 
 
@@ -213,38 +213,38 @@ def test_repair_requests_one_per_mig_or_per_node():
     targets = {"n1": {"zone": "z", "mig": mig_a}, "n3": {"zone": "z", "mig": mig_b}, "n2": {"zone": "z", "mig": mig_a}}
     reason_of = {n: f"slurmagent: xid 79 on gpu {n[-1]}" for n in targets}
     ids = iter(["id-1", "id-2", "id-3"])
-    reqs = policy.repair_requests(targets, "recreate", reason_of, "p", 120.0, lambda: next(ids))
+    reqs = repair_policy.repair_requests(targets, "recreate", reason_of, "p", 120.0, lambda: next(ids))
     assert [(r["mig"]["name"], sorted(r["nodes"]), r["request_id"]) for r in reqs] == [
         ("a", ["n1", "n2"], "id-1"), ("b", ["n3"], "id-2")]
     assert reqs[0]["nodes"]["n2"] == {"zone": "z", "reason": "slurmagent: xid 79 on gpu 2"}
     assert reqs[0]["deadline_s"] == 120.0 and reqs[0]["project"] == "p" and reqs[0]["strategy"] == "recreate"
-    faulty = policy.repair_requests({"n1": {"zone": "z"}, "n2": {"zone": "y"}}, "report-faulty", reason_of, "p", 60.0,
+    faulty = repair_policy.repair_requests({"n1": {"zone": "z"}, "n2": {"zone": "y"}}, "report-faulty", reason_of, "p", 60.0,
                                     lambda: "x")
     assert [sorted(r["nodes"]) for r in faulty] == [["n1"], ["n2"]] and faulty[1]["nodes"]["n2"]["zone"] == "y"
 
 
 def test_known_target_and_dry_run_line():
     cached = {"zone": "z", "mig": {"project": "1", "scope": "zones", "location": "z", "name": "a"}}
-    assert policy.known_target("recreate", cached, "z") == cached
-    assert policy.known_target("recreate", None, "z") is None  # look the VM up
-    assert policy.known_target("report-faulty", None, "z") == {"zone": "z"}
-    assert policy.known_target("report-faulty", {"zone": "y"}, "z") == {"zone": "y"}
-    assert policy.dry_run_line("n1", "recreate", cached, False, "slurmagent: xid 79 on gpu 3") == \
+    assert repair_policy.known_target("recreate", cached, "z") == cached
+    assert repair_policy.known_target("recreate", None, "z") is None  # look the VM up
+    assert repair_policy.known_target("report-faulty", None, "z") == {"zone": "z"}
+    assert repair_policy.known_target("report-faulty", {"zone": "y"}, "z") == {"zone": "y"}
+    assert repair_policy.dry_run_line("n1", "recreate", cached, False, "slurmagent: xid 79 on gpu 3") == \
         "n1: would recreate via MIG zones/z/instanceGroupManagers/a (xid 79 on gpu 3)"
-    assert policy.dry_run_line("n2", "recreate", None, True, "") == \
+    assert repair_policy.dry_run_line("n2", "recreate", None, True, "") == \
         "n2: would drain and recreate via its MIG (looked up at run time) (suppressed fault)"
-    assert policy.dry_run_line("n3", "report-faulty", None, False, "slurmagent: gpu-lost: gpu 1") == \
+    assert repair_policy.dry_run_line("n3", "report-faulty", None, False, "slurmagent: gpu-lost: gpu 1") == \
         "n3: would report host as faulty [UNRECOVERABLE_GPU_ERROR] (gpu-lost: gpu 1)"
-    assert policy.dry_run_line("n4", "power-down", None, False, "slurmagent: xid 48 on gpu 0 (x)", "dynamic node") == \
+    assert repair_policy.dry_run_line("n4", "power-down", None, False, "slurmagent: xid 48 on gpu 0 (x)", "dynamic node") == \
         "n4: would power down (POWER_DOWN_ASAP) (xid 48 on gpu 0 (x)): dynamic node"
-    assert policy.known_target("auto", {"zone": "z", "vm": {"zone": "z"}}, "z") == {"zone": "z", "vm": {"zone": "z"}}
-    assert policy.known_target("auto", cached, "z") is None  # a cache entry without the VM's facts: look it up
+    assert repair_policy.known_target("auto", {"zone": "z", "vm": {"zone": "z"}}, "z") == {"zone": "z", "vm": {"zone": "z"}}
+    assert repair_policy.known_target("auto", cached, "z") is None  # a cache entry without the VM's facts: look it up
 
 
 # --- which repair each VM gets -------------------------------------------------------------------
 
 MIG = {"project": "1", "scope": "zones", "location": "z", "name": "m"}
-ULTRA = policy.VmFacts("z", "RUNNING", "a3-ultragpu-8g", "RESERVATION_BOUND", "SPECIFIC_RESERVATION", MIG, 8)
+ULTRA = repair_policy.VmFacts("z", "RUNNING", "a3-ultragpu-8g", "RESERVATION_BOUND", "SPECIFIC_RESERVATION", MIG, 8)
 
 
 @pytest.mark.parametrize("rule,behavior", [
@@ -253,13 +253,13 @@ ULTRA = policy.VmFacts("z", "RUNNING", "a3-ultragpu-8g", "RESERVATION_BOUND", "S
     ("hw-slowdown", "PERFORMANCE"), ("pcie-width", "PERFORMANCE"), ("nvlink-down", "PERFORMANCE"),
     ("sdc", "SILENT_DATA_CORRUPTION"), ("something new", "BEHAVIOR_UNSPECIFIED")])
 def test_fault_reason_per_rule(rule, behavior):
-    assert policy.fault_behavior(rule) == behavior
+    assert repair_policy.fault_behavior(rule) == behavior
 
 
 def test_auto_reports_where_google_takes_it_and_recreates_elsewhere():
     static = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3")
-    assert policy.choose_repair("auto", static, ULTRA).action == "report-faulty"
-    assert "reservation-bound a3-ultragpu-8g" in policy.choose_repair("auto", static, ULTRA).why
+    assert repair_policy.choose_repair("auto", static, ULTRA).action == "report-faulty"
+    assert "reservation-bound a3-ultragpu-8g" in repair_policy.choose_repair("auto", static, ULTRA).why
     from dataclasses import replace
     flex = replace(ULTRA, provisioning_model="FLEX_START", reservation="")
     spot = replace(ULTRA, provisioning_model="SPOT", reservation="")
@@ -268,31 +268,31 @@ def test_auto_reports_where_google_takes_it_and_recreates_elsewhere():
     standard_in_reservation = replace(ULTRA, provisioning_model="STANDARD")
     for vm, why in ((flex, "flex-start VM"), (spot, "spot VM"), (a3high1, "machine type a3-highgpu-1g"),
                     (stopped, "TERMINATED, not RUNNING")):
-        c = policy.choose_repair("auto", static, vm)
+        c = repair_policy.choose_repair("auto", static, vm)
         assert c.action == "recreate" and why in c.why, (vm, c)
-    assert policy.choose_repair("auto", static, standard_in_reservation).action == "report-faulty"
-    no_mig = policy.choose_repair("auto", static, replace(flex, mig=None))
+    assert repair_policy.choose_repair("auto", static, standard_in_reservation).action == "report-faulty"
+    no_mig = repair_policy.choose_repair("auto", static, replace(flex, mig=None))
     assert no_mig.action == "leave" and "never deleted" in no_mig.why
-    assert policy.choose_repair("auto", static, replace(ULTRA, mig=None)).action == "report-faulty"
-    refused = policy.choose_repair("auto", static, ULTRA, refused="INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED")
+    assert repair_policy.choose_repair("auto", static, replace(ULTRA, mig=None)).action == "report-faulty"
+    refused = repair_policy.choose_repair("auto", static, ULTRA, refused="INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED")
     assert refused.action == "recreate" and "refused" in refused.why
-    assert policy.choose_repair("auto", static, replace(ULTRA, mig=None), refused="x").action == "leave"
+    assert repair_policy.choose_repair("auto", static, replace(ULTRA, mig=None), refused="x").action == "leave"
 
 
 def test_dynamic_nodes_are_powered_down_and_explicit_strategies_are_literal():
     cloud = view("c1", "IDLE+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3")
-    assert cloud.dynamic and not policy.needs_vm("auto", cloud)
-    assert policy.choose_repair("auto", cloud, None).action == "power-down"
+    assert cloud.dynamic and not repair_policy.needs_vm("auto", cloud)
+    assert repair_policy.choose_repair("auto", cloud, None).action == "power-down"
     static = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3")
-    assert policy.needs_vm("auto", static) and policy.needs_vm("recreate", static)
-    assert not policy.needs_vm("report-faulty", static) and not policy.needs_vm("power-down", static)
-    assert policy.choose_repair("power-down", static, None).action == "power-down"
-    assert policy.choose_repair("recreate", static, ULTRA).action == "recreate"
+    assert repair_policy.needs_vm("auto", static) and repair_policy.needs_vm("recreate", static)
+    assert not repair_policy.needs_vm("report-faulty", static) and not repair_policy.needs_vm("power-down", static)
+    assert repair_policy.choose_repair("power-down", static, None).action == "power-down"
+    assert repair_policy.choose_repair("recreate", static, ULTRA).action == "recreate"
     from dataclasses import replace
-    assert policy.choose_repair("recreate", static, replace(ULTRA, mig=None)).action == "fail"
-    assert policy.choose_repair("report-faulty", static, None).action == "report-faulty"
-    assert policy.choose_repair("report-faulty", static, ULTRA, refused="x").action == "recreate"
-    assert policy.choose_repair("auto", static, None).action == "fail"
+    assert repair_policy.choose_repair("recreate", static, replace(ULTRA, mig=None)).action == "fail"
+    assert repair_policy.choose_repair("report-faulty", static, None).action == "report-faulty"
+    assert repair_policy.choose_repair("report-faulty", static, ULTRA, refused="x").action == "recreate"
+    assert repair_policy.choose_repair("auto", static, None).action == "fail"
 
 
 def test_dynamic_nodes_are_not_left_down():
@@ -303,7 +303,7 @@ def test_dynamic_nodes_are_not_left_down():
              view("c4", "DOWN+CLOUD+POWERING_DOWN", expiry),  # on its way
              view("c5", "DOWN+CLOUD+POWERED_DOWN", "admin: broken"),  # an admin's
              view("n1", "DOWN+DRAIN", expiry)]  # static: resume-if-healthy's business
-    assert policy.dynamic_cleanup(nodes) == (["c1"], ["c2"])
+    assert repair_policy.dynamic_cleanup(nodes) == (["c1"], ["c2"])
 
 
 def test_an_admins_resume_cancels_the_repair_we_asked_for():
@@ -317,7 +317,7 @@ def test_an_admins_resume_cancels_the_repair_we_asked_for():
              node("n5", "IDLE+NOT_RESPONDING", T0 - 3600),  # resumed by hand, not pinged yet: cancelled
              node("n6", "IDLE+CLOUD+POWERED_DOWN", T0 - 3600)]  # powered down by us
     requested.update(n5=T0, n6=T0)
-    assert policy.cancelled_repairs(nodes, requested) == ["n1", "n5"]
+    assert repair_policy.cancelled_repairs(nodes, requested) == ["n1", "n5"]
 
 
 def test_opt_out_by_feature_or_config_list():
@@ -335,7 +335,7 @@ def test_a_busy_dynamic_node_is_powered_down_asap_a_busy_static_one_waits():
     b = policy.breaker([], 1.0)
     nodes = [view("c1", "MIXED+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3"),
              view("n1", "MIXED+DRAIN", "slurmagent: xid 79 on gpu 3")]
-    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="auto")
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="auto")
     assert plan.todo == ["c1"] and "jobs still running" in plan.skipped["n1"]
-    plan = policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="recreate")
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="recreate")
     assert plan.todo == [] and set(plan.skipped) == {"c1", "n1"}

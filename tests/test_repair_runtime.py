@@ -10,7 +10,7 @@ from fakes.slurm import FakeSlurm
 from slurmagent import reasons
 from slurmagent.config import parse
 from slurmagent.journal import Journal
-from slurmagent.actions import Actions
+from slurmagent.action_handlers import Actions
 from slurmagent.repair import run_repair
 from slurmagent.status import collect_status, format_status
 from slurmagent.slurm import Slurm

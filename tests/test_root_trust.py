@@ -359,7 +359,7 @@ def test_the_expiry_copy_for_wrappers_is_per_node_by_default():
 def test_the_wrapper_reads_its_own_nodes_expiry_state():
     from slurmagent.config import Config
     from slurmagent.runner import build_options
-    from slurmagent.wrapper import JobIdentity
+    from slurmagent.run_setup import JobIdentity
 
     env = {"SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"}
     opts = build_options(Config(), ["true"], env, JobIdentity.from_env(env))

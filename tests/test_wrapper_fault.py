@@ -12,9 +12,10 @@ import threading
 from pathlib import Path
 
 from conftest import REPO, wait_for
-from slurmagent import wrapper
+from slurmagent import child_process, wrapper
 from slurmagent.nodes import FAULT_FLUSH_SIGNAL
-from slurmagent.wrapper import EXIT_FLUSHED, JobIdentity, RunOptions, Supervisor
+from slurmagent.run_setup import JobIdentity, RunOptions
+from slurmagent.wrapper import EXIT_FLUSHED, Supervisor
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 REAL_POPEN = subprocess.Popen
@@ -101,7 +102,7 @@ def test_child_stuck_after_sigkill_does_not_block_sync_and_requeue(tmp_path, mon
         return made[-1]
 
     monkeypatch.setattr(subprocess, "Popen", spawn)
-    monkeypatch.setattr(wrapper, "REAP_WAIT_S", 0.5)
+    monkeypatch.setattr(child_process, "REAP_WAIT_S", 0.5)
     requeued: list[str] = []
     store = Store()
     opts = RunOptions(cmd=["train"], ckpt_dir=tmp_path / "ck", remote="gs://b/p", grace_s=0.2, sync_interval_s=3600)

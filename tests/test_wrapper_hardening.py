@@ -21,15 +21,8 @@ from conftest import REPO, wait_for
 from slurmagent.checkpoint import entry_content_id
 from slurmagent.gcp.storage import GcsCheckpointStore
 from slurmagent.metrics import Metrics, read_values
-from slurmagent.wrapper import (
-    EXIT_FLUSHED,
-    JobIdentity,
-    RunOptions,
-    Supervisor,
-    WrapperError,
-    default_ckpt_dir,
-    make_private_dir,
-)
+from slurmagent.run_setup import JobIdentity, RunOptions, WrapperError, default_ckpt_dir, make_private_dir
+from slurmagent.wrapper import EXIT_FLUSHED, Supervisor
 from test_wrapper_requeue import Requeues, attempt
 
 NOBODY = 65534

@@ -18,7 +18,8 @@ from slurmagent.config import parse
 from slurmagent.runner import build_options, submit, warn_if_not_requeueable
 from slurmagent.slurm import Slurm
 from slurmagent.expiry_state import termination_time
-from slurmagent.wrapper import JobIdentity, Supervisor, WrapperError, parse_signal
+from slurmagent.run_setup import JobIdentity, WrapperError, parse_signal
+from slurmagent.wrapper import Supervisor
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 
