@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,15 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 def cl(cluster):
+    """The module's cluster, every node idle and its node-local disk empty, as a fresh VM's:
+    a file left by an earlier test's job is, to the next job, a checkpoint to start from."""
     cluster.reset_nodes()
+    for n in cluster.nodes:
+        for p in cluster.node_dir(n).iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     return cluster
 
 
