@@ -3,6 +3,7 @@ slurmd): every node restored, every node flushed, one job-level checkpoint, one 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -276,8 +277,6 @@ def test_two_node_job_with_one_node_faulting_is_requeued_once_and_both_nodes_fil
     """XID 79 on the node that is not the batch host: its `watch` drains it and sends the fault
     flush to the batch step on the other node; the wrapper flushes every node, commits one
     checkpoint, requeues once; the next run restores both ranks' files on its own two nodes."""
-    import hashlib
-
     for n in cl.nodes:  # the watch's inputs: kernel log (the XID source) and replay snapshot per node
         (tmp_path / "kern").mkdir(exist_ok=True)
         (tmp_path / "kern" / f"{n}.log").touch()
