@@ -3,16 +3,20 @@ slurmd): every node restored, every node flushed, one job-level checkpoint, one 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, slurm_major, wait_for
+from conftest import REPO, SlurmEnv, cluster_config_text, healthy_snapshot_dict, slurm_major, wait_for
 from gcs_fault_proxy import GcsFaultProxy
+from test_fault_slurm import evictions, land_on, restarts
+from test_watch import WatchProcess, append, drained, nvrm
 from slurmagent import config as config_mod
 from slurmagent.devtools.localcluster import LocalSlurmCluster, free_ports, slurm_available
 
@@ -44,7 +48,15 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 def cl(cluster):
+    """The module's cluster, every node idle and its node-local disk empty, as a fresh VM's:
+    a file left by an earlier test's job is, to the next job, a checkpoint to start from."""
     cluster.reset_nodes()
+    for n in cluster.nodes:
+        for p in cluster.node_dir(n).iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     return cluster
 
 
@@ -56,9 +68,10 @@ def write_config(path: Path, **checkpoint) -> Path:
 
 
 def submit(c: LocalSlurmCluster, tmp_path: Path, emulator_url: str, run_opts: list[str], cmd: list[str],
-           **extra_env: str) -> str:
-    env = dict(c.env, SLURMAGENT_CONFIG=str(write_config(tmp_path / "c.toml")), PYTHONPATH=str(REPO),
-               STORAGE_EMULATOR_HOST=emulator_url, **extra_env)
+           config: Path | None = None, **extra_env: str) -> str:
+    config = config or write_config(tmp_path / "c.toml")
+    env = dict(c.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emulator_url,
+               **extra_env)
     sub = subprocess.run(
         [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-N2", "--ntasks-per-node=1",
          "-o", str(tmp_path / "out"), "--open-mode=append", "--",
@@ -237,6 +250,94 @@ def test_a_node_whose_upload_fails_at_the_flush_leaves_the_previous_checkpoint_a
         if rank == 1:
             assert restored_step < ckpt_step  # the failed flush was not committed
         assert steps(lines)[-1] == 3000
+
+
+@pytest.fixture
+def node_watchers():
+    """`slurmagent watch` processes on nodes of a cluster, stopped at the end of the test."""
+    started: list[WatchProcess] = []
+
+    def start(env: SlurmEnv, node: str) -> WatchProcess:
+        w = WatchProcess(env, node).start()
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.close()
+
+
+def sha256s(field: str) -> dict[str, str]:
+    """A start line's `sha256=` field: what the rank's node held when the rank started."""
+    return dict(pair.split(":", 1) for pair in field.split(",") if pair)
+
+
+def test_two_node_job_with_one_node_faulting_is_requeued_once_and_both_nodes_files_are_restored(
+        cl, emu, node_watchers, tmp_path):
+    """XID 79 on the node that is not the batch host: its `watch` drains it and sends the fault
+    flush to the batch step on the other node; the wrapper flushes every node, commits one
+    checkpoint, requeues once; the next run restores both ranks' files on its own two nodes."""
+    for n in cl.nodes:  # the watch's inputs: kernel log (the XID source) and replay snapshot per node
+        (tmp_path / "kern").mkdir(exist_ok=True)
+        (tmp_path / "kern" / f"{n}.log").touch()
+    config = tmp_path / "c.toml"
+    config.write_text(cluster_config_text(tmp_path) + '[checkpoint]\nremote = "gs://ckpt/jobs"\n'
+                      'sync_interval_s = 1.0\ngrace_s = 20.0\n[watch]\nflush_deadline_s = 120.0\n'
+                      '[expiry]\npublish_run_file = false\n')
+    env = SlurmEnv(cl, tmp_path, config)
+    for n in cl.nodes:
+        env.set_snapshot(n, healthy_snapshot_dict(hostname=n))
+    (tmp_path / "ledger").mkdir()
+    job, running = land_on(cl, "n1,n2", lambda: submit(
+        cl, tmp_path, emu.url, [], [sys.executable, RANKS, "3000", str(tmp_path / "ledger"), "0.05", "every-200"],
+        config=config))  # a checkpoint every 10 s: quiet time for a periodic commit
+    first = nodes_of(cl, job)
+    assert first == ["n1", "n2"], running
+    healthy = running["BatchHost"]
+    (faulty,) = set(first) - {healthy}
+    wait_for(lambda: all(len(steps(ledger(tmp_path, r))) >= 20 for r in (0, 1))
+             and len((committed(job) or {}).get("files", {})) == 3, 120, "a committed checkpoint of both ranks")
+    watches = [node_watchers(env, n) for n in first]
+    append(env.kernel_log(faulty), nvrm(79))
+
+    wait_for(lambda: restarts(cl, job) >= 1, 120, "the requeue")
+    cl.wait_job(job, ("PENDING",), 60)
+    flushed = committed(job)  # the last checkpoint the first run committed, before the second run starts
+    assert drained(env, faulty)["Reason"].startswith("slurmagent: xid 79 on gpu 3 (fallen off the bus)")
+    assert drained(env, healthy) is None
+
+    end = wait_end(cl, job, 300)
+    out = (tmp_path / "out").read_text()
+    assert end["JobState"] == "COMPLETED", out
+    assert end["Restarts"] == "1" and out.count("requeued job") == 1, out  # once: not the watch's, not twice
+    assert "SIGPWR: asking the job to checkpoint" in out, out
+    second = nodes_of(cl, job)
+    assert len(second) == 2 and faulty not in second, second
+    whole = {".metadata", "rank0.json", "rank1.json"}
+    assert flushed["attempt"] == 0 and flushed["node_count"] == 2 and set(flushed["files"]) == whole
+    assert flushed["writers"] == {".metadata": [0], "rank0.json": [0], "rank1.json": [1]}
+    committed_sha = {rel: hashlib.sha256(committed_file(job, flushed, rel)).hexdigest() for rel in whole}
+    resumed_on = set()
+    for rank in (0, 1):
+        lines = ledger(tmp_path, rank)
+        assert steps(lines) == list(range(1, 3001)), f"rank {rank}: a step lost or done twice"
+        first_run, second_run = starts(lines)
+        assert first_run["resumed"] == "0" and first_run["node"] in first
+        assert second_run["node"] in second and second_run["resumed"] == "1" and second_run["restart"] == "1"
+        # the node this rank resumed on held the whole committed checkpoint, byte for byte, before it started
+        assert sha256s(second_run["sha256"]) == committed_sha, (rank, second_run)
+        restored = json.loads(committed_file(job, flushed, f"rank{rank}.json"))
+        assert restored == {"rank": rank, "step": int(second_run["step"])}
+        resumed_on.add(second_run["node"])
+    assert resumed_on == set(second)  # both nodes of the second run were restored
+    for n in second:
+        assert {p.name for p in (cl.node_dir(n) / "ckpt").iterdir()} == whole
+
+    ev = wait_for(lambda: [d for d in evictions(env, faulty, (job,)) if d.get("fault_to_leave_s") is not None],
+                  30, "the job followed off the faulty node")[0]
+    assert (ev["job_nodes"], ev["action"], ev["requeued_by"]) == (2, "flushed and requeued by its wrapper", "wrapper")
+    assert evictions(env, healthy, (job,)) == []
+    assert [w.terminate() for w in watches] == [0, 0], [w.stderr() for w in watches]
 
 
 def run_uninterrupted(tmp_path: Path, total: int) -> Path:

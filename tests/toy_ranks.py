@@ -4,12 +4,14 @@ argv: TOTAL_STEPS LEDGER_DIR STEP_SECONDS [every-N] [poison-rank-N]
 Rank r (SLURM_PROCID) writes `rank<r>.json` into SLURMAGENT_CKPT_DIR; rank 0 also writes the
 index `.metadata` (DCP's name) naming every rank's step, after its own file. Every finished
 step goes to LEDGER_DIR/rank<r>.log (outside the checkpoint), so a test can check that no step
-is lost and none is done twice. At start a rank logs the files its node holds. With
+is lost and none is done twice. At start a rank logs the files its node holds and their
+SHA-256, so a test can compare what was restored with what was committed. With
 `every-N` the periodic checkpoint is every N steps (default 5); with `poison-rank-N`, rank N's
 checkpoint at the flush carries the marker `POISON-UPLOAD`. A restarted run goes at 5 ms a
 step, so a test can give the first run all the time it needs and still end soon.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -45,9 +47,10 @@ if trainer.restart_count() > 0:
 with trainer.checkpoint_handler():
     d = trainer.ckpt_dir()
     held = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    digests = ",".join(f"{name}:{hashlib.sha256((d / name).read_bytes()).hexdigest()}" for name in held)
     step = json.loads((d / f"rank{rank}.json").read_text())["step"] if trainer.resumed() else 0
     log(f"start {step} node={node} resumed={int(trainer.resumed())} restart={trainer.restart_count()} "
-        f"files={','.join(held)}")
+        f"files={','.join(held)} sha256={digests}")
     while step < total:
         time.sleep(step_s)
         step += 1
