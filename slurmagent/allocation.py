@@ -209,8 +209,12 @@ def merge_reports(
         changed = [(i, e) for i, e in cands if _same(e) != was]
         index, entry = min(changed or cands, key=lambda c: c[0])
         files[rel] = entry
-        why = "the only copy changed since the restore" if len(changed) == 1 else "the lowest node index"
-        conflicts[rel] = f"{rel} differs on node indexes {[i for i, _ in cands]}: kept node {index}'s copy ({why})"
+        if len(changed) == 1 and len(changed) < len(cands):
+            # the normal case after a restore of every file to every node: one rank rewrote
+            # its file, the other nodes still hold the restored copy; nothing to warn about
+            continue
+        conflicts[rel] = (f"{rel} differs on node indexes {[i for i, _ in cands]}: kept node {index}'s copy "
+                          "(the lowest node index)")
     if cut_ns is None:
         return Merged(files, writers, conflicts)
 
