@@ -45,10 +45,12 @@ def finished(c, job_id: str, timeout: float = 120) -> dict:
 
 
 def first_run_then_done(tmp_path: Path) -> Path:
-    """A job that would run 10 minutes on its first start and ends at once after a restart."""
+    """A job that would run 10 minutes on its first start and ends at once after a restart.
+
+    Its sleep killed, the shell stops (Slurm may kill the sleep a moment before the shell)."""
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/sh\n"
-                      'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then echo first on $SLURMD_NODENAME; sleep 600; fi\n'
+                      'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then echo first on $SLURMD_NODENAME; sleep 600 || exit 1; fi\n'
                       "echo done on $SLURMD_NODENAME restart ${SLURM_RESTART_COUNT:-0}\n")
     return script
 
