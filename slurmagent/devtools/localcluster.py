@@ -330,9 +330,23 @@ class LocalSlurmCluster:
     def wait_nodes_idle(self, names: list[str], timeout: float = 60) -> None:
         """Until every node takes jobs: IDLE, registered, not drained (IDLE+DRAIN is not idle)."""
         def idle() -> bool:
+            self._check_started(names)
             return all(_takes_jobs(_flags(self.node(n))) for n in names)
 
         _wait(idle, timeout, lambda: f"nodes {names} not idle; last: {[self.node(n).get('State') for n in names]}")
+
+    def _check_started(self, names: list[str]) -> None:
+        """A slurmd we started that already exited never registers: say why at once (its stderr,
+        e.g. `unshare` refusing a chroot whose / is not a mount point), not "not idle" later."""
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                try:
+                    err = (self.base / f"d-{name}.err").read_text(errors="replace").strip().splitlines()
+                except OSError:
+                    err = []
+                raise RuntimeError(f"slurmd of node {name} exited with status {proc.returncode}: "
+                                   f"{err[-1] if err else 'no output'}")
 
     def wait_job(self, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict[str, str]:
         last: dict[str, str] = {}
