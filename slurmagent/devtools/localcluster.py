@@ -205,6 +205,8 @@ class LocalSlurmCluster:
             f"exec 2>>{b}/power.err\n"
             f'echo "resume $1" >> {b}/power.log\n'
             'for n in $(scontrol show hostnames "$1"); do\n'
+            "  # a fresh VM replaces the old one: a slurmd of this node still running would hold its port\n"
+            f'  old=$(cat {b}/cloud-$n.pid 2>/dev/null) && grep -qaF -- "{self.conf}" /proc/$old/cmdline 2>/dev/null && kill -9 $old\n'
             f'  rm -f {b}/d-$n.pid\n'
             f"  setsid {slurmd} -b -D -N $n -f {self.conf} >/dev/null 2>>{b}/d-$n.err </dev/null &\n"
             "  pid=$!\n"
@@ -219,7 +221,7 @@ class LocalSlurmCluster:
             f"exec 2>>{b}/power.err\n"
             f'echo "suspend $1" >> {b}/power.log\n'
             'for n in $(scontrol show hostnames "$1"); do\n'
-            f"  [ -f {b}/cloud-$n.pid ] && kill -9 $(cat {b}/cloud-$n.pid) 2>/dev/null\n"
+            f'  old=$(cat {b}/cloud-$n.pid 2>/dev/null) && grep -qaF -- "{self.conf}" /proc/$old/cmdline 2>/dev/null && kill -9 $old\n'
             f"  rm -f {b}/cloud-$n.pid\n"
             "done\n")
         for script in (resume, suspend):
