@@ -140,7 +140,10 @@ else
 fi
 ROOT=$CHROOT
 
-# Mounts (private to this namespace), as a booted system would have them.
+# Mounts (private to this namespace), as a booted system would have them. First the chroot onto
+# itself: its / must be a mount point, as on a booted system, or `unshare -m --propagation
+# private` in it (the node-local slurmd of the multi-node tests) fails with EINVAL.
+mount --bind "$ROOT" "$ROOT"
 mount -t proc proc "$ROOT/proc"
 mount --rbind /sys "$ROOT/sys"; mount --make-rslave "$ROOT/sys"
 mount --rbind /dev "$ROOT/dev"; mount --make-rslave "$ROOT/dev"

@@ -13,17 +13,13 @@ import os
 
 import pytest
 
-from conftest import REPO, healthy_snapshot_dict, slurm_major, hook_shim, wait_for, write_json, xid_snapshot_dict
+from conftest import REPO, healthy_snapshot_dict, hook_shim, wait_for, write_json, xid_snapshot_dict
 from fake_gcp import FakeGcp
 from slurmagent import reasons
 from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 from slurmagent.nodes import node_from_kv
 
-# The harness's CLOUD nodes (ResumeProgram starts `slurmd -b`) are proven on Slurm 22.05 only: on
-# 24.11 the job never reaches the powered-up node within 120 s (seen in the Debian 13 lane).
-# Until the harness learns 24.11's power-saving start, these run in the 22.05 lane only.
-pytestmark = [pytest.mark.slurm, pytest.mark.slow,
-              pytest.mark.skipif(slurm_major() >= 23, reason="local CLOUD-node harness verified on Slurm 22.05 only")]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 

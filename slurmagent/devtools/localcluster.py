@@ -19,6 +19,7 @@ shell scripts under the cluster's base directory, and every such slurmd's pid is
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -46,6 +47,44 @@ def slurm_available() -> str | None:
 
 
 def free_ports(n: int) -> list[int]:
+    """`n` distinct free TCP ports on 127.0.0.1, for servers that bind them later (a CLOUD
+    node's slurmd binds its port minutes later, when powered up). Drawn below the kernel's
+    ephemeral range, so no outgoing connection on this machine takes one meanwhile (seen:
+    "Unable to bind listen port ... Address already in use" with several clusters running);
+    from the ephemeral range only when there is no room below it."""
+    low = _ephemeral_range()[0]
+    if low - _LOW_PORTS_FROM < 1000:
+        return _kernel_ports(n)
+    ports: list[int] = []
+    for port in random.sample(range(_LOW_PORTS_FROM, low), min(low - _LOW_PORTS_FROM, 50 * n)):
+        if _bindable(port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    return ports + _kernel_ports(n - len(ports))
+
+
+_LOW_PORTS_FROM = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_ports(n: int) -> list[int]:
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()
@@ -163,18 +202,26 @@ class LocalSlurmCluster:
         resume, suspend = b / "resume-program", b / "suspend-program"
         resume.write_text(
             "#!/bin/sh\n# slurmctld: power these nodes up (a fresh VM: a slurmd that reports a boot of now)\n"
+            f"exec 2>>{b}/power.err\n"
             f'echo "resume $1" >> {b}/power.log\n'
             'for n in $(scontrol show hostnames "$1"); do\n'
+            "  # a fresh VM replaces the old one: a slurmd of this node still running would hold its port\n"
+            f'  old=$(cat {b}/cloud-$n.pid 2>/dev/null) && grep -qaF -- "{self.conf}" /proc/$old/cmdline 2>/dev/null && kill -9 $old\n'
             f'  rm -f {b}/d-$n.pid\n'
-            f"  setsid {slurmd} -b -D -N $n -f {self.conf} >/dev/null 2>&1 </dev/null &\n"
-            f"  echo $! > {b}/cloud-$n.pid\n"
+            f"  setsid {slurmd} -b -D -N $n -f {self.conf} >/dev/null 2>>{b}/d-$n.err </dev/null &\n"
+            "  pid=$!\n"
+            f"  echo $pid > {b}/cloud-$n.pid\n"
+            "  # Slurm 24.11 kills this script's process group once it exits: return only after slurmd\n"
+            "  # has left it (setsid: its own session), or it may be killed before it starts.\n"
+            '  for _ in $(seq 200); do [ "$(ps -o sid= -p $pid | tr -d \' \')" = "$pid" ] && break; sleep 0.05; done\n'
             "done\n")
         suspend.write_text(
             "#!/bin/sh\n# slurmctld: power these nodes down (delete the VM). SIGKILL: slurmctld's children\n"
             "# inherit its blocked SIGTERM.\n"
+            f"exec 2>>{b}/power.err\n"
             f'echo "suspend $1" >> {b}/power.log\n'
             'for n in $(scontrol show hostnames "$1"); do\n'
-            f"  [ -f {b}/cloud-$n.pid ] && kill -9 $(cat {b}/cloud-$n.pid) 2>/dev/null\n"
+            f'  old=$(cat {b}/cloud-$n.pid 2>/dev/null) && grep -qaF -- "{self.conf}" /proc/$old/cmdline 2>/dev/null && kill -9 $old\n'
             f"  rm -f {b}/cloud-$n.pid\n"
             "done\n")
         for script in (resume, suspend):
@@ -330,9 +377,23 @@ class LocalSlurmCluster:
     def wait_nodes_idle(self, names: list[str], timeout: float = 60) -> None:
         """Until every node takes jobs: IDLE, registered, not drained (IDLE+DRAIN is not idle)."""
         def idle() -> bool:
+            self._check_started(names)
             return all(_takes_jobs(_flags(self.node(n))) for n in names)
 
         _wait(idle, timeout, lambda: f"nodes {names} not idle; last: {[self.node(n).get('State') for n in names]}")
+
+    def _check_started(self, names: list[str]) -> None:
+        """A slurmd we started that already exited never registers: say why at once (its stderr,
+        e.g. `unshare` refusing a chroot whose / is not a mount point), not "not idle" later."""
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                try:
+                    err = (self.base / f"d-{name}.err").read_text(errors="replace").strip().splitlines()
+                except OSError:
+                    err = []
+                raise RuntimeError(f"slurmd of node {name} exited with status {proc.returncode}: "
+                                   f"{err[-1] if err else 'no output'}")
 
     def wait_job(self, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict[str, str]:
         last: dict[str, str] = {}
