@@ -209,7 +209,7 @@ def merge_reports(
         changed = [(i, e) for i, e in cands if _same(e) != was]
         index, entry = min(changed or cands, key=lambda c: c[0])
         files[rel] = entry
-        if len(changed) == 1 and len(changed) < len(cands):
+        if len(changed) == 1:
             # the normal case after a restore of every file to every node: one rank rewrote
             # its file, the other nodes still hold the restored copy; nothing to warn about
             continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -156,11 +155,3 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
-
-def slurm_major() -> int:
-    """The local Slurm's major version (22 on Debian 12, 24 on Debian 13); 0 when unknown."""
-    try:
-        out = subprocess.run(["slurmctld", "-V"], capture_output=True, text=True, timeout=10).stdout
-        return int(out.split()[1].split(".")[0])
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return 0
