@@ -207,41 +207,40 @@ class BucketObjects:
 
             raise exceptions.from_http_response(resp)
 
-    def post_media(self, name: str, body: Any, size: int, timeout: float, if_generation_match: int | None = 0) -> dict:
-        params = {"uploadType": "media", "name": name}
-        if if_generation_match is not None:
-            params["ifGenerationMatch"] = str(if_generation_match)
-        resp = self.http.request(
-            "POST",
-            self.api(f"/upload/storage/v1/b/{self.bucket_name}/o"),
-            data=body,
-            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
-            params=params,
-            timeout=(timeout, timeout),
-        )
+    def request_json(self, method: str, url: str, timeout: float, **kwargs: Any) -> dict:
+        """One request whose answer is an object resource: raised on an error status, parsed, closed."""
+        resp = self.http.request(method, url, timeout=(timeout, timeout), **kwargs)
         try:
             self.raise_for(resp)
             return resp.json()
         finally:
             resp.close()
 
+    def post_media(self, name: str, body: Any, size: int, timeout: float, if_generation_match: int | None = 0) -> dict:
+        params = {"uploadType": "media", "name": name}
+        if if_generation_match is not None:
+            params["ifGenerationMatch"] = str(if_generation_match)
+        return self.request_json(
+            "POST",
+            self.api(f"/upload/storage/v1/b/{self.bucket_name}/o"),
+            timeout,
+            data=body,
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+            params=params,
+        )
+
     def compose(self, dest: str, sources: list[str], timeout: float, if_generation_match: int | None) -> dict:
         params = {} if if_generation_match is None else {"ifGenerationMatch": str(if_generation_match)}
-        resp = self.http.request(
+        return self.request_json(
             "POST",
             self.object_url(dest) + "/compose",
+            timeout,
             json={
                 "sourceObjects": [{"name": s} for s in sources],
                 "destination": {"contentType": "application/octet-stream"},
             },
             params=params,
-            timeout=(timeout, timeout),
         )
-        try:
-            self.raise_for(resp)
-            return resp.json()
-        finally:
-            resp.close()
 
     def get_into(
         self, name: str, fd: int, start: int, length: int, ranged: bool, expect_size: int, dl: Deadline, timeout: float
