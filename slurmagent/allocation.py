@@ -384,12 +384,14 @@ class AllocationStore:
         """The committed job-level manifest (a multi-node restore always takes it)."""
         return self.committer.read_manifest(deadline_s=deadline_s)[0] if self.committer is not None else None
 
-    def restore(self, ckpt_dir, *, deadline_s: float = 1800.0) -> Manifest | None:
+    def restore(self, ckpt_dir, *, deadline_s: float = 1800.0, state_file=None) -> Manifest | None:
         manifest, generation = (None, 0)
         if self.committer is not None:
             manifest, generation = self.committer.read_manifest(deadline_s=min(60.0, deadline_s))
         args = ["restore", "--ckpt-dir", str(ckpt_dir), "--remote", self.committer.url if self.committer else "",
                 "--generation", str(generation), "--scope", self.scope, "--deadline", f"{deadline_s:g}"]
+        if state_file is not None:
+            args += ["--state-file", str(state_file)]
         reports = self.launcher.run(args, deadline_s)
         failed = self._failures(reports)
         if failed:

@@ -25,7 +25,7 @@ class BlobStore(Protocol):
 
     def read_manifest(self, *, deadline_s: float = ...) -> tuple[Manifest | None, int]: ...
 
-    def restore_manifest(self, ckpt_dir, manifest: Manifest, *, deadline_s: float = ...) -> None: ...
+    def restore_manifest(self, ckpt_dir, manifest: Manifest, *, deadline_s: float = ..., state_file=...) -> None: ...
 
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ..., *, commit: bool = ...) -> Any: ...
 
@@ -65,8 +65,9 @@ def set_aside_uncommitted(ckpt_dir: Path, keep: Iterable[str]) -> list[str]:
 
 
 def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: str, num_nodes: int,
-                  generation: int, scope: str, deadline_s: float) -> NodeReport:
-    """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part)."""
+                  generation: int, scope: str, deadline_s: float, state_file: Path | None = None) -> NodeReport:
+    """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part);
+    `state_file`, the node's hash cache, learns the restored files."""
     report = NodeReport(index=index, node=node, ok=False)
     try:
         prepare_dir(ckpt_dir)
@@ -83,7 +84,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
             report.messages.append(f"{len(moved)} file(s) not in the committed checkpoint moved to "
                                    f"{ckpt_dir}{UNCOMMITTED_SUFFIX}/")
         if manifest is not None:
-            store.restore_manifest(ckpt_dir, mine, deadline_s=deadline_s)
+            store.restore_manifest(ckpt_dir, mine, deadline_s=deadline_s, state_file=state_file)
         report.generation = found
         report.ok = True
     except (SlurmagentError, OSError) as exc:
@@ -119,14 +120,15 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
 
         store = GcsCheckpointStore(remote)
     path = Path(ckpt_dir)
+    state = Path(state_file or str(path).rstrip("/") + ".sync-state.json")
     if action == "restore":
         report = agent_restore(store, path, index=index, node=node, num_nodes=num_nodes, generation=generation,
-                               scope=scope, deadline_s=deadline_s)
+                               scope=scope, deadline_s=deadline_s, state_file=state)
     elif store is None:
         report = NodeReport(index=index, node=node, ok=True)
     else:
         report = agent_sync(store, path, index=index, node=node, attempt=attempt,
-                            state_file=Path(state_file or str(path).rstrip("/") + ".sync-state.json"),
+                            state_file=state,
                             deadline_s=deadline_s)
     for message in report.messages:
         print(f"slurmagent node-agent {node}: {message}", file=err, flush=True)

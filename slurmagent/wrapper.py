@@ -58,7 +58,7 @@ class CheckpointStore(Protocol):
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ..., restored: Manifest | None = ...
              ) -> SyncResultLike: ...
 
-    def restore(self, ckpt_dir, *, deadline_s: float = ...) -> Manifest | None: ...
+    def restore(self, ckpt_dir, *, deadline_s: float = ..., state_file=...) -> Manifest | None: ...
 
     def latest_manifest(self, *, deadline_s: float = ...) -> Manifest | None: ...
 
@@ -156,7 +156,8 @@ class Supervisor:
                      + "; not restoring over it")
             self.baseline = self.committed = manifest
             return True
-        restored = self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s)
+        # the hash cache learns the restored files, so the next sync neither reads nor sends them
+        restored = self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
         if restored is None:  # deleted between the two reads
             self.say(f"no checkpoint at {self.remote}: starting fresh")
             return bool(stat_scan(ckpt))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -1123,3 +1124,19 @@ def test_call_does_not_retry_permanent_errors():
     with pytest.raises(StorageUnavailableError, match="testing on gs://ckpt/p failed: Forbidden"):
         s.objects.call(forbidden, Deadline(10), "testing")
     assert seen == [1]
+
+
+def test_a_big_file_is_restored_as_a_few_large_slices_that_cover_it_once():
+    """Few and large, as gcloud's sliced downloads: many small ranges lose on the disk and the CPU."""
+    from slurmagent.gcp.restore import slices
+
+    tunables = GcsCheckpointStore("gs://ckpt/job1").settings()
+    one_gib = slices(1024 * MiB, tunables)
+    assert one_gib == [(k * 256 * MiB, 256 * MiB) for k in range(4)]
+    assert slices(100 * MiB, tunables) == [(0, 100 * MiB)]  # below the threshold: one stream
+    assert len(slices(130 * MiB, tunables)) == 2  # no slice under range_size (64 MiB)
+    for size in (128 * MiB, 200 * MiB + 3, 8 * 1024 * MiB + 1):
+        parts = slices(size, tunables)
+        assert 2 <= len(parts) <= tunables.slices_per_file
+        assert [off for off, _ in parts] == list(itertools.accumulate([0] + [n for _, n in parts[:-1]]))
+        assert sum(n for _, n in parts) == size and min(n for _, n in parts) > 0

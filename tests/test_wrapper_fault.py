@@ -82,7 +82,7 @@ class Store:
 
     url = "gs://b/p"
 
-    def restore(self, ckpt_dir, *, deadline_s=0):
+    def restore(self, ckpt_dir, *, deadline_s=0, state_file=None):
         return None
 
     def latest_manifest(self, *, deadline_s=0):

@@ -176,6 +176,20 @@ def test_after_a_failed_final_sync_the_same_node_keeps_the_newer_local_files(emu
     assert committed_state() != a_sha  # and B is now committed
 
 
+def test_the_sync_after_a_restore_neither_reads_nor_sends_the_restored_files(emu, tmp_path, monkeypatch):
+    """A restore of hundreds of GB would otherwise be read back whole by the first sync after it."""
+    from slurmagent import checkpoint_hash
+
+    attempt(tmp_path, 0, "A")
+    hashed: list[str] = []
+    real = checkpoint_hash.hash_file
+    monkeypatch.setattr(checkpoint_hash, "hash_file", lambda path, *a, **k: hashed.append(str(path)) or real(path, *a, **k))
+    outcome, err = attempt(tmp_path, 1, "")  # a fresh node: restores A, writes nothing new, flushes
+    assert outcome.resumed and outcome.synced and "restored checkpoint of attempt 0" in err, err
+    assert hashed == []
+    assert (tmp_path / "node-1" / "ckpt" / "state").read_text() == "A"
+
+
 def test_a_newer_checkpoint_from_another_node_replaces_an_older_local_one(emu, tmp_path):
     n1, n2 = tmp_path / "n1" / "ckpt", tmp_path / "n2" / "ckpt"
     attempt(tmp_path, 0, "A", ckpt_dir=n1)

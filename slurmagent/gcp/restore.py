@@ -34,7 +34,7 @@ from slurmagent.checkpoint import (
 from slurmagent.gcp.bucket import BucketObjects
 from slurmagent.gcp.manifest_store import ManifestStore
 from slurmagent.gcp.packs import schedule_pack_restore
-from slurmagent.gcp.transfer import Deadline, Notices, SizeMismatch, TransferSettings, WorkerPool, human_size, is_not_found
+from slurmagent.gcp.transfer import BLOCK, Deadline, Notices, SizeMismatch, TransferSettings, WorkerPool, human_size, is_not_found
 
 __all__ = ["STAGING_PREFIX", "check_targets", "move_tree", "run_restore"]
 
@@ -186,9 +186,8 @@ def schedule_download(
             raise RestoreError(objects.corrupt(rel, name, f"crc32c {EMPTY_CRC32C} != {entry['crc32c']} in the manifest"))
         return
     os.ftruncate(fd, size)
-    ranged = size >= settings.ranged_download_threshold
-    step = settings.range_size if ranged else size
-    spans = [(off, min(step, size - off)) for off in range(0, size, step)]
+    spans = slices(size, settings)
+    ranged = len(spans) > 1
     crcs: list[int | None] = [None] * len(spans)
     left = [len(spans)]
     lock = threading.Lock()
@@ -240,6 +239,18 @@ def schedule_download(
 
     for k in range(len(spans)):
         pool.submit(fetch, k)
+
+
+def slices(size: int, settings: TransferSettings) -> list[tuple[int, int]]:
+    """(offset, length) of each ranged read of a file of ``size`` bytes: one whole read below
+    the threshold, else at most ``slices_per_file`` equal parts of at least ``range_size``
+    (a block multiple, so each part streams in whole blocks)."""
+    count = min(settings.slices_per_file, size // max(1, settings.range_size))
+    if size < settings.ranged_download_threshold or count < 2:
+        return [(0, size)]
+    step = -(-size // count)
+    step = -(-step // BLOCK) * BLOCK if step > BLOCK else step
+    return [(off, min(step, size - off)) for off in range(0, size, step)]
 
 
 def move_tree(src: str, dst: str) -> None:

@@ -61,6 +61,7 @@ class TransferSettings:
     part_size: int
     ranged_download_threshold: int
     range_size: int
+    slices_per_file: int
     hash_workers: int
     busy_retries: int
     busy_pause_s: float
