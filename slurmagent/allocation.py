@@ -355,7 +355,7 @@ class AllocationStore:
     through the agents; the batch step alone reads and commits the job-level manifest."""
 
     def __init__(self, alloc: Allocation, committer: Committer | None, launcher: AgentLauncher, *,
-                 scope: str = "all", err: TextIO = sys.stderr):
+                 scope: str = "all", err: TextIO = sys.stderr, agent_options: Sequence[str] = ()):
         if scope not in SCOPES:
             raise AllocationError(f"--restore-scope must be one of {', '.join(SCOPES)}, not {scope!r}")
         self.alloc = alloc
@@ -363,6 +363,7 @@ class AllocationStore:
         self.launcher = launcher
         self.scope = scope
         self.err = err
+        self.agent_options = list(agent_options)  # the store's tunables, for every agent
         self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
@@ -392,7 +393,7 @@ class AllocationStore:
                 "--generation", str(generation), "--scope", self.scope, "--deadline", f"{deadline_s:g}"]
         if state_file is not None:
             args += ["--state-file", str(state_file)]
-        reports = self.launcher.run(args, deadline_s)
+        reports = self.launcher.run(args + self.agent_options, deadline_s)
         failed = self._failures(reports)
         if failed:
             raise RestoreError(f"restore failed on {failed}")
@@ -409,7 +410,7 @@ class AllocationStore:
             args = ["sync", "--ckpt-dir", str(ckpt_dir), "--remote", self.committer.url if self.committer else "",
                     "--state-file", str(state_file), "--attempt", str(attempt),
                     "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
-            reports = self.launcher.run(args, deadline_s)
+            reports = self.launcher.run(args + self.agent_options, deadline_s)
             failed = self._failures(reports)
             if failed:
                 raise CheckpointError(f"upload failed on {failed}; the last complete checkpoint stays")
@@ -434,7 +435,8 @@ class AllocationStore:
 
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,
-                     scope: str = "all", err: TextIO = sys.stderr) -> AllocationStore | None:
+                     scope: str = "all", err: TextIO = sys.stderr,
+                     agent_options: Sequence[str] = ()) -> AllocationStore | None:
     """The multi-node store when this wrapper is a multi-node job's batch step, else None."""
     alloc = Allocation.from_env(env)
     if alloc is None:
@@ -443,4 +445,5 @@ def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckp
         raise AllocationError(
             f"--ckpt-dir {ckpt_dir_option}: %n would name the batch host on every node (all ranks get the same "
             "SLURMAGENT_CKPT_DIR); give a node-local path that is the same on every node")
-    return AllocationStore(alloc, committer, SrunLauncher(alloc, env, err=err), scope=scope, err=err)
+    return AllocationStore(alloc, committer, SrunLauncher(alloc, env, err=err), scope=scope, err=err,
+                           agent_options=agent_options)

@@ -139,6 +139,12 @@ class CheckpointConfig:
         300, "`slurmagent sbatch`: end-of-time signal this long before the limit",
         low=0, high=65535,
     )
+    transfers: int = _key(16, "files (and slices of big files) one sync or restore moves at once, per node", low=1, high=256)
+    parallel_upload_mib: int = _key(
+        0, "files from this size (MiB) go up as parallel parts composed into one object (Cloud Storage's parallel "
+        "composite upload: faster for big files on Cloud Storage, slower on the emulators, whose compose copies); 0 = off",
+        low=0, high=5242880,
+    )
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,8 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
 
 def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str | None, attempt: int,
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
-                    out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+                    out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
+                    parallel_upload_mib: int = 0) -> int:
     """`slurmagent node-agent restore|sync`: one task of the agent step; one report line."""
     index = int(env.get("SLURM_NODEID") or 0)
     node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
@@ -118,7 +119,8 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     if remote:
         from .gcp.storage import GcsCheckpointStore  # start-up speed: google libraries only where used
 
-        store = GcsCheckpointStore(remote)
+        store = GcsCheckpointStore(remote, max_workers=transfers,
+                                   parallel_upload_threshold=parallel_upload_mib * 1024 * 1024 or None)
     path = Path(ckpt_dir)
     state = Path(state_file or str(path).rstrip("/") + ".sync-state.json")
     if action == "restore":

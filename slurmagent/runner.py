@@ -47,6 +47,21 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     )
 
 
+MiB = 1024 * 1024
+
+
+def store_tunables(cfg: Config) -> dict:
+    """The checkpoint store's keyword arguments from `[checkpoint]`."""
+    ck = cfg.checkpoint
+    return {"max_workers": ck.transfers, "parallel_upload_threshold": ck.parallel_upload_mib * MiB or None}
+
+
+def node_agent_options(cfg: Config) -> list[str]:
+    """The same tunables for the node agents of a multi-node job (they do not read the config)."""
+    ck = cfg.checkpoint
+    return ["--transfers", str(ck.transfers), "--parallel-upload-mib", str(ck.parallel_upload_mib)]
+
+
 def _int(value: str | None) -> int:
     try:
         return int(value or 0)
@@ -69,11 +84,12 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     if options.remote:
         from .gcp.storage import GcsCheckpointStore  # google only with a remote: start-up speed
 
-        store = GcsCheckpointStore(options.remote)
+        store = GcsCheckpointStore(options.remote, **store_tunables(cfg))
     # A multi-node job's batch step covers every node's --ckpt-dir through node agents.
     from .allocation import allocation_store  # start-up speed: single-node runs never load it
 
-    whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope)
+    whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope,
+                                 agent_options=node_agent_options(cfg))
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
     hold = _requeue_hold(cfg, env, ident) if slurm is not None else None
     metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))

@@ -22,6 +22,7 @@ class GcsFaultProxy:
         self.upstream = urlsplit(upstream)
         self.refuse_marker = refuse_marker
         self.refused = 0
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -32,6 +33,7 @@ class GcsFaultProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.requests.append((self.command, self.path))
                 if self.command in ("POST", "PUT") and proxy.refuse_marker in body:
                     proxy.refused += 1
                     reply = json.dumps({"error": {"code": 403, "message": "upload refused by the test"}}).encode()

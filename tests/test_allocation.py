@@ -9,11 +9,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from slurmagent.allocation import (
     AGENT_STEP_NAME,
     Allocation,
@@ -362,3 +365,29 @@ def test_no_srun_is_a_failed_round_on_every_node_not_a_crash(tmp_path):
     reports = launcher.run(["sync", "--ckpt-dir", "/d"], deadline_s=5)
     assert [(r.index, r.ok) for r in reports] == [(0, False), (1, False)]
     assert "cannot run" in reports[0].error
+
+
+@pytest.mark.parametrize("parallel_upload_mib", [0, 1])
+def test_node_agents_move_files_with_the_tunables_the_wrapper_hands_them(gcs_emulator, tmp_path, parallel_upload_mib):
+    """`[checkpoint] parallel_upload_mib` reaches every node of a multi-node job: the batch step
+    passes its store's tunables to `slurmagent node-agent`, which does not read the config."""
+    from gcs_fault_proxy import GcsFaultProxy
+    from slurmagent.config import load
+    from slurmagent.runner import node_agent_options
+
+    config = tmp_path / "c.toml"
+    config.write_text(f"[checkpoint]\ntransfers = 4\nparallel_upload_mib = {parallel_upload_mib}\n")
+    options = node_agent_options(load(str(config)))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "shard.pt").write_bytes(os.urandom(3 * 1024 * 1024))
+    with GcsFaultProxy(gcs_emulator.url, b"never-in-random-bytes-\x00\xff") as proxy:
+        env = dict(os.environ, PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=proxy.url, SLURM_NODEID="0")
+        proc = subprocess.run(
+            [sys.executable, "-m", "slurmagent.entry", "node-agent", "sync", "--ckpt-dir", str(ckpt),
+             "--remote", f"gs://ckpt/tun{parallel_upload_mib}", "--state-file", str(tmp_path / "s.json"), *options],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 0 and '"ok":true' in proc.stdout and '"bytes_sent":3145728' in proc.stdout, proc.stderr + proc.stdout
+    composed = [path for method, path in proxy.requests if method == "POST" and "/compose" in path]
+    assert bool(composed) == bool(parallel_upload_mib), proxy.requests

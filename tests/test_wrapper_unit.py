@@ -164,3 +164,16 @@ def test_trainer_helper_flag_and_atomic_write(tmp_path, monkeypatch):
     assert trainer.resumed() and trainer.restart_count() == 2
     trainer.atomic_write(trainer.ckpt_dir() / "s.json", "{}")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["s.json"]
+
+
+def test_checkpoint_tunables_from_the_config_reach_the_wrapper_store(tmp_path):
+    from slurmagent.config import Config, load
+    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.runner import store_tunables
+
+    default = GcsCheckpointStore("gs://ckpt/p", **store_tunables(Config())).settings()
+    assert (default.max_workers, default.parallel_upload_threshold) == (16, None)
+    config = tmp_path / "c.toml"
+    config.write_text("[checkpoint]\ntransfers = 4\nparallel_upload_mib = 1024\n")
+    tuned = GcsCheckpointStore("gs://ckpt/p", **store_tunables(load(str(config)))).settings()
+    assert (tuned.max_workers, tuned.parallel_upload_threshold) == (4, 1024 * 1024 * 1024)

@@ -108,9 +108,11 @@ class GcsCheckpointStore:
         client: Any = None,
         timeout_s: float = 30.0,
         max_workers: int = 16,
+        parallel_upload_threshold: int | None = None,
         warn: Callable[[str], None] | None = None,
     ) -> None:
         self.max_workers = max(1, int(max_workers))
+        self.parallel_upload_threshold = parallel_upload_threshold or None
         self.objects = BucketObjects(remote_url, client=client, timeout_s=timeout_s, pool_size=max(32, self.max_workers * 2))
         self.bucket_name, self.prefix, self.url = self.objects.bucket_name, self.objects.prefix, self.objects.url
         self.timeout_s = self.objects.timeout_s
