@@ -3,7 +3,7 @@
 
     python bench/flush.py [--size-gib 1] [--big] [--big-one-file] [--small-files 20000] [--small-kib 4]
                           [--emulator fake-gcs-server|gcp-storage-emulator] [--only SHAPE ...]
-                          [--no-library] [--set KEY=VALUE ...]
+                          [--no-library] [--repeat N] [--set KEY=VALUE ...]
 
 Starts its own Cloud Storage emulator on 127.0.0.1 and, for each shape of
 checkpoint (1 GiB as one file and as 16 shards, 20,000 small files; with
@@ -22,6 +22,13 @@ measures against that same emulator, in the same run:
   cache and nothing remote: hashing included) and a restore into an empty
   directory (verified), each in a child process that reports its peak RSS
   (VmHWM) beside the RSS it had before the transfer (interpreter + libraries).
+
+Raw and slurmagent are measured in turn, ``--repeat`` rounds (default 3), and
+the table compares the best of each: on this VM the same 1 GiB download swings
+between 0.6 and 2.5 s with the state of the page cache (freshly freed pages are
+cheap to write into, pages the host took back are not), so one run of each
+says more about the order than about the code.  Every measurement starts
+after ``os.sync()`` and after the previous one's files were removed.
 
 Then the bytes an incremental sync sends after 1 of 16 shards changed, and
 the hashing throughput of this CPU.  The emulator runs on the same cores as
