@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from slurmagent.checkpoint_cache import LocalState
+from slurmagent.checkpoint_cache import LocalState, state_file_for
 from slurmagent.checkpoint_errors import (
     CheckpointError,
     LocalChangedError,
@@ -68,6 +68,7 @@ __all__ = [
     "LocalChangedError",
     "Manifest",
     "LocalFile",
+    "state_file_for",
     "LocalState",
     "FileDigest",
     "CheckpointLag",

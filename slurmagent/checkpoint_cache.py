@@ -23,10 +23,16 @@ from slurmagent.checkpoint_errors import CheckpointError
 from slurmagent.checkpoint_hash import CrcFactory, FileDigest, is_content_id, is_crc32c_b64, is_hex_digest
 from slurmagent.checkpoint_names import LocalFile
 
-__all__ = ["LocalState", "RACY_WINDOW_S", "STATE_VERSION"]
+__all__ = ["LocalState", "RACY_WINDOW_S", "STATE_VERSION", "state_file_for"]
 
 STATE_VERSION = 2
 RACY_WINDOW_S = 2.0
+
+
+def state_file_for(ckpt_dir) -> Path:
+    """Where the hash cache of ``ckpt_dir`` lives: beside it, never inside (the wrapper and a
+    node agent must agree, so that what a restore records is what the next sync reads)."""
+    return Path(str(ckpt_dir).rstrip("/") + ".sync-state.json")
 
 
 class LocalState:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, TextIO
 
 from .allocation import UNCOMMITTED_SUFFIX, NodeReport, newest_changes, select_for_node
-from .checkpoint import Manifest, RestoreError
+from .checkpoint import Manifest, RestoreError, state_file_for
 from .errors import SlurmagentError
 
 
@@ -119,10 +119,9 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     if remote:
         from .gcp.storage import GcsCheckpointStore  # start-up speed: google libraries only where used
 
-        store = GcsCheckpointStore(remote, max_workers=transfers,
-                                   parallel_upload_threshold=parallel_upload_mib * 1024 * 1024 or None)
+        store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib)
     path = Path(ckpt_dir)
-    state = Path(state_file or str(path).rstrip("/") + ".sync-state.json")
+    state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":
         report = agent_restore(store, path, index=index, node=node, num_nodes=num_nodes, generation=generation,
                                scope=scope, deadline_s=deadline_s, state_file=state)

@@ -47,13 +47,10 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     )
 
 
-MiB = 1024 * 1024
-
-
 def store_tunables(cfg: Config) -> dict:
     """The checkpoint store's keyword arguments from `[checkpoint]`."""
     ck = cfg.checkpoint
-    return {"max_workers": ck.transfers, "parallel_upload_threshold": ck.parallel_upload_mib * MiB or None}
+    return {"max_workers": ck.transfers, "parallel_upload_mib": ck.parallel_upload_mib}
 
 
 def node_agent_options(cfg: Config) -> list[str]:

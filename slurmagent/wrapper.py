@@ -28,10 +28,9 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable, Mapping, Protocol, TextIO
 
-from .checkpoint import Manifest, no_progress_after
+from .checkpoint import Manifest, no_progress_after, state_file_for
 from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
@@ -108,7 +107,7 @@ class Supervisor:
             store.warn = self.say  # files a sync leaves out are said on the job's stderr, like ours
         self.sync_lock = threading.Lock()
         self.stop_sync = threading.Event()
-        self.state_file = Path(str(opts.ckpt_dir).rstrip("/") + ".sync-state.json")
+        self.state_file = state_file_for(opts.ckpt_dir)
         self.record = DirRecord(opts.ckpt_dir)
         self.last_sync_error = ""
         self.bytes_synced = 0

@@ -88,7 +88,7 @@ class GcsCheckpointStore:
     # default: on both emulators every object write holds one global lock and compose copies the
     # bytes again, so parts lose to one stream (2 GiB: 114 s against 22 s, bench/flush.py);
     # Cloud Storage composes without copying, where parallel parts pay for big files.
-    parallel_upload_threshold: int | None = None
+    parallel_upload_threshold: int | None  # set from parallel_upload_mib (0: None)
     part_size = 128 * MiB  # part of a parallel upload (grown so a file has at most 1024 parts)
     # From this size on a file is restored as parallel ranged reads ("sliced"), at most
     # slices_per_file of them, none under range_size.  Few and large, as gcloud does: on
@@ -108,11 +108,11 @@ class GcsCheckpointStore:
         client: Any = None,
         timeout_s: float = 30.0,
         max_workers: int = 16,
-        parallel_upload_threshold: int | None = None,
+        parallel_upload_mib: int = 0,
         warn: Callable[[str], None] | None = None,
     ) -> None:
         self.max_workers = max(1, int(max_workers))
-        self.parallel_upload_threshold = parallel_upload_threshold or None
+        self.parallel_upload_threshold = parallel_upload_mib * MiB or None
         self.objects = BucketObjects(remote_url, client=client, timeout_s=timeout_s, pool_size=max(32, self.max_workers * 2))
         self.bucket_name, self.prefix, self.url = self.objects.bucket_name, self.objects.prefix, self.objects.url
         self.timeout_s = self.objects.timeout_s
