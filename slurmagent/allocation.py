@@ -34,31 +34,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence, TextIO
 
+from . import hostlist
+from .agent_channel import read_frames
+from .agent_step import Rounds, agent_env, run_step
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
 from .errors import SlurmagentError
 
-REPORT_TAG = "slurmagent-node-report "
 AGENT_STEP_NAME = "slurmagent-node-agent"
 SCOPES = ("all", "node")
 UNCOMMITTED_SUFFIX = ".uncommitted"
-
-# Step-request variables of the batch environment that would shape our one-task-per-node
-# step like the trainer's (8 tasks, GPUs, memory per CPU...); the agent step sets its own.
-_STEP_REQUEST_VARS = (
-    "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET", "SLURM_NTASKS_PER_CORE",
-    "SLURM_NTASKS_PER_GPU", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_NODE",
-    "SLURM_MEM_PER_GPU", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS_PER_SOCKET",
-    "SLURM_TRES_PER_TASK", "SLURM_DISTRIBUTION", "SLURM_CPU_BIND", "SLURM_HINT", "SLURM_EXACT", "SLURM_OVERLAP",
-    "SLURM_STEP_GRES", "SLURM_NETWORK",
-)
-
 
 class AllocationError(SlurmagentError):
     """A multi-node job cannot be covered safely (wrapper inside srun, %n in a shared path)."""
@@ -75,6 +65,10 @@ class Allocation:
 
     job_id: str
     num_nodes: int
+    nodes: tuple[str, ...] = field(default=(), compare=False)  # by node index, to name a silent node
+
+    def node(self, index: int) -> str:
+        return self.nodes[index] if 0 <= index < len(self.nodes) else ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Allocation | None:
@@ -95,7 +89,11 @@ class Allocation:
                 "run it once, as the batch step around srun (exec slurmagent run --ckpt-dir DIR -- srun CMD)")
         if nodes <= 1:
             return None
-        return cls(env["SLURM_JOB_ID"], nodes)
+        try:
+            names = tuple(hostlist.expand(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""))
+        except ValueError:
+            names = ()
+        return cls(env["SLURM_JOB_ID"], nodes, names if len(names) == nodes else ())
 
 
 # --------------------------------------------------------------------------- node reports
@@ -103,7 +101,7 @@ class Allocation:
 
 @dataclass
 class NodeReport:
-    """What one node's agent says it did (one JSON line on the agent step's stdout)."""
+    """What one node's agent says it did (JSON, framed on the agent step's stdout: agent_channel)."""
 
     index: int
     node: str
@@ -117,15 +115,13 @@ class NodeReport:
     bytes_sent: int = 0
     messages: list[str] = field(default_factory=list)
 
-    def to_line(self) -> str:
-        return REPORT_TAG + json.dumps(self.__dict__, separators=(",", ":"))
+    def payload(self) -> bytes:
+        return json.dumps(self.__dict__, separators=(",", ":")).encode()
 
     @classmethod
-    def from_line(cls, line: str) -> NodeReport | None:
-        if not line.startswith(REPORT_TAG):
-            return None
+    def from_payload(cls, payload: bytes) -> NodeReport | None:
         try:
-            raw = json.loads(line[len(REPORT_TAG):])
+            raw = json.loads(payload)
             return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
         except (ValueError, TypeError, KeyError):
             return None
@@ -279,52 +275,69 @@ def select_for_node(manifest: Manifest, index: int, num_nodes: int, scope: str) 
 
 
 class AgentLauncher(Protocol):
-    def run(self, args: list[str], deadline_s: float) -> list[NodeReport]: ...
+    def run(self, args: list[str], deadline_s: float, cancel: threading.Event | None = None) -> list[NodeReport]: ...
+
+
+SILENT = ("no report from ", "no whole report from ")  # how a launcher names a node it has no report of
 
 
 class SrunLauncher:
     """Runs `slurmagent node-agent ARGS` once per node of the job: `srun --overlap`, one task
-    per node, inside the allocation (so Slurm tracks, signals and ends it), with a deadline."""
+    per node, inside the allocation (so Slurm tracks, signals and ends it), with a deadline and
+    a cancel (`agent_step`). Each agent's report comes back whole over the framed channel
+    (`agent_channel`); a node without one is named."""
 
     def __init__(self, alloc: Allocation, env: Mapping[str, str], *, srun: str = "srun",
-                 python: str = sys.executable, err: TextIO = sys.stderr):
+                 python: str = sys.executable, err: TextIO = sys.stderr, workdir: str = "/"):
         self.alloc = alloc
-        self.env = {k: v for k, v in env.items() if k not in _STEP_REQUEST_VARS}
+        self.env = agent_env(env)
         self.srun = srun
         self.python = python
         self.err = err
+        self.workdir = workdir  # not the job's cwd: its `uuid.py` must not shadow the agent's imports
 
     def argv(self, args: list[str]) -> list[str]:
         n = self.alloc.num_nodes
         return [self.srun, "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--cpus-per-task=1",
                 "--gres=none", "--mpi=none", "--kill-on-bad-exit=1", f"--job-name={AGENT_STEP_NAME}",
-                self.python, "-m", "slurmagent.entry", "node-agent", *args]
+                "--export=ALL", "--input=none", f"--chdir={self.workdir}",
+                self.python, "-P", "-m", "slurmagent.entry", "node-agent", *args]  # -P: no cwd on sys.path
 
-    def run(self, args: list[str], deadline_s: float) -> list[NodeReport]:
-        argv = self.argv(args)
+    def _silent(self, index: int, why: str, prefix: str = SILENT[0]) -> NodeReport:
+        r = NodeReport(index=index, node=self.alloc.node(index), ok=False)
+        r.error = f"{prefix}{r.who}{why}"
+        return r
+
+    def run(self, args: list[str], deadline_s: float, cancel: threading.Event | None = None) -> list[NodeReport]:
+        n = self.alloc.num_nodes
+        if cancel is not None and cancel.is_set():
+            return [self._silent(i, ": cancelled before the agents started") for i in range(n)]
         try:
-            proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            step = run_step(self.argv(args), self.env, deadline_s, cancel)
         except OSError as exc:
-            return [NodeReport(index=i, node="", ok=False, error=f"cannot run {self.srun}: {exc.strerror or exc}")
-                    for i in range(self.alloc.num_nodes)]
-        try:
-            stdout, stderr = proc.communicate(timeout=deadline_s + 20.0)  # + the step's start
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # srun passes TERM on to the agents and ends the step
-            try:
-                stdout, stderr = proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate()
-            stderr += f"\nthe node agents did not finish within {deadline_s:g} s"
-        for line in stderr.splitlines():
+            return [NodeReport(index=i, node=self.alloc.node(i), ok=False,
+                               error=f"cannot run {self.srun}: {exc.strerror or exc}") for i in range(n)]
+        for line in step.stderr.splitlines():
             if line.strip():
                 print(line, file=self.err, flush=True)
-        reports = {r.index: r for r in map(NodeReport.from_line, stdout.splitlines()) if r is not None}
-        why = f"srun exited {proc.returncode}: {(stderr.strip().splitlines() or ['no output'])[-1]}"
-        return [reports.get(i) or NodeReport(index=i, node="", ok=False, error=f"no report ({why})")
-                for i in range(self.alloc.num_nodes)]
+        got = read_frames(step.stdout.splitlines())
+        if step.ended == "deadline":
+            why = f" within {deadline_s:g} s"
+        elif step.ended == "cancelled":
+            why = f": cancelled after {step.seconds:.0f} s"
+        else:
+            why = f" (srun exited {step.returncode}: {(step.stderr.strip().splitlines() or ['no output'])[-1]})"
+        out = []
+        for i in range(n):
+            report = NodeReport.from_payload(got.reports[i]) if i in got.reports else None
+            if report is not None and report.index == i:
+                out.append(report)
+            elif i in got.damaged or report is not None:
+                out.append(self._silent(i, f": {got.damaged.get(i) or 'a report of another node index'}{why}",
+                                        SILENT[1]))
+            else:
+                out.append(self._silent(i, why))
+        return out
 
 
 # --------------------------------------------------------------------------- the job-level store
@@ -370,12 +383,28 @@ class AllocationStore:
         self.partial_seen: dict[str, tuple[frozenset[int], str]] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self.rounds = Rounds()  # cancel_rounds ends the agent step in flight
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
 
-    def _failures(self, reports: list[NodeReport]) -> str:
-        return "; ".join(f"{r.who}: {r.error}" for r in reports if not r.ok)
+    def _failures(self, reports: list[NodeReport], what: str) -> str:
+        """"upload failed on n1 (node index 0): ..." per failed agent; a silent node as its launcher named it."""
+        return "; ".join(r.error if r.error.startswith(tuple(p + r.who for p in SILENT))
+                         else f"{what} failed on {r.who}: {r.error}" for r in reports if not r.ok)
+
+    def cancel_rounds(self) -> None:
+        """The flush begins: end the agent step in flight, and any round asked for before now,
+        so a hung agent cannot hold the final sync (which comes after, with its own budget)."""
+        self.rounds.cancel()
+
+    def _round(self, ticket: int, args: list[str], deadline_s: float) -> list[NodeReport]:
+        with self.rounds.running(ticket) as cancel:
+            reports = self.launcher.run(args + self.agent_options, deadline_s, cancel)
+        if cancel.is_set():
+            silent = "; ".join(r.error for r in reports if not r.ok) or "every node had reported"
+            self.say(f"the flush cancelled the node agents' round in flight: {silent}")
+        return reports
 
     @property
     def url(self) -> str:
@@ -386,17 +415,19 @@ class AllocationStore:
         return self.committer.read_manifest(deadline_s=deadline_s)[0] if self.committer is not None else None
 
     def restore(self, ckpt_dir, *, deadline_s: float = 1800.0, state_file=None) -> Manifest | None:
+        ticket = self.rounds.ticket()  # before the lock: a round waiting for it is cancelled too
         manifest, generation = (None, 0)
         if self.committer is not None:
             manifest, generation = self.committer.read_manifest(deadline_s=min(60.0, deadline_s))
-        args = ["restore", "--ckpt-dir", str(ckpt_dir), "--remote", self.committer.url if self.committer else "",
-                "--generation", str(generation), "--scope", self.scope, "--deadline", f"{deadline_s:g}"]
+        args = ["restore", "--ckpt-dir", os.path.abspath(ckpt_dir),
+                "--remote", self.committer.url if self.committer else "",
+                "--generation", str(generation), "--scope", self.scope, "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
         if state_file is not None:
-            args += ["--state-file", str(state_file)]
-        reports = self.launcher.run(args + self.agent_options, deadline_s)
-        failed = self._failures(reports)
+            args += ["--state-file", os.path.abspath(state_file)]
+        reports = self._round(ticket, args, deadline_s)
+        failed = self._failures(reports, "restore")
         if failed:
-            raise RestoreError(f"restore failed on {failed}")
+            raise RestoreError(failed)
         self.baseline = self.last_committed = manifest
         if manifest is not None:
             self.say(f"every node of the job ({self.alloc.num_nodes}) holds the checkpoint of attempt "
@@ -405,15 +436,17 @@ class AllocationStore:
 
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0,
              restored: Manifest | None = None) -> AllocationSyncResult:
+        ticket = self.rounds.ticket()  # before the lock: a round waiting for it is cancelled too
         with self._lock:
             running = self.trainer_running()
-            args = ["sync", "--ckpt-dir", str(ckpt_dir), "--remote", self.committer.url if self.committer else "",
-                    "--state-file", str(state_file), "--attempt", str(attempt),
+            args = ["sync", "--ckpt-dir", os.path.abspath(ckpt_dir),
+                    "--remote", self.committer.url if self.committer else "",
+                    "--state-file", os.path.abspath(state_file), "--attempt", str(attempt),
                     "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
-            reports = self.launcher.run(args + self.agent_options, deadline_s)
-            failed = self._failures(reports)
+            reports = self._round(ticket, args, deadline_s)
+            failed = self._failures(reports, "upload")
             if failed:
-                raise CheckpointError(f"upload failed on {failed}; the last complete checkpoint stays")
+                raise CheckpointError(f"{failed}; the last complete checkpoint stays")
             # While the trainer runs: a cut at the instant the first agent began (every node
             # looked at its D after it).
             cut_ns = min(r.started_ns for r in reports) if running else None

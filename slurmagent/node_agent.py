@@ -2,8 +2,11 @@
 
 It runs in an `srun --overlap` step of the job (see `allocation.py`) and works on this node's
 local checkpoint directory only: a restore makes it hold exactly the committed checkpoint
-(or this node's part), a sync uploads its blobs without committing. Each task prints one
-report line (`allocation.NodeReport`) that the batch step merges into one commit.
+(or this node's part), a sync uploads its blobs without committing. Each task sends one
+report (`allocation.NodeReport`) over the framed channel on stdout (`agent_channel`: short
+lines that srun never tears, whatever the report's size); the batch step merges them into
+one commit. The launcher runs it with `python -P` in `/`, so a module in the job's directory
+(`uuid.py`, `json.py`) never shadows one the agent imports.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, TextIO
 
+from .agent_channel import write_frames
 from .allocation import UNCOMMITTED_SUFFIX, NodeReport, newest_changes, select_for_node
 from .checkpoint import Manifest, RestoreError, state_file_for
 from .errors import SlurmagentError
@@ -111,7 +115,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
                     parallel_upload_mib: int = 0) -> int:
-    """`slurmagent node-agent restore|sync`: one task of the agent step; one report line."""
+    """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
     index = int(env.get("SLURM_NODEID") or 0)
     node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
     num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
@@ -133,5 +137,5 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                             deadline_s=deadline_s)
     for message in report.messages:
         print(f"slurmagent node-agent {node}: {message}", file=err, flush=True)
-    print(report.to_line(), file=out, flush=True)
+    write_frames(out, index, report.payload())
     return 0

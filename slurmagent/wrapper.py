@@ -283,6 +283,11 @@ class Supervisor:
     def _lag_key(self) -> tuple:
         return ("slurmagent_checkpoint_lag_seconds", (("job", self.ident.name),))
 
+    def stop_background_sync(self) -> None:
+        """No more periodic syncs; a multi-node round in flight (a hung agent) is cancelled, not waited for."""
+        self.stop_sync.set()
+        getattr(self.store, "cancel_rounds", lambda: None)()
+
     def _background_sync(self) -> None:
         while not self.stop_sync.wait(self.opts.sync_interval_s):
             self.sync(deadline_s=max(self.opts.sync_interval_s, self.opts.sync_deadline_s))
@@ -384,6 +389,7 @@ class Supervisor:
 
     def _flush(self, child: subprocess.Popen, cause: str, outcome: Outcome) -> Outcome:
         started = self.clock()
+        self.stop_background_sync()
         outcome.flushed, outcome.flush_cause = True, cause
         grace = flush_grace(self.opts.grace_s, cause)
         deadline = started + grace

@@ -28,6 +28,7 @@ from slurmagent.allocation import (
     merge_reports,
     select_for_node,
 )
+from slurmagent.agent_channel import frame_lines, read_frames
 from slurmagent.node_agent import agent_restore, agent_sync, set_aside_uncommitted
 from slurmagent.checkpoint import CheckpointError, Manifest, ManifestError, RestoreError, StorageUnavailableError
 
@@ -159,15 +160,39 @@ def test_the_agent_step_is_one_task_per_node_overlapping_the_trainer_without_its
     for opt in ("--overlap", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--cpus-per-task=1",
                 "--kill-on-bad-exit=1", f"--job-name={AGENT_STEP_NAME}"):
         assert opt in argv
-    assert argv[-7:] == ["/py", "-m", "slurmagent.entry", "node-agent", "sync", "--ckpt-dir", "/d"]
+    assert argv[-8:] == ["/py", "-P", "-m", "slurmagent.entry", "node-agent", "sync", "--ckpt-dir", "/d"]
     assert launcher.env == {"SLURM_JOB_ID": "7", "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}
 
 
-def test_a_report_line_round_trips_and_other_output_is_ignored():
+def test_the_agent_step_sets_its_io_environment_and_directory_whatever_the_batch_environment_says():
+    """`srun --label`, output to files, unbuffered I/O, `sbatch --export=NONE` (SLURM_EXPORT_ENV)
+    and a `--chdir` of the user's would lose or tear the reports or strip the agents' environment."""
+    batch = {"SLURM_JOB_ID": "7", "PYTHONPATH": "/repo", "SLURM_LABELIO": "1", "SLURM_STDOUTMODE": "out-%t",
+             "SLURM_STDERRMODE": "err-%t", "SLURM_STDINMODE": "0", "SLURM_UNBUFFEREDIO": "1", "SLURM_OPEN_MODE": "a",
+             "SLURM_EXPORT_ENV": "NONE", "SRUN_EXPORT_ENV": "NONE", "SLURM_WORKING_DIR": "/elsewhere",
+             "SLURM_WAIT": "1", "SLURM_TASK_PROLOG": "/p"}
+    launcher = SrunLauncher(Allocation("7", 2), batch, python="/py")
+    assert launcher.env == {"SLURM_JOB_ID": "7", "PYTHONPATH": "/repo"}
+    argv = launcher.argv(["sync"])
+    assert {"--export=ALL", "--input=none", "--chdir=/"} <= set(argv)
+    assert argv[argv.index("/py") + 1] == "-P"  # neither the job's directory nor a script's on sys.path
+
+
+def test_a_report_round_trips_and_a_node_without_one_is_named(tmp_path):
     r = NodeReport(index=1, node="n2", ok=False, error="boom", ctimes={"": 5})
-    assert NodeReport.from_line(r.to_line()) == r
-    assert NodeReport.from_line("slurmagent-node-report {not json") is None
-    assert NodeReport.from_line("hello") is None
+    assert NodeReport.from_payload(r.payload()) == r
+    assert NodeReport.from_payload(b"{not json") is None
+    fake_srun = tmp_path / "srun"
+    frames = tmp_path / "frames"
+    frames.write_text("".join(line + "\n" for line in frame_lines(1, r.payload())))
+    fake_srun.write_text(f"#!/bin/sh\necho 'srun: error: n1: task 0: Exited with exit code 1' >&2\ncat {frames}\n")
+    fake_srun.chmod(0o755)
+    alloc = Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"})
+    err = io.StringIO()
+    reports = SrunLauncher(alloc, {}, srun=str(fake_srun), err=err).run(["sync"], deadline_s=30)
+    assert reports[1] == r
+    assert reports[0].error == "no report from n1 (node index 0) (srun exited 0: srun: error: n1: task 0: Exited with exit code 1)"
+    assert "task 0: Exited" in err.getvalue()
 
 
 def test_files_not_in_the_checkpoint_are_moved_aside_never_deleted(tmp_path):
@@ -201,7 +226,7 @@ class Nodes:
         self.before_agent = lambda i: None
         self.order = list(range(n))
 
-    def run(self, args: list[str], deadline_s: float) -> list[NodeReport]:
+    def run(self, args: list[str], deadline_s: float, cancel=None) -> list[NodeReport]:
         action, opts = args[0], dict(zip(args[1::2], args[2::2]))
         reports = {}
         for i in self.order:
@@ -388,6 +413,7 @@ def test_node_agents_move_files_with_the_tunables_the_wrapper_hands_them(gcs_emu
              "--remote", f"gs://ckpt/tun{parallel_upload_mib}", "--state-file", str(tmp_path / "s.json"), *options],
             env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-    assert proc.returncode == 0 and '"ok":true' in proc.stdout and '"bytes_sent":3145728' in proc.stdout, proc.stderr + proc.stdout
+    report = NodeReport.from_payload(read_frames(proc.stdout.splitlines()).reports[0])
+    assert proc.returncode == 0 and report.ok and report.bytes_sent == 3145728, proc.stderr + proc.stdout
     composed = [path for method, path in proxy.requests if method == "POST" and "/compose" in path]
     assert bool(composed) == bool(parallel_upload_mib), proxy.requests

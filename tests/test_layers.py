@@ -26,7 +26,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slurmagent"
 PURE, STATE, ADAPTERS, ACTIONS, RUNTIMES, FACE = range(6)
 LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "face"]
 LAYERS = {
-    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "kernel_xid", "hostlist", "timefmt", "errors"],
+    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "kernel_xid", "hostlist", "timefmt", "errors",
+           "agent_channel"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
             "checkpoint", "checkpoint_errors", "checkpoint_names", "checkpoint_hash", "checkpoint_cache",
             "checkpoint_manifest"],
@@ -35,12 +36,12 @@ LAYERS = {
                "gcp.sync", "gcp.restore"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "runner", "allocation", "node_agent", "trainer", "doctor", "install"],
+               "child_process", "runner", "allocation", "agent_step", "node_agent", "trainer", "doctor", "install"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
 RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
-                  "allocation": "run", "node_agent": "run"}  # one runtime in several modules
+                  "allocation": "run", "agent_step": "run", "node_agent": "run"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness
