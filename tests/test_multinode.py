@@ -64,15 +64,16 @@ def write_config(path: Path, **checkpoint) -> Path:
 
 
 def submit(c: LocalSlurmCluster, tmp_path: Path, emulator_url: str, run_opts: list[str], cmd: list[str],
-           config: Path | None = None, **extra_env: str) -> str:
+           config: Path | None = None, cwd: Path | None = None, **extra_env: str) -> str:
+    """`slurmagent sbatch` a 2-node job from `cwd` (the job's working directory)."""
     config = config or write_config(tmp_path / "c.toml")
-    env = dict(c.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emulator_url,
-               **extra_env)
+    env = {**c.env, "SLURMAGENT_CONFIG": str(config), "PYTHONPATH": str(REPO), "STORAGE_EMULATOR_HOST": emulator_url,
+           **extra_env}
     sub = subprocess.run(
-        [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-N2", "--ntasks-per-node=1",
+        [sys.executable, "-P", "-m", "slurmagent.entry", "sbatch", "--parsable", "-N2", "--ntasks-per-node=1",
          "-o", str(tmp_path / "out"), "--open-mode=append", "--",
          "--ckpt-dir", str(c.local_path / "ckpt"), *run_opts, "--", "srun", *cmd],
-        env=env, capture_output=True, text=True, timeout=30)
+        env=env, capture_output=True, text=True, timeout=30, cwd=cwd)
     assert sub.returncode == 0, sub.stderr
     return sub.stdout.strip().split(";")[0]
 
@@ -383,3 +384,125 @@ def test_ddp_dcp_two_ranks_on_two_nodes_resume_bit_identical_to_an_uninterrupted
     final = torch.load(out / "final.pt")
     assert final.keys() == reference.keys()
     assert all(torch.equal(final[k], reference[k]) for k in reference), "the resumed model differs"
+
+
+# --- the node agents' step (issue 21 items 1, 8, 9, 10) ----------------------------------------
+
+ROUNDS_DRIVER = """#!{python}
+# The batch step of a 4-node job driving the wrapper's multi-node store directly: a restore, then
+# every node writes FILES checkpoint files, then ROUNDS periodic syncs and a final one.
+import os, subprocess, sys
+from slurmagent.allocation import Allocation, AllocationStore, SrunLauncher
+from slurmagent.checkpoint import state_file_for
+from slurmagent.gcp.storage import GcsCheckpointStore
+
+ckpt, remote, rounds, files = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+write = ("import os, sys; d = os.path.join(sys.argv[1], 'step_1'); os.makedirs(d, exist_ok=True); r = os.environ['SLURM_NODEID']\\n"
+         "for k in range(int(sys.argv[2])):\\n"
+         "    open(os.path.join(d, f'shard-{{r}}-{{k:05d}}.distcp'), 'wb').write(os.urandom(48))")
+env = dict(os.environ)
+alloc = Allocation.from_env(env)
+store = AllocationStore(alloc, GcsCheckpointStore(remote), SrunLauncher(alloc, env))
+store.restore(ckpt, deadline_s=120)
+subprocess.run(["srun", "--overlap", f"--nodes={{alloc.num_nodes}}", f"--ntasks={{alloc.num_nodes}}",
+                "--ntasks-per-node=1", sys.executable, "-c", write, ckpt, str(files)], check=True, timeout=120)
+for r in range(rounds + 1):
+    store.trainer_running = lambda: r < rounds  # periodic rounds (a consistent cut), then the final sync
+    try:
+        result = store.sync(ckpt, 0, state_file_for(ckpt), deadline_s=120)
+        print(f"round {{r}}: committed {{result.files_total}} files of {{result.nodes}} nodes", flush=True)
+    except Exception as exc:
+        print(f"round {{r}}: FAILED: {{exc}}", flush=True)
+"""
+
+
+def test_four_nodes_of_two_thousand_files_each_report_whole_in_every_round_and_the_final_sync(cl, emu, tmp_path):
+    """Reports of ~2,000 files per node are hundreds of KiB: srun used to interleave them torn."""
+    script = tmp_path / "driver.py"
+    script.write_text(ROUNDS_DRIVER.format(python=sys.executable))
+    script.chmod(0o755)
+    env = dict(cl.env, PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emu.url)
+    sub = subprocess.run(["sbatch", "--parsable", "-N4", "-o", str(tmp_path / "out"), str(script),
+                          str(cl.local_path / "ckpt"), "gs://ckpt/rounds", "30", "2000"],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    end = cl.wait_job(sub.stdout.strip().split(";")[0], ("COMPLETED", "FAILED"), 900)
+    out = (tmp_path / "out").read_text()
+    assert end["JobState"] == "COMPLETED", out
+    rounds = [line for line in out.splitlines() if line.startswith("round ")]
+    assert rounds == [f"round {r}: committed 8000 files of 4 nodes" for r in range(31)], out
+    manifest = json.loads(bucket().blob("rounds/manifest.json").download_as_bytes())
+    assert len(manifest["files"]) == 8000 and manifest["node_count"] == 4
+
+
+SHADOWING = "raise RuntimeError('the job directory\\'s {name} was imported instead of the standard library\\'s')\n"
+
+
+def test_a_job_with_the_users_srun_settings_and_modules_in_its_directory_syncs_restores_and_commits(
+        cl, emu, tmp_path):
+    """The batch environment asks srun for labelled, unbuffered output to files and for no
+    environment (`sbatch --export=NONE` leaves SLURM_EXPORT_ENV=NONE); the job's directory
+    holds a `uuid.py` and a `json.py` that fail on import. The trainer's own srun copes
+    (`--export=ALL`, its script's directory first on sys.path); the node agents must too. Each
+    node also holds 1,000 files: the final sync's reports are far over srun's 1 KiB."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("uuid.py", "json.py"):
+        (project / name).write_text(SHADOWING.format(name=name))
+    (tmp_path / "ledger").mkdir()
+    batch_env = {"SLURM_LABELIO": "1", "SLURM_UNBUFFEREDIO": "1", "SLURM_STDOUTMODE": str(tmp_path / "task-%t.out"),
+                 "SLURM_STDERRMODE": str(tmp_path / "task-%t.err"), "SLURM_OPEN_MODE": "append",
+                 "SLURM_EXPORT_ENV": "NONE"}
+    job = submit(cl, tmp_path, emu.url, [],
+                 ["--export=ALL", sys.executable, RANKS, "600", str(tmp_path / "ledger"), "0.05", "bulk-1000"],
+                 cwd=project, **batch_env)
+    cl.wait_job(job, ("RUNNING",), 60)
+    wait_for(lambda: all(len(steps(ledger(tmp_path, r))) >= 20 for r in (0, 1)), 90, "20 steps on both ranks")
+    cl.run(["scancel", "--batch", "--signal=TERM", job])
+    cl.wait_job(job, ("PENDING",), 60)
+    flushed = committed(job)
+    end = wait_end(cl, job)
+    out = (tmp_path / "out").read_text()
+    assert end["JobState"] == "COMPLETED", out
+    assert end["Restarts"] == "1" and "final sync:" in out and "final sync failed" not in out, out
+    bulk = {f"bulk/rank{r}-{k:05d}.bin" for r in (0, 1) for k in range(1000)}
+    assert flushed["attempt"] == 0 and set(flushed["files"]) == {".metadata", "rank0.json", "rank1.json", *bulk}
+    for rank in (0, 1):
+        lines = ledger(tmp_path, rank)
+        ckpt_step = int(next(line for line in lines if line.startswith("ckpt ")).split()[1])
+        resumed = starts(lines)[1]
+        assert resumed["resumed"] == "1" and int(resumed["step"]) == ckpt_step  # every node was restored
+        assert set(resumed["files"].split(",")) == set(flushed["files"])
+        assert steps(lines)[-1] == 600
+    assert committed(job)["attempt"] == 1  # the second run's final sync
+
+
+HUNG_AGENT = Path(__file__).with_name("fakes") / "hung_agent"
+
+
+def test_an_agent_hung_in_a_periodic_round_is_cancelled_by_the_flush_named_and_the_final_sync_commits(
+        cl, emu, tmp_path):
+    """Node index 1's first sync agent hangs (ignoring SIGTERM) and holds the periodic round,
+    whose deadline (30 s) is longer than the flush's grace: the flush must cancel that round,
+    not wait for it, and its final sync must commit the trainer's checkpoint."""
+    (tmp_path / "ledger").mkdir()
+    hung = tmp_path / "hung"
+    job = submit(cl, tmp_path, emu.url, [], [sys.executable, RANKS, "3000", str(tmp_path / "ledger"), "0.05"],
+                 PYTHONPATH=f"{HUNG_AGENT}:{REPO}", SLURMAGENT_TEST_HANG_INDEX="1", SLURMAGENT_TEST_HANG_ONCE=str(hung))
+    cl.wait_job(job, ("RUNNING",), 60)
+    wait_for(hung.exists, 90, "a periodic round held by node index 1")
+    held = len(steps(ledger(tmp_path, 0)))
+    wait_for(lambda: len(steps(ledger(tmp_path, 0))) >= held + 60, 90, "node index 0's agent to answer")
+    silent = nodes_of(cl, job)[1]
+    cl.run(["scancel", "--batch", "--signal=TERM", job])
+    cl.wait_job(job, ("PENDING",), 60)
+    out = (tmp_path / "out").read_text()
+    cl.run(["scancel", job])
+    cancelled = [line for line in out.splitlines() if "the flush cancelled the node agents' round in flight:" in line]
+    assert len(cancelled) == 1 and f"no report from {silent} (node index 1): cancelled after" in cancelled[0], out
+    assert "final sync:" in out and "final sync failed" not in out and "requeued job" in out, out
+    flushed = committed(job)
+    assert flushed is not None and set(flushed["files"]) == {".metadata", "rank0.json", "rank1.json"}, out
+    for rank in (0, 1):
+        ckpt_step = int(next(line for line in ledger(tmp_path, rank) if line.startswith("ckpt ")).split()[1])
+        assert json.loads(committed_file(job, flushed, f"rank{rank}.json"))["step"] == ckpt_step
