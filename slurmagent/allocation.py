@@ -5,6 +5,12 @@ and `D` is a node-local path, the same on every node. The batch host cannot see 
 nodes' disks, so a small agent of ours (`node_agent.py`) runs on every node, one task per
 node, in an `srun --overlap` step of the job itself (Slurm tracks and ends it like any step):
 
+Each agent's report comes back whole over a framed channel on the step's stdout
+(`agent_channel`); the step sets its own srun options, runs the agents isolated from the
+job's directory and can be cancelled (`agent_step`): the flush cancels the round in flight
+(`AllocationStore.cancel_rounds`) so a hung agent never holds the final sync, and a node
+without a report is named.
+
 * **restore** (before the command starts): every agent creates `D`, reads the committed
   manifest, checks it is the generation the wrapper read, and makes `D` hold exactly that
   checkpoint: by default all of it (the union of every node's files: DCP's rank 1 reads rank
