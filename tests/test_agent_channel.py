@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from slurmagent.agent_channel import FRAME_TAG, frame_lines, read_frames
+from slurmagent.agent_step import Rounds
 from slurmagent.allocation import Allocation, AllocationStore, NodeReport, SrunLauncher
 from slurmagent.checkpoint import CheckpointError, Manifest
 
@@ -159,3 +160,27 @@ def test_the_flush_cancels_a_round_held_by_a_hung_agent_and_the_final_sync_commi
     assert "the flush cancelled the node agents' round in flight: no report from n2 (node index 1)" in err.getvalue()
     result = store.sync(tmp_path, 0, tmp_path / "state", deadline_s=30)  # the final sync
     assert result.manifest is not None and set(bucket.commits[-1].files) == {"a", "b"}
+
+
+def test_a_round_asked_for_before_the_flush_is_cancelled_even_if_it_had_not_started():
+    """A periodic round waiting for its turn when the flush begins must not start after it."""
+    rounds = Rounds()
+    waiting = rounds.ticket()
+    rounds.cancel()
+    with rounds.running(waiting) as cancel:
+        assert cancel.is_set()
+    final = rounds.ticket()
+    with rounds.running(final) as cancel:
+        assert not cancel.is_set()
+        rounds.cancel()  # a later cancel reaches the round in flight
+        assert cancel.is_set()
+
+
+def test_a_report_missing_a_part_is_named_as_not_whole(tmp_path):
+    frames = frame_lines(0, big_report(0, 300).payload())
+    sent = tmp_path / "sent"
+    sent.write_text("".join(f"0: {line}\n" for line in frames[:-1]))  # labelled, the last part lost
+    reports = SrunLauncher(two_nodes(), {}, srun=fake_srun(tmp_path, f"cat {sent}\n"), err=io.StringIO()).run(
+        ["sync"], deadline_s=30)
+    assert reports[0].error == (f"no whole report from n1 (node index 0): {len(frames) - 1} of {len(frames)} parts "
+                                "arrived (srun exited 0: no output)")
