@@ -304,6 +304,10 @@ def _log(cfg: Config, node: str, res: CheckResult, mode: str) -> None:
         action="; ".join(res.actions) or "none", errors=res.errors or None)
 
 
+def _internal(exc: Exception) -> str:
+    return f"internal error (check skipped, the watch goes on): {type(exc).__name__}: {exc}"
+
+
 def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: float = 30.0,
                      out: TextIO | None = None, err: TextIO | None = None, slurm: Slurm | None = None,
                      stop: threading.Event | None = None) -> int:
@@ -325,7 +329,12 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
         said.update(res.errors)
 
     if once:
-        report(watch.check(probe_events(timeout)))
+        try:
+            report(watch.check(probe_events(timeout)))
+        except SlurmagentError as exc:
+            print(f"slurmagent expiry-watch: {node}: {exc}", file=err, flush=True)
+        except Exception as exc:  # noqa: BLE001 - a bad value from outside must not end the timer's unit in a traceback
+            print(f"slurmagent expiry-watch: {node}: {_internal(exc)}", file=err, flush=True)
         return 0
 
     stop = stop or threading.Event()
@@ -343,15 +352,21 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
     events.start()
     threading.Thread(target=lambda: (stop.wait(), wake.set()), name="expiry-stop", daemon=True).start()
     wake.wait(timeout + 0.5)  # let the first plain reads land
+    last_failure = ""
     while not stop.is_set():
         wake.clear()
         snap = events.snapshot()
         snap.error = ""  # outages are reported by the watcher itself, once
+        failure = ""
         try:
             res = watch.check(snap)
         except SlurmagentError as exc:
-            print(f"slurmagent expiry-watch: {node}: {exc}", file=err, flush=True)
-            res = None
+            failure, res = str(exc), None
+        except Exception as exc:  # noqa: BLE001 - the loop outlives a value it cannot handle
+            failure, res = _internal(exc), None
+        if failure and failure != last_failure:  # a lasting failure is said once
+            print(f"slurmagent expiry-watch: {node}: {failure}", file=err, flush=True)
+        last_failure = failure
         if res is not None:
             report(res)
         delay = interval_s

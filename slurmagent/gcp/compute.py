@@ -55,6 +55,7 @@ API_BACKOFF_S = 1.0  # repair: first backoff between those attempts (jittered, d
 SCHEDULING_CALL_TIMEOUT_S = 15.0  # expiry: one instances.get, within [expiry] api_timeout_s
 SCHEDULING_RETRIES = 2
 SCHEDULING_BACKOFF_S = 0.5
+USABLE_YEARS = (2000, 3000)  # an API time outside [2000, 3000) is garbage, not a termination time
 RETRIABLE = frozenset({408, 429, 500, 502, 503, 504})
 NAMESPACE = uuid.UUID("5b0e6a4e-7f4c-4f0e-9a55-6c1a3d1f2b10")
 
@@ -407,8 +408,29 @@ def _has(msg: Any, name: str) -> bool:
         return bool(getattr(msg, name, None))
 
 
+def api_time(field: str, text: str, offset_s: float = 0.0) -> datetime:
+    """A time the API gave (plus `offset_s`), or ExpiryError naming the field: garbage, the
+    protobuf zero (`0001-01-01T00:00:00Z`) or a year past USABLE_YEARS is no termination time
+    to act on (a year-1 T would flush every job at once)."""
+    try:
+        when = parse_time(text)
+        if offset_s:
+            when = from_epoch(when.timestamp() + offset_s)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise ExpiryError(f"instances.get: {field} {text!r}{_plus(offset_s)} is not a usable time ({exc})") from None
+    if not USABLE_YEARS[0] <= when.year < USABLE_YEARS[1]:
+        raise ExpiryError(f"instances.get: {field} {text!r}{_plus(offset_s)} is out of range "
+                          f"(years {USABLE_YEARS[0]}-{USABLE_YEARS[1] - 1})")
+    return when
+
+
+def _plus(offset_s: float) -> str:
+    return f" + {offset_s:g} s" if offset_s else ""
+
+
 def scheduling_from_instance(inst: Any) -> SchedulingInfo:
-    """A compute_v1.Instance -> the termination time and the scheduling facts around it."""
+    """A compute_v1.Instance -> the termination time and the scheduling facts around it.
+    Raises ExpiryError when a time it needs is unusable (the watch keeps its cached answer)."""
     sched = inst.scheduling if _has(inst, "scheduling") else None
     model = str(sched.provisioning_model) if sched is not None and _has(sched, "provisioning_model") else ""
     action = (str(sched.instance_termination_action)
@@ -419,19 +441,21 @@ def scheduling_from_instance(inst: Any) -> SchedulingInfo:
     when, src = None, ""
     rs = inst.resource_status if _has(inst, "resource_status") else None
     if rs is not None and _has(rs, "scheduling") and _has(rs.scheduling, "termination_timestamp"):
-        when, src = parse_time(rs.scheduling.termination_timestamp), "resourceStatus.scheduling.terminationTimestamp"
+        src = "resourceStatus.scheduling.terminationTimestamp"
+        when = api_time(src, rs.scheduling.termination_timestamp)
     elif sched is not None and _has(sched, "termination_time") and sched.termination_time:
-        when, src = parse_time(sched.termination_time), "scheduling.terminationTime"
+        src = "scheduling.terminationTime"
+        when = api_time(src, sched.termination_time)
     elif mrd and _has(inst, "last_start_timestamp") and inst.last_start_timestamp:
-        start = parse_time(inst.last_start_timestamp).timestamp()
-        when, src = from_epoch(start + mrd), "lastStartTimestamp+scheduling.maxRunDuration"
+        src = "lastStartTimestamp+scheduling.maxRunDuration"
+        when = api_time(src, inst.last_start_timestamp, mrd)
     on_maintenance = (str(sched.on_host_maintenance)
                       if sched is not None and _has(sched, "on_host_maintenance") else "")
     window, can_reschedule = None, None
     if rs is not None and _has(rs, "upcoming_maintenance"):
         um = rs.upcoming_maintenance
         if _has(um, "window_start_time") and um.window_start_time:
-            window = parse_time(um.window_start_time)
+            window = api_time("resourceStatus.upcomingMaintenance.windowStartTime", um.window_start_time)
         if _has(um, "can_reschedule"):
             can_reschedule = bool(um.can_reschedule)
     gpu_vm = vm_facts(inst, "").gpu_vm
