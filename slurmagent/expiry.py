@@ -18,7 +18,8 @@
    changes), else now + 60 min on a GPU VM, else now + 60 s; `instance/preempted` `TRUE`
    means T = now + 30 s (`gcp/events.py`). A long notice withdrawn well before its T (the
    window was rescheduled or cancelled) is dropped and our drain follows the new T (resumed
-   when no longer due). `--once` reads both keys once; the loop long-polls them, so it reacts
+   when no longer due); re-issued, it keeps the earliest T it announced unless withdrawn for
+   longer than `drain_lead_s` or 5 min past that T (`policy._remembered_notice`). `--once` reads both keys once; the loop long-polls them, so it reacts
    within a second. `MIGRATE_ON_HOST_MAINTENANCE` is only logged (the VM survives: no drain, no flush).
 3. **Drain** when the remaining lifetime is below `drain_lead_s` (with
    `drain_at_max_time`, also below the longest time limit a job may ask for on this node:

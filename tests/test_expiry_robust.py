@@ -168,3 +168,48 @@ def test_the_reader_ignores_a_stale_time_past_the_watchs_own_grace(tmp_path, cap
     assert expiry_state.termination_time((state,), BOOT, now=at_margin + 1) is None
     assert expiry_state.termination_time((state,), BOOT, now=at_margin + 5) is None
     assert capsys.readouterr().err.count("ignoring the termination time") == 1
+
+
+# --- 21.14: a maintenance notice withdrawn and re-issued ------------------------------------------
+
+
+def flapping_watch(tmp_path, gcp):
+    """A GPU VM with no maintenance window in the API: a notice means T = about an hour ahead."""
+    cli = FakeSlurm([NODE])
+    cli.add_job("41", node=NODE, script=WRAPPED_SCRIPT)
+    gcp.set_scheduling(NODE, termination=None, model="STANDARD")
+    clock = Clock()
+    return cli, clock, ExpiryWatch(cfg_for(tmp_path, gcp), NODE, Slurm(runner=cli), clock=clock, boot_id=BOOT)
+
+
+def test_a_notice_withdrawn_and_reissued_every_10_min_keeps_its_first_end(gcp, tmp_path):
+    cli, clock, w = flapping_watch(tmp_path, gcp)
+    drained_at, flushed_at, said = None, None, []
+    for minute in range(0, 61):  # one check a minute; the notice is gone for the 9th minute of every ten
+        clock.t = T0 + minute * 60
+        res = w.check(Events(maintenance="NONE" if minute % 10 == 9 else TERMINATE))
+        said += res.actions
+        if minute % 10 != 9:
+            assert res.state["termination_time"] == iso(T0 + 3600), (minute, res.state)
+        if drained_at is None and cli.reason.startswith("slurmagent: maintenance:"):
+            drained_at = minute
+        if flushed_at is None and cli.of("scancel"):
+            flushed_at = minute
+    assert drained_at == 30 and flushed_at == 58  # the drain lead (30 min) and flush lead (2 min) of T0 + 60 min
+    assert sum("keeps the stop time it first announced, " + iso(T0 + 3600) in a for a in said) == 5  # at 10..50 (at 59 it is too near T to count as withdrawn)
+
+
+def test_a_notice_withdrawn_longer_than_the_drain_lead_is_cancelled_for_real(gcp, tmp_path):
+    cli, clock, w = flapping_watch(tmp_path, gcp)
+    w.check(Events(maintenance=TERMINATE))
+    clock.t = T0 + 300
+    res = w.check(Events())
+    assert res.state["withdrawn_notice"]["termination_time"] == iso(T0 + 3600)
+    clock.t = T0 + 300 + 1800 - 1  # still in doubt: a re-issue keeps T
+    res = w.check(Events(maintenance=TERMINATE))
+    assert res.state["termination_time"] == iso(T0 + 3600) and "withdrawn_notice" not in res.state
+    clock.t += 1
+    w.check(Events())
+    clock.t += 1800 + 1  # withdrawn longer than drain_lead_s: cancelled; a new notice is a new hour
+    res = w.check(Events(maintenance=TERMINATE))
+    assert res.state["termination_time"] == iso(clock.t + 3600) and "withdrawn_notice" not in res.state
