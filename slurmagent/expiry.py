@@ -149,7 +149,7 @@ class ExpiryWatch:
             same_boot = old if old.get("boot_id") == self.boot_id else {}
             changed = events is not None and not events.error and \
                 events.maintenance != same_boot.get("last_maintenance_event", "NONE")
-            api = self._api(now, same_boot.get("api"), res, metadata_down, changed)
+            api = self._api(now, _usable_cache(same_boot.get("api")), res, metadata_down, changed)
         d = policy.decide_expiry(
             now=now, node=self.node, boot_id=self.boot_id, old=old, override=override, api=api, events=events,
             lookup_failed=bool(res.errors), drain_lead_s=float(ex.drain_lead_s), flush_lead_s=float(ex.flush_lead_s),
@@ -248,6 +248,21 @@ class ExpiryWatch:
         if out.left:
             res.actions.append(f"left job(s) {','.join(out.left)} alone")
         res.errors.extend(out.errors)
+
+
+def _usable_cache(cached: Any) -> dict[str, Any] | None:
+    """The cached API answer, unless a time in it does not parse (written by an older version
+    from an API value it could not use): then it is asked again."""
+    if not isinstance(cached, dict) or not isinstance(cached.get("scheduling"), dict):
+        return None
+    try:
+        for key in ("termination_time", "maintenance_window_start"):
+            if cached["scheduling"].get(key):
+                parse_time(cached["scheduling"][key])
+        float(cached.get("checked_at_epoch", 0))
+    except (TypeError, ValueError):
+        return None
+    return cached
 
 
 def _job_key(job: str) -> tuple[int, str]:

@@ -213,3 +213,15 @@ def test_a_notice_withdrawn_longer_than_the_drain_lead_is_cancelled_for_real(gcp
     clock.t += 1800 + 1  # withdrawn longer than drain_lead_s: cancelled; a new notice is a new hour
     res = w.check(Events(maintenance=TERMINATE))
     assert res.state["termination_time"] == iso(clock.t + 3600) and "withdrawn_notice" not in res.state
+
+
+def test_a_cached_answer_an_older_version_wrote_from_a_bad_time_is_asked_again(gcp, tmp_path):
+    cli = FakeSlurm([NODE])
+    state = tmp_path / "state" / NODE
+    state.mkdir(parents=True)
+    (state / "expiry.json").write_text(json.dumps({"boot_id": BOOT, "api": {"checked_at_epoch": T0, "scheduling": {
+        "termination_time": "1-01-01T00:00:00Z", "provisioning_model": "FLEX_START"}}}))
+    gcp.set_scheduling(NODE, termination=iso(T0 + 900))
+    res = ExpiryWatch(cfg_for(tmp_path, gcp), NODE, Slurm(runner=cli), clock=Clock(), boot_id=BOOT).check(Events())
+    assert res.errors == [] and res.state["termination_time"] == iso(T0 + 900)
+    assert len(gcp.calls_of("instances.get")) == 1
