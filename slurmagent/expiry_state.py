@@ -28,7 +28,7 @@ SCHEMA = 1
 # A T this far in the past with the VM alive is stale: the watch's own grace for a stop that
 # did not come (policy.NOTICE_GRACE_S, 300 s), so a VM a few minutes late still flushes.
 STALE_AFTER_S = 300.0
-_said_stale: set[tuple[str, datetime]] = set()
+_said_stale: set[datetime] = set()
 
 
 def state_file(cfg: Config, node: str) -> Path:
@@ -104,7 +104,7 @@ def termination_time(files: tuple[Path, ...], boot_id: str | None = None, *, now
     """The VM's termination time from the first of `files` that is of this boot and holds one,
     unless it passed more than `stale_after_s` ago: the VM outlived it, so no watch keeps the
     file (a live one asks again, or drops the notice, within NOTICE_GRACE_S of T), and acting
-    on it would flush every job that starts here at once, a requeue loop. Said once per file and time."""
+    on it would flush every job that starts here at once, a requeue loop. Said once per time."""
     boot_id = host.boot_id() if boot_id is None else boot_id
     now = time.time() if now is None else now
     for path in files:
@@ -114,8 +114,8 @@ def termination_time(files: tuple[Path, ...], boot_id: str | None = None, *, now
         late = now - when.timestamp()
         if late <= stale_after_s:
             return when
-        if (str(path), when) not in _said_stale:
-            _said_stale.add((str(path), when))
+        if when not in _said_stale:  # the published copy holds the same time: one line for both
+            _said_stale.add(when)
             print(f"slurmagent: ignoring the termination time {fmt_time(when)} in {path}: it passed {human(late)} "
                   "ago and this VM still runs (stale: is the expiry watch running?)", file=sys.stderr, flush=True)
     return None

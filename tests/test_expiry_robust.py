@@ -166,7 +166,9 @@ def test_the_reader_ignores_a_stale_time_past_the_watchs_own_grace(tmp_path, cap
     at_margin = T0 + expiry_state.STALE_AFTER_S
     assert expiry_state.termination_time((state,), BOOT, now=at_margin).timestamp() == T0
     assert expiry_state.termination_time((state,), BOOT, now=at_margin + 1) is None
-    assert expiry_state.termination_time((state,), BOOT, now=at_margin + 5) is None
+    copy = tmp_path / "copy.json"
+    copy.write_text(state.read_text())
+    assert expiry_state.termination_time((state, copy), BOOT, now=at_margin + 5) is None
     assert capsys.readouterr().err.count("ignoring the termination time") == 1
 
 
