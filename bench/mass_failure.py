@@ -120,8 +120,12 @@ def burst(cluster, bad: list[str], drained_pred, timeout: float = 120.0) -> dict
         jobs = jobs_now(cluster)
         affected = [j for j in job_ids if jobs.get(j, ("", "", 0))[2] >= 1]
         all_drained = all(drained_pred(views[b]) for b in bad)
+        # no job left on a bad node and every requeued one PENDING or running elsewhere (a
+        # requeued job may land on a second bad node before that node's own job does, so
+        # fewer jobs than bad nodes may be affected)
+        off_bad = all(jobs.get(j, ("", "", 0))[1] not in bad for j in job_ids)
         settled = all(jobs[j][0] == "PENDING" or (jobs[j][0] == "RUNNING" and jobs[j][1] not in bad) for j in affected)
-        if all_drained and settled and len(affected) >= len(bad):
+        if all_drained and settled and off_bad and affected:
             return {"seconds": time.monotonic() - t0, "affected_jobs": len(affected), "polls": polls}
         time.sleep(0.05)
     raise TimeoutError(f"burst did not settle in {timeout:g} s: {[(b, views[b].state, views[b].reason) for b in bad]}")
