@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 
 from ..errors import ExpiryError, SlurmagentError
 from ..repair_policy import VmFacts
-from ..timefmt import fmt_time, from_epoch, parse_time
+from ..timefmt import fmt_time, from_epoch, parse_time, usable_time
 from . import metadata
 from .metadata import MigRef, parse_created_by
 
@@ -55,7 +55,6 @@ API_BACKOFF_S = 1.0  # repair: first backoff between those attempts (jittered, d
 SCHEDULING_CALL_TIMEOUT_S = 15.0  # expiry: one instances.get, within [expiry] api_timeout_s
 SCHEDULING_RETRIES = 2
 SCHEDULING_BACKOFF_S = 0.5
-USABLE_YEARS = (2000, 3000)  # an API time outside [2000, 3000) is garbage, not a termination time
 RETRIABLE = frozenset({408, 429, 500, 502, 503, 504})
 NAMESPACE = uuid.UUID("5b0e6a4e-7f4c-4f0e-9a55-6c1a3d1f2b10")
 
@@ -409,23 +408,12 @@ def _has(msg: Any, name: str) -> bool:
 
 
 def api_time(field: str, text: str, offset_s: float = 0.0) -> datetime:
-    """A time the API gave (plus `offset_s`), or ExpiryError naming the field: garbage, the
-    protobuf zero (`0001-01-01T00:00:00Z`) or a year past USABLE_YEARS is no termination time
-    to act on (a year-1 T would flush every job at once)."""
+    """A time the API gave (plus `offset_s`), or ExpiryError naming the field (timefmt.usable_time)."""
     try:
-        when = parse_time(text)
-        if offset_s:
-            when = from_epoch(when.timestamp() + offset_s)
-    except (ValueError, OverflowError, OSError) as exc:
-        raise ExpiryError(f"instances.get: {field} {text!r}{_plus(offset_s)} is not a usable time ({exc})") from None
-    if not USABLE_YEARS[0] <= when.year < USABLE_YEARS[1]:
-        raise ExpiryError(f"instances.get: {field} {text!r}{_plus(offset_s)} is out of range "
-                          f"(years {USABLE_YEARS[0]}-{USABLE_YEARS[1] - 1})")
-    return when
-
-
-def _plus(offset_s: float) -> str:
-    return f" + {offset_s:g} s" if offset_s else ""
+        return usable_time(text, offset_s)
+    except ValueError as exc:
+        plus = f" + {offset_s:g} s" if offset_s else ""
+        raise ExpiryError(f"instances.get: {field} {text!r}{plus} is not a usable time ({exc})") from None
 
 
 def scheduling_from_instance(inst: Any) -> SchedulingInfo:
