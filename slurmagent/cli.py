@@ -6,10 +6,12 @@ Domain errors (SlurmagentError) become one line on stderr and their exit code he
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
@@ -80,6 +82,25 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
     sys.exit(0 if report.healthy else 1)
 
 
+def _check_output_file(output: str) -> None:
+    """`-o FILE` names a file in a directory that exists (never created here)."""
+    path = Path(output)
+    if path.is_dir():
+        raise SlurmagentError(f"snapshot: -o {output} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise SlurmagentError(f"snapshot: -o {output}: directory {path.parent} does not exist (not created)")
+
+
+def os_error_line(exc: OSError) -> str:
+    """An OSError as one line: the path, then what went wrong with it."""
+    name = exc.filename
+    if name is None:
+        return exc.strerror or str(exc)
+    if exc.errno == errno.EEXIST and not os.path.isdir(name):
+        return f"{name}: exists and is not a directory"
+    return f"{name}: {exc.strerror or exc}" + (f" (-> {exc.filename2})" if exc.filename2 else "")
+
+
 @cli.command()
 @click.option("-o", "--output", metavar="FILE", help="write here instead of stdout")
 @click.pass_obj
@@ -89,9 +110,14 @@ def snapshot(state: State, output: str | None) -> None:
     from .fsutil import atomic_write_text  # start-up speed
 
     cfg = state.config()
+    if output:  # before the GPU read: a bad path is said at once
+        _check_output_file(output)
     snap = read_snapshot_with_deadline(cfg.health.timeout_s, hostname=_node_name(None))
     if output:
-        atomic_write_text(output, snap.to_json())  # a reader never sees half a snapshot
+        try:  # a reader never sees half a snapshot; no directory is created for a typo
+            atomic_write_text(output, snap.to_json(), parents=False)
+        except OSError as exc:
+            raise SlurmagentError(f"snapshot: cannot write -o {output}: {exc.strerror or exc}") from None
     else:
         click.echo(snap.to_json(), nl=False)
 
@@ -166,9 +192,14 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
         if allowed:
             raise SlurmagentError(f"run: {option} {value} is out of range ({allowed})")
 
-    sys.exit(run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
-                         grace=grace, max_requeues=max_requeues, sync_interval=sync_interval,
-                         restore_scope=restore_scope))
+    try:
+        code = run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
+                           grace=grace, max_requeues=max_requeues, sync_interval=sync_interval,
+                           restore_scope=restore_scope)
+    except OSError as exc:  # e.g. --ckpt-dir /dev/null, a regular file, /proc/1/x: one line, exit 2
+        where = " (--ckpt-dir)" if ckpt_dir and str(exc.filename or "").startswith(ckpt_dir.rstrip("/")) else ""
+        raise SlurmagentError(f"run: {os_error_line(exc)}{where}") from None
+    sys.exit(code)
 
 
 @cli.command("node-agent", hidden=True)
@@ -395,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         click.echo(f"slurmagent: {exc}", err=True)
         return exc.exit_code
+    except OSError as exc:  # a path the user gave (or the machine) said no: one line, not a traceback
+        if debug:
+            traceback.print_exc()
+        click.echo(f"slurmagent: {os_error_line(exc)}", err=True)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -18,7 +18,8 @@
    changes), else now + 60 min on a GPU VM, else now + 60 s; `instance/preempted` `TRUE`
    means T = now + 30 s (`gcp/events.py`). A long notice withdrawn well before its T (the
    window was rescheduled or cancelled) is dropped and our drain follows the new T (resumed
-   when no longer due). `--once` reads both keys once; the loop long-polls them, so it reacts
+   when no longer due); re-issued, it keeps the earliest T it announced unless withdrawn for
+   longer than `drain_lead_s` or 5 min past that T (`policy._remembered_notice`). `--once` reads both keys once; the loop long-polls them, so it reacts
    within a second. `MIGRATE_ON_HOST_MAINTENANCE` is only logged (the VM survives: no drain, no flush).
 3. **Drain** when the remaining lifetime is below `drain_lead_s` (with
    `drain_at_max_time`, also below the longest time limit a job may ask for on this node:
@@ -148,7 +149,7 @@ class ExpiryWatch:
             same_boot = old if old.get("boot_id") == self.boot_id else {}
             changed = events is not None and not events.error and \
                 events.maintenance != same_boot.get("last_maintenance_event", "NONE")
-            api = self._api(now, same_boot.get("api"), res, metadata_down, changed)
+            api = self._api(now, _usable_cache(same_boot.get("api")), res, metadata_down, changed)
         d = policy.decide_expiry(
             now=now, node=self.node, boot_id=self.boot_id, old=old, override=override, api=api, events=events,
             lookup_failed=bool(res.errors), drain_lead_s=float(ex.drain_lead_s), flush_lead_s=float(ex.flush_lead_s),
@@ -249,6 +250,21 @@ class ExpiryWatch:
         res.errors.extend(out.errors)
 
 
+def _usable_cache(cached: Any) -> dict[str, Any] | None:
+    """The cached API answer, unless a time in it does not parse (written by an older version
+    from an API value it could not use): then it is asked again."""
+    if not isinstance(cached, dict) or not isinstance(cached.get("scheduling"), dict):
+        return None
+    try:
+        for key in ("termination_time", "maintenance_window_start"):
+            if cached["scheduling"].get(key):
+                parse_time(cached["scheduling"][key])
+        float(cached.get("checked_at_epoch", 0))
+    except (TypeError, ValueError):
+        return None
+    return cached
+
+
 def _job_key(job: str) -> tuple[int, str]:
     head = job.split("_")[0]
     return (int(head) if head.isdigit() else 0, job)
@@ -304,6 +320,10 @@ def _log(cfg: Config, node: str, res: CheckResult, mode: str) -> None:
         action="; ".join(res.actions) or "none", errors=res.errors or None)
 
 
+def _internal(exc: Exception) -> str:
+    return f"internal error (check skipped, the watch goes on): {type(exc).__name__}: {exc}"
+
+
 def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: float = 30.0,
                      out: TextIO | None = None, err: TextIO | None = None, slurm: Slurm | None = None,
                      stop: threading.Event | None = None) -> int:
@@ -325,7 +345,12 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
         said.update(res.errors)
 
     if once:
-        report(watch.check(probe_events(timeout)))
+        try:
+            report(watch.check(probe_events(timeout)))
+        except SlurmagentError as exc:
+            print(f"slurmagent expiry-watch: {node}: {exc}", file=err, flush=True)
+        except Exception as exc:  # noqa: BLE001 - a bad value from outside must not end the timer's unit in a traceback
+            print(f"slurmagent expiry-watch: {node}: {_internal(exc)}", file=err, flush=True)
         return 0
 
     stop = stop or threading.Event()
@@ -343,15 +368,21 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
     events.start()
     threading.Thread(target=lambda: (stop.wait(), wake.set()), name="expiry-stop", daemon=True).start()
     wake.wait(timeout + 0.5)  # let the first plain reads land
+    last_failure = ""
     while not stop.is_set():
         wake.clear()
         snap = events.snapshot()
         snap.error = ""  # outages are reported by the watcher itself, once
+        failure = ""
         try:
             res = watch.check(snap)
         except SlurmagentError as exc:
-            print(f"slurmagent expiry-watch: {node}: {exc}", file=err, flush=True)
-            res = None
+            failure, res = str(exc), None
+        except Exception as exc:  # noqa: BLE001 - the loop outlives a value it cannot handle
+            failure, res = _internal(exc), None
+        if failure and failure != last_failure:  # a lasting failure is said once
+            print(f"slurmagent expiry-watch: {node}: {failure}", file=err, flush=True)
+        last_failure = failure
         if res is not None:
             report(res)
         delay = interval_s

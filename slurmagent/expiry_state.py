@@ -10,6 +10,8 @@ the VM (stopped and started on the same disk) is ignored by every reader.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,14 @@ from .config import Config
 from .errors import ExpiryError
 from .decisionlog import warn
 from .fsutil import UntrustedFile, atomic_write_text, read_state_file
-from .timefmt import parse_time
+from .timefmt import fmt_time, human, parse_time
 
 STATE_NAME = "expiry.json"
 SCHEMA = 1
+# A T this far in the past with the VM alive is stale: the watch's own grace for a stop that
+# did not come (policy.NOTICE_GRACE_S, 300 s), so a VM a few minutes late still flushes.
+STALE_AFTER_S = 300.0
+_said_stale: set[datetime] = set()
 
 
 def state_file(cfg: Config, node: str) -> Path:
@@ -93,13 +99,25 @@ def termination(data: dict[str, Any] | None, boot_id: str | None = None) -> date
         return None
 
 
-def termination_time(files: tuple[Path, ...], boot_id: str | None = None) -> datetime | None:
-    """The VM's termination time from the first of `files` that is of this boot and holds one."""
+def termination_time(files: tuple[Path, ...], boot_id: str | None = None, *, now: float | None = None,
+                     stale_after_s: float = STALE_AFTER_S) -> datetime | None:
+    """The VM's termination time from the first of `files` that is of this boot and holds one,
+    unless it passed more than `stale_after_s` ago: the VM outlived it, so no watch keeps the
+    file (a live one asks again, or drops the notice, within NOTICE_GRACE_S of T), and acting
+    on it would flush every job that starts here at once, a requeue loop. Said once per time."""
     boot_id = host.boot_id() if boot_id is None else boot_id
+    now = time.time() if now is None else now
     for path in files:
         when = termination(read(path), boot_id)
-        if when is not None:
+        if when is None:
+            continue
+        late = now - when.timestamp()
+        if late <= stale_after_s:
             return when
+        if when not in _said_stale:  # the published copy holds the same time: one line for both
+            _said_stale.add(when)
+            print(f"slurmagent: ignoring the termination time {fmt_time(when)} in {path}: it passed {human(late)} "
+                  "ago and this VM still runs (stale: is the expiry watch running?)", file=sys.stderr, flush=True)
     return None
 
 

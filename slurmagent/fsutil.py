@@ -156,12 +156,15 @@ def read_state_file(path: str | os.PathLike[str]) -> bytes:
     return read_fd(open_state_file(path))
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644, durable: bool = True) -> None:
+def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644, durable: bool = True,
+                      parents: bool = True) -> None:
     """Write to a temp name in the same directory, fsync, rename, fsync the directory:
     a reader sees the old file or the new one, never half of either. `durable=False` skips
-    the fsyncs for files that may be lost in a crash (metrics)."""
+    the fsyncs for files that may be lost in a crash (metrics); `parents=False` creates no
+    directory (a user's output path: a typo must not create a tree)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:

@@ -281,6 +281,23 @@ def _our_drain_stands(old: dict[str, Any]) -> bool:
                 and str(old.get("drain", "")).startswith(("drained", "already-drained", "pending")))
 
 
+def _remembered_notice(withdrawn: dict[str, Any] | None, now: float, drain_lead_s: float) -> dict[str, Any] | None:
+    """A withdrawn maintenance notice, while a re-issue should keep its stop time (a notice
+    withdrawn and re-issued every few minutes must not push T an hour away each time). It is
+    cancelled for real, and forgotten, once withdrawn for longer than `drain_lead_s` or once its
+    stop time is NOTICE_GRACE_S past (the VM lived through it). A known API window wins over it."""
+    if not withdrawn:
+        return None
+    try:
+        t = parse_time(withdrawn["termination_time"]).timestamp()
+        since = parse_time(withdrawn["withdrawn_at"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+    if now - since > drain_lead_s or now > t + NOTICE_GRACE_S:
+        return None
+    return withdrawn
+
+
 def decide_expiry(*, now: float, node: str, boot_id: str, old: dict[str, Any], override: datetime | None,
                   api: dict[str, Any] | None, events: Any, lookup_failed: bool, drain_lead_s: float,
                   flush_lead_s: float, max_time_s: Callable[[], float] | None = None) -> ExpiryDecision:
@@ -316,11 +333,14 @@ def decide_expiry(*, now: float, node: str, boot_id: str, old: dict[str, Any], o
     window = parse_time(window_text) if window_text else None
     terminates = sched.get("on_host_maintenance") == "TERMINATE"
     notice = old.get("notice")
+    remembered = _remembered_notice(old.get("withdrawn_notice"), now, drain_lead_s)
     withdrawn = events is not None and not events.error and events.notice is None
     if notice and withdrawn:
         t_old = parse_time(notice["termination_time"]).timestamp()
         if now < t_old - UNDRAIN_MARGIN_S:
             d.notes.append(f"the {notice['kind']} notice of {notice['seen_at']} was withdrawn (rescheduled or cancelled)")
+            if notice["kind"] == "maintenance":  # its T is kept for a re-issue (see _remembered_notice)
+                remembered = {**notice, "withdrawn_at": fmt_time(from_epoch(now))}
             notice = None
         elif now > t_old + NOTICE_GRACE_S:
             if _our_drain_stands(old):
@@ -335,6 +355,12 @@ def decide_expiry(*, now: float, node: str, boot_id: str, old: dict[str, Any], o
         notice = {"kind": kind, "seen_at": fmt_time(from_epoch(now)), "termination_time": fmt_time(from_epoch(when)),
                   "value": events.maintenance if kind == "maintenance" else events.preempted}
         d.notes.append(f"{'preemption' if kind == 'preempt' else events.maintenance} notice")
+        if kind == "maintenance" and window is None and remembered is not None:
+            if parse_time(remembered["termination_time"]).timestamp() < when:
+                notice.update(termination_time=remembered["termination_time"], seen_at=remembered["seen_at"])
+                d.notes.append(f"re-issued after its withdrawal at {remembered['withdrawn_at']}: it keeps the stop "
+                               f"time it first announced, {remembered['termination_time']}")
+            remembered = None
     elif notice and notice["kind"] == "maintenance" and window is not None and \
             fmt_time(window) != notice["termination_time"]:
         d.notes.append(f"maintenance window moved to {fmt_time(window)}")
@@ -343,6 +369,8 @@ def decide_expiry(*, now: float, node: str, boot_id: str, old: dict[str, Any], o
         d.notes.append(f"{events.maintenance}: live migration, nothing to do")
     if events is not None and not events.error:
         state["last_maintenance_event"] = events.maintenance
+    if remembered is not None:
+        state["withdrawn_notice"] = remembered
     kind = "expiry"
     if notice:
         state["notice"] = notice

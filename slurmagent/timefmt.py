@@ -20,6 +20,24 @@ def parse_time(text: str) -> datetime:
     return dt.astimezone(timezone.utc)
 
 
+USABLE_YEARS = (2000, 3000)  # a termination time outside these years is garbage, not a time to act on
+
+
+def usable_time(text: str, offset_s: float = 0.0) -> datetime:
+    """`parse_time(text)` + `offset_s`, or ValueError: garbage, the protobuf zero
+    (`0001-01-01T00:00:00Z`: a year-1 end would flush every job at once) or a year outside
+    USABLE_YEARS (a `maxRunDuration` of 1e15 s)."""
+    try:
+        when = parse_time(text)
+        if offset_s:
+            when = from_epoch(when.timestamp() + offset_s)
+    except (OverflowError, OSError) as exc:
+        raise ValueError(str(exc)) from None
+    if not USABLE_YEARS[0] <= when.year < USABLE_YEARS[1]:
+        raise ValueError(f"year {when.year} is outside {USABLE_YEARS[0]}-{USABLE_YEARS[1] - 1}")
+    return when
+
+
 def fmt_time(dt: datetime) -> str:
     """An aware datetime -> `2026-11-30T05:00:00Z`."""
     return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

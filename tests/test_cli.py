@@ -102,3 +102,39 @@ def test_run_options_obey_the_ranges_of_the_keys_they_override(tmp_path, option,
                       config=tmp_path / "c.toml", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr == f"slurmagent: run: {shown}\n"
     assert not (tmp_path / "ran").exists()
+
+
+# --- bad paths: one line, exit 2, nothing created --------------------------------------------------
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slurmagent: ")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("ckpt_dir", ["/dev/null", "FILE", "/proc/1/x"])
+def test_run_with_an_unusable_ckpt_dir_is_one_line(tmp_path, ckpt_dir):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    if ckpt_dir == "FILE":
+        ckpt_dir = str(tmp_path / "a-file")
+        Path(ckpt_dir).write_text("x")
+    proc = slurmagent("run", "--ckpt-dir", ckpt_dir, "--", "true", config=tmp_path / "c.toml", cwd=tmp_path)
+    assert ckpt_dir in _one_error_line(proc)
+
+
+def test_snapshot_to_a_directory_is_one_line(tmp_path):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    line = _one_error_line(slurmagent("snapshot", "-o", str(tmp_path), config=tmp_path / "c.toml", cwd=tmp_path))
+    assert "is a directory" in line
+
+
+def test_snapshot_never_creates_the_directory_of_its_output(tmp_path):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    target = tmp_path / "nonexistent" / "dir" / "x.json"
+    line = _one_error_line(slurmagent("snapshot", "-o", str(target), config=tmp_path / "c.toml", cwd=tmp_path))
+    assert "does not exist" in line and not (tmp_path / "nonexistent").exists()
+    ok = slurmagent("snapshot", "-o", str(tmp_path / "x.json"), config=tmp_path / "c.toml", cwd=tmp_path)
+    assert ok.returncode == 0 and json.loads((tmp_path / "x.json").read_text()), ok.stderr

@@ -101,10 +101,11 @@ def test_not_requeueable_job_gets_a_clear_warning(tmp_path):
 def test_termination_time_from_expiry_state(tmp_path):
     state = tmp_path / "expiry.json"
     state.write_text('{"termination_time": "2026-12-01T10:00:00Z"}')
-    assert termination_time((tmp_path / "missing.json", state)).isoformat() == "2026-12-01T10:00:00+00:00"
+    before = 1796119200.0 - 60  # a minute before 2026-12-01T10:00:00Z
+    assert termination_time((tmp_path / "missing.json", state), now=before).isoformat() == "2026-12-01T10:00:00+00:00"
     state.write_text('{"termination_time": "2026-12-01T10:00:00Z", "boot_id": "old-boot"}')
     assert termination_time((state,), boot_id="this-boot") is None  # stale: from an earlier boot
-    assert termination_time((state,), boot_id="old-boot") is not None
+    assert termination_time((state,), boot_id="old-boot", now=before) is not None
 
 
 def _wrapper(tmp_path, *args, env_extra=None, trainer_args=("100000",)):

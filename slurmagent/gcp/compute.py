@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 
 from ..errors import ExpiryError, SlurmagentError
 from ..repair_policy import VmFacts
-from ..timefmt import fmt_time, from_epoch, parse_time
+from ..timefmt import fmt_time, from_epoch, parse_time, usable_time
 from . import metadata
 from .metadata import MigRef, parse_created_by
 
@@ -407,8 +407,18 @@ def _has(msg: Any, name: str) -> bool:
         return bool(getattr(msg, name, None))
 
 
+def api_time(field: str, text: str, offset_s: float = 0.0) -> datetime:
+    """A time the API gave (plus `offset_s`), or ExpiryError naming the field (timefmt.usable_time)."""
+    try:
+        return usable_time(text, offset_s)
+    except ValueError as exc:
+        plus = f" + {offset_s:g} s" if offset_s else ""
+        raise ExpiryError(f"instances.get: {field} {text!r}{plus} is not a usable time ({exc})") from None
+
+
 def scheduling_from_instance(inst: Any) -> SchedulingInfo:
-    """A compute_v1.Instance -> the termination time and the scheduling facts around it."""
+    """A compute_v1.Instance -> the termination time and the scheduling facts around it.
+    Raises ExpiryError when a time it needs is unusable (the watch keeps its cached answer)."""
     sched = inst.scheduling if _has(inst, "scheduling") else None
     model = str(sched.provisioning_model) if sched is not None and _has(sched, "provisioning_model") else ""
     action = (str(sched.instance_termination_action)
@@ -419,19 +429,21 @@ def scheduling_from_instance(inst: Any) -> SchedulingInfo:
     when, src = None, ""
     rs = inst.resource_status if _has(inst, "resource_status") else None
     if rs is not None and _has(rs, "scheduling") and _has(rs.scheduling, "termination_timestamp"):
-        when, src = parse_time(rs.scheduling.termination_timestamp), "resourceStatus.scheduling.terminationTimestamp"
+        src = "resourceStatus.scheduling.terminationTimestamp"
+        when = api_time(src, rs.scheduling.termination_timestamp)
     elif sched is not None and _has(sched, "termination_time") and sched.termination_time:
-        when, src = parse_time(sched.termination_time), "scheduling.terminationTime"
+        src = "scheduling.terminationTime"
+        when = api_time(src, sched.termination_time)
     elif mrd and _has(inst, "last_start_timestamp") and inst.last_start_timestamp:
-        start = parse_time(inst.last_start_timestamp).timestamp()
-        when, src = from_epoch(start + mrd), "lastStartTimestamp+scheduling.maxRunDuration"
+        src = "lastStartTimestamp+scheduling.maxRunDuration"
+        when = api_time(src, inst.last_start_timestamp, mrd)
     on_maintenance = (str(sched.on_host_maintenance)
                       if sched is not None and _has(sched, "on_host_maintenance") else "")
     window, can_reschedule = None, None
     if rs is not None and _has(rs, "upcoming_maintenance"):
         um = rs.upcoming_maintenance
         if _has(um, "window_start_time") and um.window_start_time:
-            window = parse_time(um.window_start_time)
+            window = api_time("resourceStatus.upcomingMaintenance.windowStartTime", um.window_start_time)
         if _has(um, "can_reschedule"):
             can_reschedule = bool(um.can_reschedule)
     gpu_vm = vm_facts(inst, "").gpu_vm
