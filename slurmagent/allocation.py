@@ -43,11 +43,11 @@ from typing import Callable, Mapping, Protocol, Sequence, TextIO
 
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
 from .errors import SlurmagentError
+from .private_dirs import UNCOMMITTED_SUFFIX  # noqa: F401 - its home is private_dirs
 
 REPORT_TAG = "slurmagent-node-report "
 AGENT_STEP_NAME = "slurmagent-node-agent"
 SCOPES = ("all", "node")
-UNCOMMITTED_SUFFIX = ".uncommitted"
 
 # Step-request variables of the batch environment that would shape our one-task-per-node
 # step like the trainer's (8 tasks, GPUs, memory per CPU...); the agent step sets its own.
@@ -355,7 +355,8 @@ class AllocationStore:
     through the agents; the batch step alone reads and commits the job-level manifest."""
 
     def __init__(self, alloc: Allocation, committer: Committer | None, launcher: AgentLauncher, *,
-                 scope: str = "all", err: TextIO = sys.stderr, agent_options: Sequence[str] = ()):
+                 scope: str = "all", err: TextIO = sys.stderr, agent_options: Sequence[str] = (),
+                 restore_options: Sequence[str] = ()):
         if scope not in SCOPES:
             raise AllocationError(f"--restore-scope must be one of {', '.join(SCOPES)}, not {scope!r}")
         self.alloc = alloc
@@ -364,6 +365,7 @@ class AllocationStore:
         self.scope = scope
         self.err = err
         self.agent_options = list(agent_options)  # the store's tunables, for every agent
+        self.restore_options = list(restore_options)  # who the job is, dirs to make private on every node
         self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
@@ -393,7 +395,7 @@ class AllocationStore:
                 "--generation", str(generation), "--scope", self.scope, "--deadline", f"{deadline_s:g}"]
         if state_file is not None:
             args += ["--state-file", str(state_file)]
-        reports = self.launcher.run(args + self.agent_options, deadline_s)
+        reports = self.launcher.run(args + self.restore_options + self.agent_options, deadline_s)
         failed = self._failures(reports)
         if failed:
             raise RestoreError(f"restore failed on {failed}")
@@ -436,7 +438,8 @@ class AllocationStore:
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,
                      scope: str = "all", err: TextIO = sys.stderr,
-                     agent_options: Sequence[str] = ()) -> AllocationStore | None:
+                     agent_options: Sequence[str] = (), restore_options: Sequence[str] = ()
+                     ) -> AllocationStore | None:
     """The multi-node store when this wrapper is a multi-node job's batch step, else None."""
     alloc = Allocation.from_env(env)
     if alloc is None:
@@ -446,4 +449,4 @@ def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckp
             f"--ckpt-dir {ckpt_dir_option}: %n would name the batch host on every node (all ranks get the same "
             "SLURMAGENT_CKPT_DIR); give a node-local path that is the same on every node")
     return AllocationStore(alloc, committer, SrunLauncher(alloc, env, err=err), scope=scope, err=err,
-                           agent_options=agent_options)
+                           agent_options=agent_options, restore_options=restore_options)
