@@ -17,8 +17,8 @@ from typing import Any, Iterable, Mapping, Protocol, TextIO
 from .allocation import NodeReport, newest_changes, select_for_node
 from .checkpoint import Manifest, RestoreError, state_file_for
 from .errors import SlurmagentError
-from .private_dirs import check_private_file, private_ckpt_dir
-from .run_setup import DirRecord, make_private_dir
+from .private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
+from .run_setup import DirRecord
 from .uncommitted import keep_own_files, moved_message, set_aside_uncommitted  # noqa: F401 - re-exported
 
 
@@ -38,8 +38,9 @@ def prepare_dir(ckpt_dir: Path, private: Iterable[str] = ()) -> None:
     of `private` (the requeue hold on the batch node's PATH, which srun carries to every node)
     created private here too, so that no other user can plant a program at that path."""
     private_ckpt_dir(ckpt_dir)
-    for d in private:
-        make_private_dir(Path(d))
+    for d in map(Path, private):
+        for path in (d.parent, d):  # the per-user parent too: another user's is refused
+            ensure_private_dir(path, what="private dir", hint="; remove it or set TMPDIR")
 
 
 def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: str, num_nodes: int,

@@ -95,7 +95,7 @@ def test_a_node_agent_refuses_a_planted_dir_and_a_foreign_private_parent(tmp_pat
     assert as_user(NOBODY, lambda: theirs.mkdir(mode=0o777)) == ""
     report = agent_restore(None, tmp_path / "ckpt", index=1, node="v1", num_nodes=2, generation=0, scope="all",
                            deadline_s=10, private=[str(theirs / "slurmagent-hold-x")])
-    assert not report.ok and f"refusing checkpoint dir {theirs}" in report.error, report.error
+    assert not report.ok and f"refusing private dir {theirs}: owned by uid {NOBODY}" in report.error, report.error
     assert not (theirs / "slurmagent-hold-x").exists()
 
 
