@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .private_dirs import UNCOMMITTED_SUFFIX, beside, ensure_private_dir
 from .run_setup import DirRecord
@@ -77,3 +77,15 @@ def keep_own_files(ckpt_dir: Path, record: DirRecord) -> list[str]:
 
 def moved_message(ckpt_dir: Path, moved: list[str], why: str) -> str:
     return f"{len(moved)} file(s) {why} moved to {beside(ckpt_dir, UNCOMMITTED_SUFFIX)}/ (never shown to the job)"
+
+
+def moved_aside(ckpt_dir: Path, moved: list[str], say: Callable[[str], None], why: str) -> None:
+    if moved:
+        say(moved_message(ckpt_dir, moved, why))
+
+
+def set_aside(ckpt_dir: Path, keep: Iterable[str], say: Callable[[str], None]) -> None:
+    """`set_aside_uncommitted`, said in one line when it moved anything."""
+    keep = set(keep)
+    moved_aside(ckpt_dir, set_aside_uncommitted(ckpt_dir, keep), say,
+                "not in the committed checkpoint" if keep else "not this job's")

@@ -38,7 +38,7 @@ from .nodes import FAULT_FLUSH_SIGNAL
 from .private_dirs import private_ckpt_dir
 from .run_setup import (DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, dir_owner, manifest_id, signal_name,
                         stat_scan)
-from .uncommitted import keep_own_files, moved_message, set_aside_uncommitted
+from .uncommitted import keep_own_files, moved_aside, set_aside
 
 EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
 EXIT_REQUEUE_REFUSED = 75  # EX_TEMPFAIL: flushed, but the job was NOT requeued
@@ -138,15 +138,13 @@ class Supervisor:
     # --- start: the directory ---------------------------------------------------------------
 
     def prepare_dir(self) -> bool:
-        """Put the committed checkpoint in place (or keep a newer local one of this job); True
-        when the directory then holds a checkpoint (SLURMAGENT_RESUMED=1). On every attempt,
-        the first included, files that are not this job's checkpoint (an earlier job's at the
-        same path, an uncommitted step) are moved aside first (`uncommitted.py`), on every
-        node of a multi-node job (its agents)."""
+        """Put the committed checkpoint in place (or keep a newer local one of this job), other
+        files moved aside (`uncommitted.py`; on every node: the agents); True when the directory
+        then holds a checkpoint (SLURMAGENT_RESUMED=1)."""
         ckpt = self.opts.ckpt_dir
         private_ckpt_dir(ckpt)  # the user's, writable by nobody else (checked at every attempt)
         if not self.remote:  # the directory is the only copy: this job's own files stay
-            self._say_moved(keep_own_files(ckpt, self.record), "another job left")
+            moved_aside(ckpt, keep_own_files(ckpt, self.record), self.say, "another job left")
             if self.store is not None:  # a multi-node job: the same on every node
                 self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
             return bool(stat_scan(ckpt))
@@ -166,27 +164,22 @@ class Supervisor:
                      + "; not restoring over it")
             self.baseline = self.committed = manifest
             return True
-        self._say_moved(set_aside_uncommitted(ckpt, manifest.files if manifest is not None else ()),
-                        "not in the committed checkpoint" if manifest is not None else "not this job's")
+        set_aside(ckpt, manifest.files if manifest is not None else (), self.say)
         restored = None
         if manifest is not None or self.opts.multi_node:  # the agents do the same on every node
             # the hash cache learns the restored files, so the next sync neither reads nor sends them
             restored = self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
         if restored is None:  # none committed (or deleted between the two reads)
-            self._say_moved(set_aside_uncommitted(ckpt, ()), "not this job's")
+            set_aside(ckpt, (), self.say)
             self.record.write(manifest=None, files={})
             self.say(f"no checkpoint at {self.remote}: starting fresh")
             return False
         if manifest_id(restored) != mid:  # another commit came between the two reads
-            self._say_moved(set_aside_uncommitted(ckpt, restored.files), "not in the committed checkpoint")
+            set_aside(ckpt, restored.files, self.say)
         self.baseline = self.committed = restored
         self.record.write(manifest=manifest_id(restored), files=stat_scan(ckpt))
         self.say(f"restored checkpoint of attempt {restored.attempt} ({len(restored.files)} files) from {self.remote}")
         return True
-
-    def _say_moved(self, moved: list[str], why: str) -> None:
-        if moved:
-            self.say(moved_message(self.opts.ckpt_dir, moved, why))
 
     def _prepare_dir_watched(self) -> bool | None:
         """`prepare_dir` in a thread: flush signals stay handled (None: one came, do not start)
