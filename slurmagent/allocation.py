@@ -51,10 +51,10 @@ from .agent_channel import read_frames
 from .agent_step import Rounds, agent_env, run_step
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
 from .errors import SlurmagentError
+from .private_dirs import UNCOMMITTED_SUFFIX  # noqa: F401 - its home is private_dirs
 
 AGENT_STEP_NAME = "slurmagent-node-agent"
 SCOPES = ("all", "node")
-UNCOMMITTED_SUFFIX = ".uncommitted"
 
 class AllocationError(SlurmagentError):
     """A multi-node job cannot be covered safely (wrapper inside srun, %n in a shared path)."""
@@ -374,7 +374,8 @@ class AllocationStore:
     through the agents; the batch step alone reads and commits the job-level manifest."""
 
     def __init__(self, alloc: Allocation, committer: Committer | None, launcher: AgentLauncher, *,
-                 scope: str = "all", err: TextIO = sys.stderr, agent_options: Sequence[str] = ()):
+                 scope: str = "all", err: TextIO = sys.stderr, agent_options: Sequence[str] = (),
+                 restore_options: Sequence[str] = ()):
         if scope not in SCOPES:
             raise AllocationError(f"--restore-scope must be one of {', '.join(SCOPES)}, not {scope!r}")
         self.alloc = alloc
@@ -383,6 +384,7 @@ class AllocationStore:
         self.scope = scope
         self.err = err
         self.agent_options = list(agent_options)  # the store's tunables, for every agent
+        self.restore_options = list(restore_options)  # who the job is, dirs to make private on every node
         self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
@@ -430,7 +432,7 @@ class AllocationStore:
                 "--generation", str(generation), "--scope", self.scope, "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
         if state_file is not None:
             args += ["--state-file", os.path.abspath(state_file)]
-        reports = self._round(ticket, args, deadline_s)
+        reports = self._round(ticket, args + self.restore_options, deadline_s)
         failed = self._failures(reports, "restore")
         if failed:
             raise RestoreError(failed)
@@ -475,7 +477,8 @@ class AllocationStore:
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,
                      scope: str = "all", err: TextIO = sys.stderr,
-                     agent_options: Sequence[str] = ()) -> AllocationStore | None:
+                     agent_options: Sequence[str] = (), restore_options: Sequence[str] = ()
+                     ) -> AllocationStore | None:
     """The multi-node store when this wrapper is a multi-node job's batch step, else None."""
     alloc = Allocation.from_env(env)
     if alloc is None:
@@ -485,4 +488,4 @@ def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckp
             f"--ckpt-dir {ckpt_dir_option}: %n would name the batch host on every node (all ranks get the same "
             "SLURMAGENT_CKPT_DIR); give a node-local path that is the same on every node")
     return AllocationStore(alloc, committer, SrunLauncher(alloc, env, err=err), scope=scope, err=err,
-                           agent_options=agent_options)
+                           agent_options=agent_options, restore_options=restore_options)

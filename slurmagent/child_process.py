@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from .private_dirs import user_tmp_parent
 from .run_setup import JOB_ID_RE
 
 REAP_WAIT_S = 10.0  # after SIGKILL: a child stuck in uninterruptible sleep is left behind after this
@@ -40,13 +41,16 @@ exec {real} "$@"
 
 
 class RequeueHold:
-    """A private directory (0700) put first on the child's PATH, holding an `scontrol` that
-    records the child's requeue of its own job in a file there and exits 0."""
+    """A private directory (0700, in `${TMPDIR:-/tmp}/slurmagent-<uid>/`) put first on the
+    child's PATH, holding an `scontrol` that records the child's requeue of its own job in a
+    file there and exits 0."""
 
     def __init__(self, job_ids: tuple[str, ...], real_scontrol: str, base: str | None = None):
         if not job_ids or not all(JOB_ID_RE.fullmatch(i) for i in job_ids):
             raise ValueError(f"not Slurm job ids: {job_ids!r}")
-        self.dir = Path(tempfile.mkdtemp(prefix="slurmagent-hold-", dir=base))
+        # In the user's private parent (0700), never in a shared TMPDIR: srun carries the PATH
+        # to every node, where a multi-node job's node agents create this same path privately.
+        self.dir = Path(tempfile.mkdtemp(prefix="slurmagent-hold-", dir=base or user_tmp_parent()))
         self.request = self.dir / "requeue-requested"
         shim = self.dir / "scontrol"
         shim.write_text(SHIM.format(ids="|".join(job_ids), request=shlex.quote(str(self.request)),

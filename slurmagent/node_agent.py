@@ -12,16 +12,18 @@ one commit. The launcher runs it with `python -P` in `/`, so a module in the job
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, TextIO
 
 from .agent_channel import write_frames
-from .allocation import UNCOMMITTED_SUFFIX, NodeReport, newest_changes, select_for_node
+from .allocation import NodeReport, newest_changes, select_for_node
 from .checkpoint import Manifest, RestoreError, state_file_for
 from .errors import SlurmagentError
+from .private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
+from .run_setup import DirRecord
+from .uncommitted import keep_own_files, moved_message, set_aside_uncommitted  # noqa: F401 - re-exported
 
 
 class BlobStore(Protocol):
@@ -34,48 +36,31 @@ class BlobStore(Protocol):
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ..., *, commit: bool = ...) -> Any: ...
 
 
-def prepare_dir(ckpt_dir: Path) -> None:
-    """`D` on this node: created private (0700) when missing."""
-    ckpt_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-
-
-def set_aside_uncommitted(ckpt_dir: Path, keep: Iterable[str]) -> list[str]:
-    """Move every file of `ckpt_dir` that is not in `keep` to `<ckpt_dir>.uncommitted/` (kept,
-    never deleted; a later move replaces an older one), and drop the folders left empty."""
-    keep = set(keep)
-    aside = Path(str(ckpt_dir).rstrip("/") + UNCOMMITTED_SUFFIX)
-    moved: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(ckpt_dir, topdown=True):
-        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]  # moved, never followed
-        dirnames[:] = [d for d in dirnames if d not in links]
-        for name in (*filenames, *links):
-            path = Path(dirpath, name)
-            rel = path.relative_to(ckpt_dir).as_posix()
-            if rel in keep:
-                continue
-            dest = aside / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            os.replace(path, dest)
-            moved.append(rel)
-    for dirpath, _dirnames, _files in sorted(os.walk(ckpt_dir), key=lambda w: -len(w[0])):
-        if Path(dirpath) != ckpt_dir:
-            try:
-                os.rmdir(dirpath)
-            except OSError:
-                pass
-    return moved
+def prepare_dir(ckpt_dir: Path, private: Iterable[str] = ()) -> None:
+    """`D` on this node: created private (0700) when missing, refused when another user owns
+    it or can write it (so are the files beside it: `private_dirs.private_ckpt_dir`); and each
+    of `private` (the requeue hold on the batch node's PATH, which srun carries to every node)
+    created private here too, so that no other user can plant a program at that path."""
+    private_ckpt_dir(ckpt_dir)
+    for d in map(Path, private):
+        for path in (d.parent, d):  # the per-user parent too: another user's is refused
+            ensure_private_dir(path, what="private dir", hint="; remove it or set TMPDIR")
 
 
 def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: str, num_nodes: int,
-                  generation: int, scope: str, deadline_s: float, state_file: Path | None = None) -> NodeReport:
-    """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part);
-    `state_file`, the node's hash cache, learns the restored files."""
+                  generation: int, scope: str, deadline_s: float, state_file: Path | None = None,
+                  owner: str = "", private: Iterable[str] = ()) -> NodeReport:
+    """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part),
+    every other file moved aside (none committed yet: all of them); `state_file`, the node's
+    hash cache, learns the restored files. No remote: `D` keeps only files the record beside it
+    says `owner` (this job) wrote."""
     report = NodeReport(index=index, node=node, ok=False)
     try:
-        prepare_dir(ckpt_dir)
-        if store is None:  # no remote: only the directory
+        prepare_dir(ckpt_dir, private)
+        if store is None:  # no remote: the directory is the only copy
+            moved = keep_own_files(ckpt_dir, DirRecord(ckpt_dir, owner, ""))
+            if moved:
+                report.messages.append(moved_message(ckpt_dir, moved, "another job left"))
             report.ok = True
             return report
         manifest, found = store.read_manifest(deadline_s=min(60.0, deadline_s))
@@ -85,8 +70,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
         mine = select_for_node(manifest, index, num_nodes, scope) if manifest else Manifest(0)
         moved = set_aside_uncommitted(ckpt_dir, mine.files)
         if moved:
-            report.messages.append(f"{len(moved)} file(s) not in the committed checkpoint moved to "
-                                   f"{ckpt_dir}{UNCOMMITTED_SUFFIX}/")
+            report.messages.append(moved_message(ckpt_dir, moved, "not in the committed checkpoint"))
         if manifest is not None:
             store.restore_manifest(ckpt_dir, mine, deadline_s=deadline_s, state_file=state_file)
         report.generation = found
@@ -101,6 +85,7 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
     """Upload this node's `D` (blobs only) and report its files and their change times."""
     report = NodeReport(index=index, node=node, ok=False, started_ns=time.time_ns())
     try:
+        check_private_file(state_file)  # never a hash cache another user wrote
         result = store.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, commit=False)
         report.files = result.files
         report.files_sent, report.bytes_sent = result.files_sent, result.bytes_sent
@@ -114,7 +99,7 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
 def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str | None, attempt: int,
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
-                    parallel_upload_mib: int = 0) -> int:
+                    parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = ()) -> int:
     """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
     index = int(env.get("SLURM_NODEID") or 0)
     node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
@@ -128,7 +113,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":
         report = agent_restore(store, path, index=index, node=node, num_nodes=num_nodes, generation=generation,
-                               scope=scope, deadline_s=deadline_s, state_file=state)
+                               scope=scope, deadline_s=deadline_s, state_file=state, owner=owner, private=private)
     elif store is None:
         report = NodeReport(index=index, node=node, ok=True)
     else:

@@ -13,14 +13,15 @@ import os
 import re
 import signal
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from .checkpoint import Manifest, entry_content_id, scan_checkpoint_dir
 from .errors import SlurmagentError
-from .fsutil import atomic_write_text
 from .host import node_name
+from .private_dirs import RECORD_SUFFIX, UnsafeDirError, ensure_private_dir, private_ckpt_dir
 
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?")  # a Slurm job id, or ARRAYJOBID_TASKID
@@ -136,32 +137,24 @@ def default_ckpt_dir(env: Mapping[str, str], ident: JobIdentity, uid: int | None
 
 def make_private_dir(path: Path, uid: int | None = None) -> Path:
     """Create `path` and its per-user parent with mode 0700, or accept them when they exist as
-    real directories owned by `uid`. A symlink or a directory of another user (planted in a
-    shared /tmp to read or replace the checkpoint) is refused, never followed or used."""
-    uid = os.geteuid() if uid is None else uid
-    for d in (path.parent, path):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise WrapperError(f"cannot create checkpoint dir {d}: {exc.strerror}; pass --ckpt-dir") from None
-        try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            why = "it is a symlink" if os.path.islink(d) else (exc.strerror or str(exc))
-            raise WrapperError(f"refusing checkpoint dir {d}: {why} (not created by you); "
-                               "remove it or pass --ckpt-dir") from None
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != uid:
-                raise WrapperError(f"refusing checkpoint dir {d}: owned by uid {st.st_uid}, not by you (uid {uid}); "
-                                   "remove it or pass --ckpt-dir")
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                os.fchmod(fd, 0o700)  # ours: make it private again
-        finally:
-            os.close(fd)
+    real directories owned by `uid` that no other user can write. A symlink or a directory of
+    another user (planted in a shared /tmp to read or replace the checkpoint) is refused, never
+    followed or used (`private_dirs`)."""
+    try:
+        for d in (path.parent, path):
+            ensure_private_dir(d, uid, hint="; remove it or pass --ckpt-dir")
+    except UnsafeDirError as exc:
+        raise WrapperError(str(exc)) from None
     return path
+
+
+def explicit_ckpt_dir(path: Path, uid: int | None = None) -> Path:
+    """An explicit `--ckpt-dir` under the same rules as the default one (its parents, e.g.
+    `/mnt/localssd`, are the administrator's): see `private_dirs.private_ckpt_dir`."""
+    try:
+        return private_ckpt_dir(path, uid)
+    except UnsafeDirError as exc:
+        raise WrapperError(str(exc)) from None
 
 
 def expand_node(path: str, env: Mapping[str, str]) -> str:
@@ -183,23 +176,59 @@ def stat_scan(ckpt_dir: Path) -> dict[str, list[int]]:
     return {f.relpath: [f.size, f.mtime_ns] for f in scan_checkpoint_dir(ckpt_dir)}
 
 
-class DirRecord:
-    """A small JSON file beside the checkpoint directory (never inside it): which committed
-    manifest the directory last held (restored, or synced from it), and, without a remote,
-    the file list and no-progress streak of the last attempt."""
+def dir_owner(ident: JobIdentity) -> str:
+    """Which job the files of a checkpoint directory belong to, as the record beside it says:
+    another job's record (another id, another prefix) never makes its files this job's. Built
+    from the job's identity only, so a per-submission identity makes it per submission too.
+    Outside Slurm and Cloud Run a rerun with the same directory is the same job ("rerun to
+    resume")."""
+    return "local" if ident.platform == "local" else f"{ident.platform}:{ident.job_id}:{ident.name}"
 
-    def __init__(self, ckpt_dir: Path):
-        self.path = Path(str(ckpt_dir).rstrip("/") + ".slurmagent-run.json")
+
+class DirRecord:
+    """A small JSON file beside the checkpoint directory (never inside it): which job wrote
+    the directory's files (`owner`, `remote`), which committed manifest it last held (restored,
+    or synced from it), and, without a remote, the file list and no-progress streak of the
+    last attempt. Read only when it is the user's own (`private_dirs`)."""
+
+    def __init__(self, ckpt_dir: Path, owner: str = "", remote: str = ""):
+        self.path = Path(str(ckpt_dir).rstrip("/") + RECORD_SUFFIX)
+        self.owner = owner
+        self.remote = remote
 
     def read(self) -> dict:
         try:
-            data = json.loads(self.path.read_text())
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return {}
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not stat.S_ISREG(st.st_mode):
+                return {}  # not ours: never trusted
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                data = json.loads(fh.read(16 << 20) or b"null")
             return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
+        finally:
+            os.close(fd)
+
+    def is_mine(self, data: dict) -> bool:
+        """Did this job (same owner, same remote) write the record `data`?"""
+        return bool(self.owner) and data.get("owner") == self.owner and data.get("remote", "") == self.remote
 
     def write(self, **data) -> None:
+        body = json.dumps({"version": 1, "owner": self.owner, "remote": self.remote, **data}, sort_keys=True)
         try:
-            atomic_write_text(self.path, json.dumps({"version": 1, **data}, sort_keys=True), 0o600)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         except OSError:
-            pass  # only costs a full restore next time
+            return  # only costs a full restore next time
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(body)
+            os.replace(tmp, self.path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

@@ -16,8 +16,8 @@ from .errors import SlurmagentError
 from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .child_process import RequeueHold
-from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, expand_node, make_private_dir,
-                        parse_signal)
+from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, dir_owner, expand_node,
+                        explicit_ckpt_dir, make_private_dir, parse_signal)
 from .wrapper import FLUSH_SIGNALS, Supervisor
 
 def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
@@ -35,7 +35,9 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     node = node_name(None, env)  # this node's expiry state, never another slurmd's on the same host
     return RunOptions(
         cmd=cmd,
-        ckpt_dir=Path(expand_node(ckpt_dir, env)) if ckpt_dir else make_private_dir(default_ckpt_dir(env, ident)),
+        # explicit or default: owned by the user, writable by nobody else, created 0700
+        ckpt_dir=(explicit_ckpt_dir(Path(expand_node(ckpt_dir, env))) if ckpt_dir
+                  else make_private_dir(default_ckpt_dir(env, ident))),
         remote=remote or "",
         ckpt_signal=parse_signal(ckpt_signal),
         grace_s=ck.grace_s if grace is None else grace,
@@ -82,13 +84,20 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         from .gcp.storage import GcsCheckpointStore  # google only with a remote: start-up speed
 
         store = GcsCheckpointStore(options.remote, **store_tunables(cfg))
-    # A multi-node job's batch step covers every node's --ckpt-dir through node agents.
-    from .allocation import allocation_store  # start-up speed: single-node runs never load it
-
-    whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope,
-                                 agent_options=node_agent_options(cfg))
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
     hold = _requeue_hold(cfg, env, ident) if slurm is not None else None
+    # A multi-node job's batch step covers every node's --ckpt-dir through node agents; their
+    # restore also makes the hold's directory (on every node's PATH) private on every node.
+    from .allocation import allocation_store  # start-up speed: single-node runs never load it
+
+    restore_options = ["--owner", dir_owner(ident), *(["--private-dir", str(hold.dir)] if hold else [])]
+    try:
+        whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope,
+                                     agent_options=node_agent_options(cfg), restore_options=restore_options)
+    except BaseException:
+        if hold is not None:
+            hold.cleanup()
+        raise
     metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
     sup = Supervisor(options, ident, whole_job or store, (lambda job: slurm.requeue([job])) if slurm else None, env,
                      hold=hold, metrics=metrics)

@@ -35,7 +35,10 @@ from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
 from .nodes import FAULT_FLUSH_SIGNAL
-from .run_setup import DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, manifest_id, signal_name, stat_scan
+from .private_dirs import private_ckpt_dir
+from .run_setup import (DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, dir_owner, manifest_id, signal_name,
+                        stat_scan)
+from .uncommitted import keep_own_files, moved_aside, set_aside
 
 EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
 EXIT_REQUEUE_REFUSED = 75  # EX_TEMPFAIL: flushed, but the job was NOT requeued
@@ -108,7 +111,7 @@ class Supervisor:
         self.sync_lock = threading.Lock()
         self.stop_sync = threading.Event()
         self.state_file = state_file_for(opts.ckpt_dir)
-        self.record = DirRecord(opts.ckpt_dir)
+        self.record = DirRecord(opts.ckpt_dir, dir_owner(ident), self.remote)  # which job wrote the files
         self.last_sync_error = ""
         self.bytes_synced = 0
         self.baseline: Manifest | None = None  # the committed checkpoint this attempt started from
@@ -135,19 +138,25 @@ class Supervisor:
     # --- start: the directory ---------------------------------------------------------------
 
     def prepare_dir(self) -> bool:
-        """Put the committed checkpoint in place (or keep a newer local one); True when the
-        directory then holds a checkpoint (SLURMAGENT_RESUMED=1)."""
+        """Put the committed checkpoint in place (or keep a newer local one of this job), other
+        files moved aside (`uncommitted.py`; on every node: the agents); True when the directory
+        then holds a checkpoint (SLURMAGENT_RESUMED=1)."""
         ckpt = self.opts.ckpt_dir
-        ckpt.mkdir(parents=True, exist_ok=True)
-        local = stat_scan(ckpt)
-        if self.store is None:
-            return bool(local)
+        private_ckpt_dir(ckpt)  # the user's, writable by nobody else (checked at every attempt)
+        if not self.remote:  # the directory is the only copy: this job's own files stay
+            moved_aside(ckpt, keep_own_files(ckpt, self.record), self.say, "another job left")
+            if self.store is not None:  # a multi-node job: the same on every node
+                self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
+            return bool(stat_scan(ckpt))
         manifest = self.store.latest_manifest(deadline_s=self.opts.restore_deadline_s)
-        if manifest is None:
-            self.say(f"no checkpoint at {self.remote}: starting " + ("with the files in " + str(ckpt) if local else "fresh"))
-            return bool(local)
+        mid = manifest_id(manifest) if manifest is not None else None
+        local = stat_scan(ckpt)
         record = self.record.read()
-        if not self.opts.multi_node and local and record.get("manifest") == manifest_id(manifest):
+        if not self.opts.multi_node and local and self.record.is_mine(record) and record.get("manifest") == mid:
+            if manifest is None:
+                self.say(f"kept the files of this job's earlier attempt in {ckpt}: nothing is committed to "
+                         f"{self.remote} yet")
+                return True
             changed = sorted(rel for rel, st in local.items() if (record.get("files") or {}).get(rel) != st)
             self.say(f"kept the local checkpoint in {ckpt}: it holds the committed checkpoint of attempt "
                      f"{manifest.attempt} (the last one in {self.remote})"
@@ -155,11 +164,18 @@ class Supervisor:
                      + "; not restoring over it")
             self.baseline = self.committed = manifest
             return True
-        # the hash cache learns the restored files, so the next sync neither reads nor sends them
-        restored = self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
-        if restored is None:  # deleted between the two reads
+        set_aside(ckpt, manifest.files if manifest is not None else (), self.say)
+        restored = None
+        if manifest is not None or self.opts.multi_node:  # the agents do the same on every node
+            # the hash cache learns the restored files, so the next sync neither reads nor sends them
+            restored = self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
+        if restored is None:  # none committed (or deleted between the two reads)
+            set_aside(ckpt, (), self.say)
+            self.record.write(manifest=None, files={})
             self.say(f"no checkpoint at {self.remote}: starting fresh")
-            return bool(stat_scan(ckpt))
+            return False
+        if manifest_id(restored) != mid:  # another commit came between the two reads
+            set_aside(ckpt, restored.files, self.say)
         self.baseline = self.committed = restored
         self.record.write(manifest=manifest_id(restored), files=stat_scan(ckpt))
         self.say(f"restored checkpoint of attempt {restored.attempt} ({len(restored.files)} files) from {self.remote}")
