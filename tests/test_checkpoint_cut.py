@@ -87,7 +87,7 @@ def test_a_folder_being_filled_is_held_back_and_its_previous_version_stays(emu, 
     store.sync(d, 0, state)  # first look
     assert store.sync(d, 0, state).manifest.files.keys() == {f"checkpoint-1/{n}" for n in HF_FILES}
     (d / "checkpoint-2").mkdir()
-    (d / "checkpoint-2" / "model.safetensors").write_text("2 model")  # the trainer pauses here
+    (d / "checkpoint-2" / "model.safetensors").write_bytes(b"2" * 512 * 1024)  # the trainer pauses here
     result = store.sync(d, 0, state)
     assert result.held_back == ("checkpoint-2",)
     assert inner.latest_manifest().files.keys() == {f"checkpoint-1/{n}" for n in HF_FILES}
@@ -95,7 +95,9 @@ def test_a_folder_being_filled_is_held_back_and_its_previous_version_stays(emu, 
     store.sync(d, 0, state)
     assert inner.latest_manifest().files["checkpoint-1/trainer_state.json"]["size"] == len("1 trainer_state.json")
     store.trainer_running = lambda: False  # the trainer exited: everything as it is
-    assert "checkpoint-2/model.safetensors" in store.sync(d, 0, state).manifest.files
+    final = store.sync(d, 0, state)
+    assert "checkpoint-2/model.safetensors" in final.manifest.files
+    assert final.bytes_sent < 512 * 1024  # held back, not unsent: the round that held it uploaded it
 
 
 def test_unit_signatures_see_names_still_being_written_and_ignore_other_units(tmp_path):
