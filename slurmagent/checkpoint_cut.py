@@ -15,10 +15,12 @@ after the trainer exited, takes everything as it is.
 
 **Units** follow how frameworks write:
 
-* a *step folder* -- a folder whose name ends in a number, optionally followed by one
-  extension (`checkpoint-500`, `step_300`, `step-20`, `global_step100`, `iter_0000100`,
-  `epoch=3-step=10.ckpt/`) -- is one unit with everything below it; the outermost one on a
-  path wins, so HF's `checkpoint-N/pytorch_model_fsdp_0/` goes with its `trainer_state.json`.
+* a *step folder* -- a folder whose name ends in a number after `-`, `_`, `=` or a step word
+  (step, iter, epoch, ckpt, checkpoint), optionally followed by one extension
+  (`checkpoint-500`, `step_300`, `step-20`, `global_step100`, `iter_0000100`,
+  `epoch=3-step=10.ckpt/`; not `gpt2`, `qwen2.5`) -- is one unit with everything below it;
+  the outermost one on a path wins, so HF's `checkpoint-N/pytorch_model_fsdp_0/` goes with
+  its `trainer_state.json`.
   Loggers' run folders (`version_N`: Lightning, TensorBoard) are not step folders: they hold
   logs beside checkpoints;
 * any other file's unit is the folder it is directly in: the files of one folder go
@@ -26,7 +28,7 @@ after the trainer exited, takes everything as it is.
   the top level ("") included. So Lightning's `version_0/metrics.csv`, rewritten every
   step, never holds back `version_0/checkpoints/`.
 
-A folder named with a number that is not one checkpoint (`runs/2024/...`) only makes its
+A folder named like a step that is not one checkpoint (`run_2/...`) only makes its
 unit coarse: it is committed when everything under it is quiet, and said when held back.
 """
 
@@ -44,7 +46,7 @@ from .checkpoint_names import is_reserved_name
 
 SAY_AFTER_ROUNDS = 3  # a unit held back this many rounds in a row is said (once per streak)
 
-_STEP_FOLDER = re.compile(r".*\d(\.[A-Za-z][A-Za-z0-9]*)?")
+_STEP_FOLDER = re.compile(r"(.*[-_=]|.*(step|iter|epoch|ckpt|checkpoint))\d+(\.[A-Za-z][A-Za-z0-9]*)?", re.IGNORECASE)
 _LOGGER_RUN = re.compile(r"version_\d+")
 
 
@@ -147,7 +149,8 @@ class QuietCut:
         cut = Cut({}, {})
         for unit in sorted(now_by_unit.keys() | before_by_unit.keys()):
             now, was = now_by_unit.get(unit, {}), before_by_unit.get(unit, {})
-            moved = [i for i, sig in signatures.items() if last is None or i not in last or last[i].get(unit) != sig.get(unit)]
+            moved = [i for i, sig in signatures.items()
+                     if last is None or i not in last or last[i].get(unit) != sig.get(unit)]
             take, source = (now, writers) if not moved else (was, before_writers)
             cut.files.update(take)
             cut.writers.update({rel: list(source[rel]) for rel in take if rel in source})
