@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, wait_for
 from slurmagent.checkpoint import Manifest
-from slurmagent.checkpoint_cut import unit_signatures
+from slurmagent.checkpoint_cut import unit_of, unit_signatures
 from slurmagent.cut_store import QuietCutStore
 from slurmagent.run_setup import JobIdentity, RunOptions
 from slurmagent.wrapper import Supervisor
@@ -98,6 +98,21 @@ def test_a_folder_being_filled_is_held_back_and_its_previous_version_stays(emu, 
     final = store.sync(d, 0, state)
     assert "checkpoint-2/model.safetensors" in final.manifest.files
     assert final.bytes_sent < 512 * 1024  # held back, not unsent: the round that held it uploaded it
+
+
+@pytest.mark.parametrize("path, unit", [
+    ("checkpoint-500/trainer_state.json", "checkpoint-500"),
+    ("checkpoint-5/pytorch_model_fsdp_0/__0_0.distcp", "checkpoint-5"),  # the outermost step folder
+    ("global_step100/mp_rank_00_model_states.pt", "global_step100"),
+    ("iter_0000100/mp_rank_00/model_optim_rng.pt", "iter_0000100"),
+    ("ck/epoch=0-step=10.ckpt/checkpoint/mp_rank_00.pt", "ck/epoch=0-step=10.ckpt"),
+    ("lightning_logs/version_0/metrics.csv", "lightning_logs/version_0"),  # a logger's run folder
+    ("lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt", "lightning_logs/version_0/checkpoints"),
+    ("gpt2/checkpoint-5/model.safetensors", "gpt2/checkpoint-5"),  # a model's name is no step
+    (".metadata", ""),
+])
+def test_units_follow_how_frameworks_write(path, unit):
+    assert unit_of(path) == unit
 
 
 def test_unit_signatures_see_names_still_being_written_and_ignore_other_units(tmp_path):
