@@ -24,37 +24,41 @@ without a report is named.
   node's upload succeeded: a node that failed leaves the last complete checkpoint in place.
 
 Merging. A name present on several nodes with different content: the copy changed since the
-restore wins, else the lowest node index, with a warning. While the command still runs, a
-commit is a consistent cut at the instant T the first agent began (every node looked at its
-`D` after T). Its units are the top-level folders (step folders) and the top-level files taken
-together; a unit is taken as it is when no node changed anything in it after T (inode change
-times, which a write, a rename and a removal all move), and, for a folder that only some nodes
-hold (rank 0's `torch.save`), when it was the same in the previous round too; any other unit
-stays as it was in the previous commit. So rank 0's new `.metadata` never lands beside rank 1's
-older shard. Node clocks must agree (NTP), as Slurm's own credentials require. After the
-command ended, the final sync takes every node's files as they are.
+restore wins, else the lowest node index, with a warning. A node *wrote* a file when its copy
+differs from the restored one or it wrote it before (the restored manifest's `writers`); a
+node that holds only the restored, unchanged copy did not. A file no node of this job wrote
+any more while one of its writers is in the job was deleted by that writer (rank 0 rotating
+old checkpoints) and leaves the checkpoint, whatever other nodes still hold from the restore.
+
+While the command still runs, a commit is a consistent cut (`checkpoint_cut.py`): units (step
+folders, the files of one folder) are taken only when quiet for a whole round on every node,
+which compares each node's disk with itself only, so node clocks never decide it. Each report
+carries its agent's clock, which the batch step compares with its own (a warning above
+CLOCK_SKEW_WARN_S). After the command ended, the final sync takes every node's files as they are.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence, TextIO
 
 from . import hostlist
 from .agent_channel import read_frames
 from .agent_step import Rounds, agent_env, run_step
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
+from .checkpoint_cut import QuietCut
 from .errors import SlurmagentError
 from .private_dirs import UNCOMMITTED_SUFFIX  # noqa: F401 - its home is private_dirs
 
 AGENT_STEP_NAME = "slurmagent-node-agent"
 SCOPES = ("all", "node")
+CLOCK_SKEW_WARN_S = 2.0  # an agent's clock further than this from the batch step's is said
+
 
 class AllocationError(SlurmagentError):
     """A multi-node job cannot be covered safely (wrapper inside srun, %n in a shared path)."""
@@ -115,8 +119,8 @@ class NodeReport:
     error: str = ""
     generation: int = 0  # restore: the manifest generation now in place
     files: dict[str, dict] = field(default_factory=dict)  # sync: relpath -> manifest entry
-    ctimes: dict[str, int] = field(default_factory=dict)  # sync: unit -> newest change (ns)
-    started_ns: int = 0  # sync: when this agent began to look at D (wall clock)
+    units: dict[str, str] = field(default_factory=dict)  # sync: unit -> how it looked after the upload
+    started_ns: int = 0  # sync: this agent's wall clock when it began (compared with the batch step's)
     files_sent: int = 0
     bytes_sent: int = 0
     messages: list[str] = field(default_factory=list)
@@ -137,39 +141,6 @@ class NodeReport:
         return f"{self.node or '?'} (node index {self.index})"
 
 
-def unit_of(relpath: str) -> str:
-    """The unit of a consistent cut a file belongs to: its top-level folder, or "" for the
-    files at the top level (taken together: an index and the shards beside it)."""
-    return relpath.split("/", 1)[0] if "/" in relpath else ""
-
-
-def newest_changes(ckpt_dir: Path) -> dict[str, int]:
-    """Unit -> newest inode change time in it (a rename, a rewrite, a name being written, a
-    removal: each bumps one). "" is the top level: its files and `D` itself, whose change
-    time moves when a top-level entry is added, renamed or removed."""
-    try:
-        out = {"": os.stat(ckpt_dir).st_ctime_ns}
-        entries = list(os.scandir(ckpt_dir))
-    except FileNotFoundError:
-        return {"": 0}  # no directory: nothing in it changed
-    for entry in entries:
-        try:
-            newest = entry.stat(follow_symlinks=False).st_ctime_ns
-        except FileNotFoundError:
-            continue
-        if not entry.is_dir(follow_symlinks=False):
-            out[""] = max(out[""], newest)
-            continue
-        for dirpath, dirnames, filenames in os.walk(entry.path):
-            for name in (*dirnames, *filenames):
-                try:
-                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_ctime_ns)
-                except FileNotFoundError:
-                    continue
-        out[entry.name] = newest
-    return out
-
-
 # --------------------------------------------------------------------------- merging (pure)
 
 
@@ -178,36 +149,36 @@ class Merged:
     files: dict[str, dict]
     writers: dict[str, list[int]]
     conflicts: dict[str, str] = field(default_factory=dict)  # relpath -> what was kept and why
-    held_back: list[str] = field(default_factory=list)  # units kept as previously committed ("": top-level files)
+    dropped: list[str] = field(default_factory=list)  # deleted by their writer, held by others from the restore
 
 
-def merge_reports(
-    reports: Sequence[NodeReport],
-    *,
-    baseline: Manifest | None,
-    previous: Manifest | None = None,
-    cut_ns: int | None = None,
-    partial_seen: dict[str, tuple[frozenset[int], str]] | None = None,
-) -> Merged:
-    """One checkpoint from every node's files.
+def merge_reports(reports: Sequence[NodeReport], *, baseline: Manifest | None) -> Merged:
+    """Every node's files as one checkpoint (the cut then picks what a periodic commit takes).
 
-    `baseline`: the checkpoint restored at start (decides which copy "changed since the
-    restore"). `cut_ns`: None when no trainer runs any more (take everything); else the
-    instant T of a consistent cut (module doc), with `previous` the last commit and
-    `partial_seen` the folders seen on only some nodes last round (updated in place)."""
+    `baseline`: the checkpoint restored at start: which copy "changed since the restore", and
+    who wrote each file before (module doc)."""
     copies: dict[str, list[tuple[int, dict]]] = {}
     for r in sorted(reports, key=lambda r: r.index):
         for rel, entry in r.files.items():
             copies.setdefault(rel, []).append((r.index, entry))
+    present = {r.index for r in reports}
     files: dict[str, dict] = {}
     writers: dict[str, list[int]] = {}
     conflicts: dict[str, str] = {}
+    dropped: list[str] = []
     for rel, cands in copies.items():
+        was = _same(baseline.files[rel]) if baseline and rel in baseline.files else None
+        if was is not None:
+            wrote_before = _writers_before(baseline, rel)
+            wrote = [(i, e) for i, e in cands if _same(e) != was or i in wrote_before]
+            if not wrote and wrote_before & present:
+                dropped.append(rel)  # its writer deleted it; the others hold the restored copy only
+                continue
+            cands = wrote or cands  # its writers are not in this job: the restored copies stay
         writers[rel] = [i for i, _ in cands]
         if len({_same(e) for _, e in cands}) == 1:
             files[rel] = cands[0][1]
             continue
-        was = _same(baseline.files[rel]) if baseline and rel in baseline.files else None
         changed = [(i, e) for i, e in cands if _same(e) != was]
         index, entry = min(changed or cands, key=lambda c: c[0])
         files[rel] = entry
@@ -217,50 +188,17 @@ def merge_reports(
             continue
         conflicts[rel] = (f"{rel} differs on node indexes {[i for i, _ in cands]}: kept node {index}'s copy "
                           "(the lowest node index)")
-    if cut_ns is None:
-        return Merged(files, writers, conflicts)
+    return Merged(files, writers, conflicts, sorted(dropped))
 
-    # Units of the cut: each top-level folder, and all top-level files together ("").
-    units = {unit_of(rel) for rel in files}
-    taken: set[str] = set()
-    seen_now: dict[str, tuple[frozenset[int], str]] = {}
-    for unit in units:
-        holders = [r for r in reports if unit == "" or unit in r.ctimes or any(unit_of(f) == unit for f in r.files)]
-        settled = all(r.ctimes.get(unit, cut_ns + 1) <= cut_ns for r in holders)
-        if settled and unit and len(holders) < len(reports):  # a folder that some nodes do not hold
-            key = (frozenset(r.index for r in holders), _digest({k: e for k, e in files.items() if unit_of(k) == unit}))
-            seen_now[unit] = key
-            settled = partial_seen is not None and partial_seen.get(unit) == key
-        if settled:
-            taken.add(unit)
-    if partial_seen is not None:
-        partial_seen.clear()
-        partial_seen.update(seen_now)
-    cut_files = {rel: e for rel, e in files.items() if unit_of(rel) in taken}
-    cut_writers = {rel: w for rel, w in writers.items() if unit_of(rel) in taken}
-    held = units - taken
-    # A unit gone from every node was removed before T (dropped), unless the top level of
-    # some node changed after T (it may have existed at T: kept as previously committed).
-    top_changed = any(r.ctimes.get("", cut_ns + 1) > cut_ns for r in reports)
-    if previous is not None:
-        for rel, e in previous.files.items():
-            unit = unit_of(rel)
-            if unit in taken or (unit not in units and not top_changed):
-                continue
-            cut_files[rel] = e
-            if rel in previous.writers:
-                cut_writers[rel] = previous.writers[rel]
-            held.add(unit)
-    return Merged(cut_files, cut_writers, conflicts, sorted(held))
+
+def _writers_before(baseline: Manifest, rel: str) -> set[int]:
+    """The node indexes that wrote `rel` of the restored checkpoint (a single-node one: the batch node, 0)."""
+    return set(baseline.writers.get(rel, [0])) if baseline.node_count else {0}
 
 
 def _same(entry: dict) -> str:
     """What makes two manifest entries the same file: its content (or link target), wherever stored."""
     return entry_content_id(entry)
-
-
-def _digest(files: Mapping[str, dict]) -> str:
-    return hashlib.sha256(json.dumps(sorted((k, _same(v)) for k, v in files.items())).encode()).hexdigest()
 
 
 def select_for_node(manifest: Manifest, index: int, num_nodes: int, scope: str) -> Manifest:
@@ -357,6 +295,8 @@ class AllocationSyncResult:
     files_total: int
     nodes: int
     manifest: Manifest | None = None  # the job-level manifest committed by this sync (None: none)
+    held_back: tuple[str, ...] = ()  # units whose new content this commit left out (checkpoint_cut.unit_of)
+    pending_since: float | None = None  # batch clock: the oldest change on any node that no commit holds yet
 
 
 class Committer(Protocol):
@@ -388,7 +328,9 @@ class AllocationStore:
         self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
-        self.partial_seen: dict[str, tuple[frozenset[int], str]] = {}
+        self.cut = QuietCut()
+        self.clock_ns: Callable[[], int] = time.time_ns  # the batch step's wall clock
+        self.pending: dict[str, float] = {}  # relpath -> when a round first saw it differ from the commit
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self.rounds = Rounds()  # cancel_rounds ends the agent step in flight
@@ -451,28 +393,63 @@ class AllocationStore:
                     "--remote", self.committer.url if self.committer else "",
                     "--state-file", os.path.abspath(state_file), "--attempt", str(attempt),
                     "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
+            sent_ns = self.clock_ns()
             reports = self._round(ticket, args, deadline_s)
+            received_ns = self.clock_ns()
             failed = self._failures(reports, "upload")
             if failed:
                 raise CheckpointError(f"{failed}; the last complete checkpoint stays")
-            # While the trainer runs: a cut at the instant the first agent began (every node
-            # looked at its D after it).
-            cut_ns = min(r.started_ns for r in reports) if running else None
-            merged = merge_reports(reports, baseline=self.baseline, previous=self.last_committed, cut_ns=cut_ns,
-                                   partial_seen=self.partial_seen)
+            self._check_clocks(reports, sent_ns, received_ns)
+            merged = merge_reports(reports, baseline=self.baseline)
             for rel, why in merged.conflicts.items():  # once per file and job, not every round
                 if rel not in self._warned:
                     self._warned.add(rel)
                     self.say(f"WARNING: {why}")
+            previous = self.last_committed
+            # While the trainer runs: only units quiet for a whole round on every node (checkpoint_cut).
+            cut = self.cut.take(merged.files, merged.writers, {r.index: r.units for r in reports},
+                                previous_files=previous.files if previous else None,
+                                previous_writers=previous.writers if previous else None, running=running,
+                                node_names={r.index: r.who for r in reports})
+            for message in cut.messages:
+                self.say(message)
             sent = sum(r.files_sent for r in reports), sum(r.bytes_sent for r in reports)
-            if self.committer is None or not merged.files:
-                return AllocationSyncResult(*sent, None, len(merged.files), len(reports))
-            manifest = Manifest(attempt=attempt, files=merged.files, node_count=self.alloc.num_nodes,
-                                writers=merged.writers,
-                                no_progress=no_progress_after(restored or self.baseline, merged.files))
+            extra = dict(held_back=tuple(cut.held_back))
+            if self.committer is None or not cut.files:
+                return AllocationSyncResult(*sent, None, len(cut.files), len(reports),
+                                            pending_since=self._pending_since(merged.files, previous, sent_ns), **extra)
+            manifest = Manifest(attempt=attempt, files=cut.files, node_count=self.alloc.num_nodes,
+                                writers=cut.writers,
+                                no_progress=no_progress_after(restored or self.baseline, cut.files))
             generation = self.committer.commit(manifest, deadline_s=max(deadline_s / 4, 10.0))
             self.last_committed = manifest
-            return AllocationSyncResult(*sent, generation, len(merged.files), len(reports), manifest)
+            return AllocationSyncResult(*sent, generation, len(cut.files), len(reports), manifest,
+                                        pending_since=self._pending_since(merged.files, manifest, sent_ns), **extra)
+
+    def _check_clocks(self, reports: list[NodeReport], sent_ns: int, received_ns: int) -> None:
+        """Each agent's clock against the batch step's: its reading must fall between our send
+        and receive times. The cut does not depend on it; Slurm's credentials and every log do."""
+        bound = int(CLOCK_SKEW_WARN_S * 1e9)
+        for r in reports:
+            if not r.started_ns:
+                continue
+            ahead, behind = r.started_ns - received_ns, sent_ns - r.started_ns
+            if max(ahead, behind) <= bound or f"clock:{r.index}" in self._warned:
+                continue
+            self._warned.add(f"clock:{r.index}")
+            how = f"{ahead / 1e9:.1f} s ahead of" if ahead > 0 else f"{behind / 1e9:.1f} s behind"
+            self.say(f"WARNING: the clock of {r.who} is {how} the batch step's (more than {CLOCK_SKEW_WARN_S:g} s): "
+                     "periodic commits do not depend on it, but Slurm's credentials and log times do; run NTP "
+                     "(chrony) on every node")
+
+    def _pending_since(self, now_files: dict[str, dict], committed: Manifest | None, round_ns: int) -> float | None:
+        """The oldest change on any node that the commit does not hold, on the batch step's clock
+        (when a round first saw it: at most one interval late), for the lag gauge."""
+        held = committed.files if committed is not None else {}
+        differ = {rel for rel in now_files.keys() | held.keys()
+                  if rel not in now_files or rel not in held or _same(now_files[rel]) != _same(held[rel])}
+        self.pending = {rel: self.pending.get(rel, round_ns / 1e9) for rel in differ}
+        return min(self.pending.values()) if self.pending else None
 
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,

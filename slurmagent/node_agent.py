@@ -15,11 +15,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, TextIO
+from typing import Any, Callable, Iterable, Mapping, Protocol, TextIO
 
 from .agent_channel import write_frames
-from .allocation import NodeReport, newest_changes, select_for_node
+from .allocation import NodeReport, select_for_node
 from .checkpoint import Manifest, RestoreError, state_file_for
+from .checkpoint_cut import unit_signatures
 from .errors import SlurmagentError
 from .private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
 from .run_setup import DirRecord
@@ -81,15 +82,16 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
 
 
 def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attempt: int, state_file: Path,
-               deadline_s: float) -> NodeReport:
-    """Upload this node's `D` (blobs only) and report its files and their change times."""
-    report = NodeReport(index=index, node=node, ok=False, started_ns=time.time_ns())
+               deadline_s: float, clock_ns: Callable[[], int] = time.time_ns) -> NodeReport:
+    """Upload this node's `D` (blobs only) and report its files, how its units look after the
+    upload (`checkpoint_cut.unit_signatures`) and this node's clock."""
+    report = NodeReport(index=index, node=node, ok=False, started_ns=clock_ns())
     try:
         check_private_file(state_file)  # never a hash cache another user wrote
         result = store.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, commit=False)
         report.files = result.files
         report.files_sent, report.bytes_sent = result.files_sent, result.bytes_sent
-        report.ctimes = newest_changes(ckpt_dir)  # after the upload: a change during it counts
+        report.units = unit_signatures(ckpt_dir)  # after the upload: a change during it counts
         report.ok = True
     except (SlurmagentError, OSError) as exc:
         report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"

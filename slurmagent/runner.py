@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import expiry_state
 from .config import Config
+from .cut_store import QuietCutStore
 from .errors import SlurmagentError
 from .host import node_name, slurmagent_argv
 from .slurm import Slurm
@@ -99,10 +100,12 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
             hold.cleanup()
         raise
     metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
-    sup = Supervisor(options, ident, whole_job or store, (lambda job: slurm.requeue([job])) if slurm else None, env,
+    # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
+    job_store = whole_job or (QuietCutStore(store) if store is not None else None)
+    sup = Supervisor(options, ident, job_store, (lambda job: slurm.requeue([job])) if slurm else None, env,
                      hold=hold, metrics=metrics)
-    if whole_job is not None:
-        whole_job.trainer_running = sup.child_running
+    if job_store is not None:
+        job_store.trainer_running = sup.child_running
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)

@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from typing import Callable, Mapping, Protocol, TextIO
 
 from .checkpoint import Manifest, no_progress_after, state_file_for
+from .checkpoint_cut import committed_part
 from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
@@ -119,6 +120,7 @@ class Supervisor:
         self.start_scan: dict[str, list[int]] = {}
         self.committed_scan: dict[str, list[int]] = {}  # files as they were when last committed
         self.dirty_since: dict[str, float] = {}  # file -> mtime of its first change not committed
+        self.store_pending_since: float | None = None  # the store's oldest uncommitted change (other nodes')
         self.sync_failures = 0
         self.failing_since = 0.0
         self.last_error_said = float("-inf")
@@ -244,8 +246,9 @@ class Supervisor:
                 return False
             if result.manifest is not None:
                 self.committed = result.manifest
-                self.committed_scan = before
-                self.record.write(manifest=manifest_id(result.manifest), files=before)
+                self.committed_scan = committed_part(before, self.committed_scan, getattr(result, "held_back", ()))
+                self.record.write(manifest=manifest_id(result.manifest), files=self.committed_scan)
+            self.store_pending_since = getattr(result, "pending_since", None)
         finally:
             self.sync_lock.release()
         self.bytes_synced += result.bytes_sent
@@ -277,7 +280,8 @@ class Supervisor:
 
     def lag_seconds(self, now: float | None = None) -> float:
         """How long the bucket has been behind the disk: the age of the oldest change to a
-        checkpoint file that no commit holds yet (0 when everything is committed). A file
+        checkpoint file that no commit holds yet (0 when everything is committed), on this
+        node's disk or, as the store says (a multi-node job), on any node's. A file
         rewritten again and again keeps the time of its first uncommitted change."""
         now = time.time() if now is None else now
         scan = stat_scan(self.opts.ckpt_dir)
@@ -286,7 +290,9 @@ class Supervisor:
         for rel, st in scan.items():
             if self.committed_scan.get(rel) != st:
                 self.dirty_since.setdefault(rel, st[1] / 1e9)
-        return max(0.0, now - min(self.dirty_since.values())) if self.dirty_since else 0.0
+        oldest = min([*self.dirty_since.values(), *([self.store_pending_since] if self.store_pending_since else [])],
+                     default=None)
+        return max(0.0, now - oldest) if oldest is not None else 0.0
 
     def _metric(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None:
         if self.metrics is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from slurmagent.allocation import (
     select_for_node,
 )
 from slurmagent.agent_channel import frame_lines, read_frames
+from slurmagent.checkpoint_cut import QuietCut, unit_of, unit_signatures
 from slurmagent.node_agent import agent_restore, agent_sync, set_aside_uncommitted
 from slurmagent.checkpoint import CheckpointError, Manifest, ManifestError, RestoreError, StorageUnavailableError
 
@@ -39,9 +41,8 @@ def entry(c: str, size: int = 1) -> dict:
     return {"sha256": SHA[c], "size": size, "crc32c": "AAAAAA=="}
 
 
-def report(index: int, files: dict[str, str], ctimes: dict[str, int] | None = None) -> NodeReport:
-    return NodeReport(index=index, node=f"v{index}", ok=True, files={k: entry(v) for k, v in files.items()},
-                      ctimes=ctimes or {})
+def report(index: int, files: dict[str, str]) -> NodeReport:
+    return NodeReport(index=index, node=f"v{index}", ok=True, files={k: entry(v) for k, v in files.items()})
 
 
 # --- merge: conflicts ------------------------------------------------------------------------
@@ -66,48 +67,112 @@ def test_several_changed_copies_or_no_restore_keep_the_lowest_node_index():
     assert not same.conflicts and same.writers["x"] == [0, 1]
 
 
-# --- merge: the consistent cut ------------------------------------------------------------------
-
-T = 1_000
+# --- merge: files their writer deleted -------------------------------------------------------
 
 
-def test_a_folder_changed_after_the_cut_on_one_node_stays_as_previously_committed():
+def test_a_file_its_writer_deleted_leaves_the_checkpoint_whatever_restored_copies_other_nodes_hold():
+    """Rank 0 rotates old checkpoints on its node only; node 1 still holds the restored copies."""
+    restored = Manifest(0, files={"checkpoint-1/a": entry("a"), "checkpoint-2/a": entry("b"), "shard1": entry("c")},
+                        node_count=2, writers={"checkpoint-1/a": [0], "checkpoint-2/a": [0], "shard1": [1]})
+    reports = [report(0, {"checkpoint-2/a": "b", "shard1": "c"}),  # node 0 deleted checkpoint-1
+               report(1, {"checkpoint-1/a": "a", "checkpoint-2/a": "b", "shard1": "c"})]
+    merged = merge_reports(reports, baseline=restored)
+    assert merged.files.keys() == {"checkpoint-2/a", "shard1"} and merged.dropped == ["checkpoint-1/a"]
+    assert merged.writers == {"checkpoint-2/a": [0], "shard1": [1]}  # a restored copy makes no writer
+    # its writer is not in this job (4 nodes before, 2 now): the restored copies stay
+    wider = Manifest(0, files={"rank3.pt": entry("d")}, node_count=4, writers={"rank3.pt": [3]})
+    assert merge_reports([report(0, {"rank3.pt": "d"}), report(1, {"rank3.pt": "d"})],
+                         baseline=wider).files.keys() == {"rank3.pt"}
+
+
+# --- the consistent cut: quiet for a whole round -------------------------------------------------
+
+
+def cut_round(cut: QuietCut, reports: list[NodeReport], previous: Manifest | None, baseline=None, running=True):
+    merged = merge_reports(reports, baseline=baseline)
+    return cut.take(merged.files, merged.writers, {r.index: r.units for r in reports},
+                    previous_files=previous.files if previous else None,
+                    previous_writers=previous.writers if previous else None, running=running,
+                    node_names={r.index: r.who for r in reports})
+
+
+def sigs(report_: NodeReport, **units: str) -> NodeReport:
+    report_.units = units
+    return report_
+
+
+def test_a_folder_changed_in_a_round_on_one_node_stays_as_previously_committed_until_quiet():
     """Rank 0's new index must never land beside rank 1's older shard."""
     previous = Manifest(0, files={"s/.metadata": entry("a"), "s/shard1": entry("b")},
                         node_count=2, writers={"s/.metadata": [0], "s/shard1": [1]})
-    reports = [report(0, {"s/.metadata": "c"}, {"": T - 5, "s": T + 3}),  # rewritten after T
-               report(1, {"s/shard1": "b"}, {"": T - 5, "s": T - 9})]
-    merged = merge_reports(reports, baseline=None, previous=previous, cut_ns=T, partial_seen={})
-    assert merged.files == previous.files and merged.writers == previous.writers
-    assert merged.held_back == ["s"]
-    settled = [report(0, {"s/.metadata": "c"}, {"": T - 5, "s": T - 1}), reports[1]]
-    merged = merge_reports(settled, baseline=None, previous=previous, cut_ns=T)
+    cut = QuietCut()
+    old = [sigs(report(0, {"s/.metadata": "a"}), s="0a"), sigs(report(1, {"s/shard1": "b"}), s="1a")]
+    assert cut_round(cut, old, previous).files == previous.files  # first round: nothing is known quiet
+    moving = [sigs(report(0, {"s/.metadata": "c"}), s="0b"), sigs(report(1, {"s/shard1": "b"}), s="1a")]
+    merged = cut_round(cut, moving, previous)
+    assert merged.files == previous.files and merged.writers == previous.writers and merged.held_back == ["s"]
+    merged = cut_round(cut, moving, previous)  # the same again: quiet for a whole round
     assert merged.files["s/.metadata"]["sha256"] == SHA["c"] and not merged.held_back
+
+
+def test_skewed_node_clocks_never_decide_the_cut():
+    """21.12: the cut compares each node with itself, round by round; report times play no part."""
+    cut = QuietCut()
+    rounds = []
+    for skew in (0, 600 * 10**9, -600 * 10**9):
+        rs = [sigs(report(0, {"step_1/a": "a"}), step_1="x"), sigs(report(1, {"step_1/b": "b"}), step_1="y")]
+        rs[0].started_ns, rs[1].started_ns = 10**18, 10**18 + skew
+        rounds.append(cut_round(cut, rs, None).files.keys())
+    assert rounds[0] == set() and rounds[1] == rounds[2] == {"step_1/a", "step_1/b"}
 
 
 def test_top_level_files_are_one_unit_of_the_cut():
     previous = Manifest(0, files={".metadata": entry("a"), "rank1.pt": entry("b")})
-    reports = [report(0, {".metadata": "c"}, {"": T - 1}), report(1, {"rank1.pt": "d"}, {"": T + 1})]
-    merged = merge_reports(reports, baseline=None, previous=previous, cut_ns=T)
+    cut = QuietCut()
+    quiet = [sigs(report(0, {".metadata": "a"}), **{"": "0"}), sigs(report(1, {"rank1.pt": "b"}), **{"": "1"})]
+    cut_round(cut, quiet, previous)
+    reports = [sigs(report(0, {".metadata": "c"}), **{"": "0"}), sigs(report(1, {"rank1.pt": "d"}), **{"": "1b"})]
+    merged = cut_round(cut, reports, previous)
     assert merged.files == previous.files  # neither the new index nor the new shard alone
-    assert merge_reports(reports, baseline=None).files.keys() == {".metadata", "rank1.pt"}  # final: all of it
+    assert cut_round(cut, reports, previous, running=False).files.keys() == {".metadata", "rank1.pt"}  # final
 
 
 def test_a_folder_only_some_nodes_write_joins_once_it_is_unchanged_for_a_round():
-    seen: dict = {}
-    reports = [report(0, {"step_5/model.pt": "a"}, {"": T - 9, "step_5": T - 9}), report(1, {}, {"": T - 9})]
-    assert merge_reports(reports, baseline=None, cut_ns=T, partial_seen=seen).files == {}
-    assert merge_reports(reports, baseline=None, cut_ns=T, partial_seen=seen).files.keys() == {"step_5/model.pt"}
-    both = [report(0, {"step_6/a": "a"}, {"": T - 9, "step_6": T - 9}), report(1, {"step_6/b": "b"}, {"step_6": T - 9})]
-    assert merge_reports(both, baseline=None, cut_ns=T, partial_seen={}).files.keys() == {"step_6/a", "step_6/b"}
+    cut = QuietCut()
+    reports = [sigs(report(0, {"step_5/model.pt": "a"}), step_5="x"), report(1, {})]
+    assert cut_round(cut, reports, None).files == {}
+    assert cut_round(cut, reports, None).files.keys() == {"step_5/model.pt"}
 
 
-def test_a_folder_gone_from_every_node_is_dropped_unless_the_top_level_changed_after_the_cut():
+def test_a_folder_gone_from_every_node_is_dropped_once_its_absence_is_quiet():
     previous = Manifest(0, files={"step_1/a": entry("a"), "step_2/a": entry("b")})
-    quiet = [report(0, {"step_2/a": "b"}, {"": T - 5, "step_2": T - 5}), report(1, {"step_2/a": "b"}, {"": T - 5})]
-    assert merge_reports(quiet, baseline=None, previous=previous, cut_ns=T).files.keys() == {"step_2/a"}
-    busy = [quiet[0], report(1, {"step_2/a": "b"}, {"": T + 5, "step_2": T - 5})]
-    assert merge_reports(busy, baseline=None, previous=previous, cut_ns=T).files.keys() == {"step_1/a", "step_2/a"}
+    cut = QuietCut()
+    both = [sigs(report(0, {"step_1/a": "a", "step_2/a": "b"}), step_1="1", step_2="2"),
+            sigs(report(1, {}))]
+    cut_round(cut, both, previous)
+    gone = [sigs(report(0, {"step_2/a": "b"}), step_2="2"), sigs(report(1, {}))]
+    assert cut_round(cut, gone, previous).files.keys() == {"step_1/a", "step_2/a"}  # removed during the round
+    assert cut_round(cut, gone, previous).files.keys() == {"step_2/a"}
+
+
+def test_lightning_metrics_rewritten_every_round_never_hold_back_its_checkpoints():
+    """22.2: version_0/metrics.csv changes every step; version_0/checkpoints/ is its own unit."""
+    cut = QuietCut(say_after=3)
+    said = []
+    files = {"lightning_logs/version_0/hparams.yaml": "a",
+             "lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt": "b"}
+    committed = None
+    for n in range(5):
+        rs = [sigs(report(0, {**files, "lightning_logs/version_0/metrics.csv": "abcdef"[n]}),
+                   **{"lightning_logs/version_0": f"m{n}", "lightning_logs/version_0/checkpoints": "c"}),
+              sigs(report(1, {}))]
+        merged = cut_round(cut, rs, committed)
+        said += merged.messages
+        committed = Manifest(0, files=merged.files, node_count=2, writers=merged.writers)
+    assert "lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt" in committed.files
+    assert "lightning_logs/version_0/metrics.csv" not in committed.files  # never quiet: the final sync takes it
+    assert len(said) == 1 and "lightning_logs/version_0 held back for 3 rounds" in said[0]  # once per streak
+    assert "v0 (node index 0)" in said[0]
 
 
 # --- restore scope ------------------------------------------------------------------------------
@@ -179,7 +244,7 @@ def test_the_agent_step_sets_its_io_environment_and_directory_whatever_the_batch
 
 
 def test_a_report_round_trips_and_a_node_without_one_is_named(tmp_path):
-    r = NodeReport(index=1, node="n2", ok=False, error="boom", ctimes={"": 5})
+    r = NodeReport(index=1, node="n2", ok=False, error="boom", units={"": "5"})
     assert NodeReport.from_payload(r.payload()) == r
     assert NodeReport.from_payload(b"{not json") is None
     fake_srun = tmp_path / "srun"
@@ -225,6 +290,7 @@ class Nodes:
         self.fail = fail or {}
         self.before_agent = lambda i: None
         self.order = list(range(n))
+        self.skew_ns: dict[int, int] = {}  # node index -> how far its clock is off
 
     def run(self, args: list[str], deadline_s: float, cancel=None) -> list[NodeReport]:
         action, opts = args[0], dict(zip(args[1::2], args[2::2]))
@@ -237,8 +303,10 @@ class Nodes:
                                            generation=int(opts["--generation"]), scope=opts["--scope"],
                                            deadline_s=deadline_s)
             else:
+                skew = self.skew_ns.get(i, 0)
                 reports[i] = agent_sync(store, self.dirs[i], index=i, node=f"v{i}", attempt=int(opts["--attempt"]),
-                                        state_file=Path(str(self.dirs[i]) + ".state.json"), deadline_s=deadline_s)
+                                        state_file=Path(str(self.dirs[i]) + ".state.json"), deadline_s=deadline_s,
+                                        clock_ns=lambda: time.time_ns() + skew)
         return [reports[i] for i in range(len(self.dirs))]
 
 
@@ -383,6 +451,41 @@ def test_a_periodic_commit_while_ranks_write_is_never_a_new_index_beside_an_old_
     store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
     now = nodes.store.latest_manifest().files
     assert now.keys() == old.keys() and all(now[k] != old[k] for k in old)
+
+
+def test_a_node_clock_600_s_behind_still_gets_periodic_commits_and_is_said(remote, tmp_path):
+    """21.12: the cut used to compare node ctimes with the earliest agent's clock."""
+    nodes = Nodes(tmp_path / "run0", 2, remote)
+    store, err = job_store(nodes)
+    store.restore(nodes.dirs[0], deadline_s=60)
+    nodes.skew_ns = {1: -600 * 10**9}
+    store.trainer_running = lambda: True
+    dcp_like_checkpoint(nodes, "step_1")
+    for _ in range(2):  # seen, then quiet for a whole round
+        store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    assert nodes.store.latest_manifest().files.keys() == {"step_1/.metadata", "step_1/__0_0.distcp",
+                                                          "step_1/__1_0.distcp"}
+    assert err.getvalue().count("the clock of v1 (node index 1) is 600.0 s behind the batch step's") == 1
+
+
+def test_checkpoints_rank_0_rotates_away_leave_the_bucket_after_a_requeue(remote, tmp_path):
+    """22.4: every node holds the restored folders; only rank 0 (node 0) deletes old ones."""
+    first = Nodes(tmp_path / "run0", 2, remote)
+    store, _ = job_store(first)
+    store.restore(first.dirs[0], deadline_s=60)
+    for n in (1, 2):
+        write(first.dirs[0] / f"checkpoint-{n}" / "model.pt", f"model {n}")
+    store.sync(first.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    second = Nodes(tmp_path / "run1", 2, remote)
+    store2, _ = job_store(second)
+    store2.restore(second.dirs[0], deadline_s=60)
+    assert tree(second.dirs[1]).keys() == {"checkpoint-1/model.pt", "checkpoint-2/model.pt"}
+    write(second.dirs[0] / "checkpoint-3" / "model.pt", "model 3")
+    shutil.rmtree(second.dirs[0] / "checkpoint-1")  # save_total_limit=2, on rank 0 only
+    store2.sync(second.dirs[0], 1, tmp_path / "unused", deadline_s=60)
+    committed = second.store.latest_manifest()
+    assert committed.files.keys() == {"checkpoint-2/model.pt", "checkpoint-3/model.pt"}
+    assert committed.writers == {"checkpoint-2/model.pt": [0], "checkpoint-3/model.pt": [0]}
 
 
 def test_no_srun_is_a_failed_round_on_every_node_not_a_crash(tmp_path):

@@ -506,3 +506,67 @@ def test_an_agent_hung_in_a_periodic_round_is_cancelled_by_the_flush_named_and_t
     for rank in (0, 1):
         ckpt_step = int(next(line for line in ledger(tmp_path, rank) if line.startswith("ckpt ")).split()[1])
         assert json.loads(committed_file(job, flushed, f"rank{rank}.json"))["step"] == ckpt_step
+
+
+# Lightning's default layout on 2 nodes (22.2): lightning_logs/version_0/ holds metrics.csv,
+# rewritten every step, and checkpoints/, where ModelCheckpoint saves every 50 steps (~15 s).
+LIGHTNING_DEFAULT_LAYOUT = r'''
+import os, sys, time
+import lightning.pytorch as pl, torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+root, log = os.environ["SLURMAGENT_CKPT_DIR"], sys.argv[1]
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.3)
+        loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        self.log("loss", loss)
+        return loss
+    def on_save_checkpoint(self, checkpoint):
+        if self.trainer.is_global_zero:
+            with open(log, "a") as fh:
+                fh.write(f"save {checkpoint['global_step']} {time.time()}\n")
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+pl.Trainer(default_root_dir=root, max_steps=150, max_epochs=-1, accelerator="cpu", devices=1, num_nodes=2,
+           strategy="ddp", logger=CSVLogger(root, flush_logs_every_n_steps=1), log_every_n_steps=1,
+           callbacks=[ModelCheckpoint(every_n_train_steps=50)], enable_progress_bar=False,
+           enable_model_summary=False).fit(Model())
+'''
+
+
+def test_lightning_default_layout_on_two_nodes_commits_each_checkpoint_while_it_trains(cl, emu, tmp_path):
+    """metrics.csv, rewritten every step beside checkpoints/, used to hold back the whole
+    lightning_logs/ folder: nothing was committed until the job ended."""
+    pytest.importorskip("lightning")
+    import time
+
+    script, log = tmp_path / "pl_train.py", tmp_path / "saves"
+    script.write_text(LIGHTNING_DEFAULT_LAYOUT)
+    job = submit(cl, tmp_path, emu.url, [], [sys.executable, str(script), str(log)],
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]))
+    seen: dict[str, float] = {}  # committed checkpoint file -> when the bucket first showed it
+    while (cl.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING")):
+        for rel in (committed(job) or {}).get("files", {}):
+            seen.setdefault(rel, time.time())
+        time.sleep(0.3)
+    text = (tmp_path / "out").read_text()
+    assert cl.job(job)["JobState"] == "COMPLETED", text
+    saves = [(int(line.split()[1]), float(line.split()[2])) for line in log.read_text().splitlines()]
+    assert [s for s, _ in saves] == [50, 100, 150], saves
+    ckpts = "lightning_logs/version_0/checkpoints/"
+    delays = {}
+    for (step, saved), (_, next_save) in zip(saves, saves[1:]):  # the last one is the final sync's
+        name = next((rel for rel in seen if rel.startswith(ckpts) and rel.endswith(f"-step={step}.ckpt")), None)
+        assert name is not None and seen[name] < next_save, (step, sorted(seen), text)  # before the next save
+        delays[step] = round(seen[name] - saved, 1)
+    print("save -> commit (s):", delays)
+    final = committed(job)["files"]
+    assert "lightning_logs/version_0/metrics.csv" in final and any(r.endswith("step=150.ckpt") for r in final)

@@ -86,7 +86,8 @@ def test_child_ignoring_signal_is_killed_after_grace_and_previous_checkpoint_sta
     config = write_config(tmp_path / "c.toml", "gs://ckpt/jobs", tmp_path / "state", grace_s=2.0)
     ledger = tmp_path / "ledger"
     env = {"CLOUD_RUN_JOB": "ign", "CLOUD_RUN_TASK_INDEX": "0"}
-    proc = start_wrapper(tmp_path, config, env, ["--ckpt-dir", str(tmp_path / "a")], ["1000", str(ledger), "0.05", "ignore"])
+    # a save every 2.5 s: quiet for whole sync rounds in between, so periodic commits happen
+    proc = start_wrapper(tmp_path, config, env, ["--ckpt-dir", str(tmp_path / "a")], ["1000", str(ledger), "0.5", "ignore"])
     wait_for(lambda: (manifest(emu, "jobs/ign-task-0") or {}).get("files", {}).get("state.json"), 30, "a synced checkpoint")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -106,7 +107,8 @@ def test_kill9_mid_upload_restores_a_complete_checkpoint(emu, tmp_path):
     config = write_config(tmp_path / "c.toml", "gs://ckpt/jobs", tmp_path / "state", sync_interval_s=0.5)
     ledger = tmp_path / "ledger"
     env = {"CLOUD_RUN_JOB": "k9", "CLOUD_RUN_TASK_INDEX": "0"}
-    proc = start_wrapper(tmp_path, config, env, ["--ckpt-dir", str(tmp_path / "a")], ["100000", str(ledger), "0.02", "-", "24"])
+    # a save every 2 s: quiet for whole sync rounds in between, so periodic commits happen
+    proc = start_wrapper(tmp_path, config, env, ["--ckpt-dir", str(tmp_path / "a")], ["100000", str(ledger), "0.4", "-", "24"])
     wait_for(lambda: manifest(emu, "jobs/k9-task-0"), 60, "first checkpoint")
     time.sleep(1.3)  # somewhere inside later syncs of the 24 MiB shard
     os.kill(proc.pid, signal.SIGKILL)
@@ -130,8 +132,8 @@ def test_storage_down_during_final_sync(gcs_emulator_factory, monkeypatch, tmp_p
     ledger = tmp_path / "ledger"
     ckpt = tmp_path / "a"
     env = {"CLOUD_RUN_JOB": "down", "CLOUD_RUN_TASK_INDEX": "0"}
-    proc = start_wrapper(tmp_path, config, env, ["--ckpt-dir", str(ckpt)], ["100000", str(ledger), "0.05"])
-    wait_for(lambda: manifest(emu, "jobs/down-task-0"), 30, "first checkpoint")
+    proc = start_wrapper(tmp_path, config, env, ["--ckpt-dir", str(ckpt)], ["100000", str(ledger), "0.4"])
+    wait_for(lambda: manifest(emu, "jobs/down-task-0"), 30, "first checkpoint")  # a save every 2 s: quiet rounds
     emu.stop()
     proc.send_signal(signal.SIGTERM)
     if comes_back:

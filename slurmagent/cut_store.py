@@ -1,0 +1,105 @@
+"""A single-node job's store with the multi-node job's guarantee: while the trainer runs, a
+periodic commit takes only units quiet for a whole round (`checkpoint_cut.py`), so a
+`checkpoint-N/` the trainer is still filling file by file is never committed half-done; its
+previous committed version stays meanwhile. The final sync, after the trainer exited,
+takes everything as it is.
+
+Each sync uploads the blobs first (the store's `sync(commit=False)`: held-back files go up
+too, so taking them later costs nothing), then looks at the units, then commits one fenced
+manifest (`commit`), as a multi-node job's batch step does with its agents' reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from typing import Any, Callable, Protocol, TextIO
+
+from .checkpoint import Manifest, no_progress_after
+from .checkpoint_cut import QuietCut, unit_signatures
+
+
+class BlobStore(Protocol):
+    """What this needs of slurmagent.gcp.storage.GcsCheckpointStore."""
+
+    url: str
+
+    def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ..., restored: Manifest | None = ..., *,
+             commit: bool = ...) -> Any: ...
+
+    def commit(self, manifest: Manifest, *, deadline_s: float = ...) -> int: ...
+
+    def latest_manifest(self, *, deadline_s: float = ...) -> Manifest | None: ...
+
+    def restore(self, ckpt_dir, *, deadline_s: float = ..., state_file=...) -> Manifest | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CutSyncResult:
+    files_sent: int
+    bytes_sent: int
+    manifest: Manifest | None  # committed by this sync (None: nothing committed)
+    held_back: tuple[str, ...] = ()  # units whose new content this commit left out
+    inner: Any = None  # the store's own result of the upload
+
+
+class QuietCutStore:
+    """The wrapper's CheckpointStore for a single-node job (see module doc)."""
+
+    def __init__(self, inner: BlobStore, err: TextIO = sys.stderr):
+        self.inner = inner
+        self.err = err
+        self.cut = QuietCut()
+        self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
+        self.last_committed: Manifest | None = None
+        self._started = False
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    @property
+    def warn(self) -> Callable[[str], None] | None:
+        return getattr(self.inner, "warn", None)
+
+    @warn.setter
+    def warn(self, callback: Callable[[str], None] | None) -> None:
+        self.inner.warn = callback
+
+    def say(self, message: str) -> None:
+        (self.warn or (lambda m: print(f"slurmagent run: {m}", file=self.err, flush=True)))(message)
+
+    def latest_manifest(self, *, deadline_s: float = 60.0) -> Manifest | None:
+        return self.inner.latest_manifest(deadline_s=deadline_s)
+
+    def restore(self, ckpt_dir, *, deadline_s: float = 1800.0, state_file=None) -> Manifest | None:
+        return self.inner.restore(ckpt_dir, deadline_s=deadline_s, state_file=state_file)
+
+    def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0,
+             restored: Manifest | None = None) -> CutSyncResult:
+        with self._lock:
+            if not self._started:  # what this attempt started from is committed until a unit moves
+                self._started, self.last_committed = True, restored
+            running = self.trainer_running()
+            started = time.monotonic()
+            up = self.inner.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, restored=restored,
+                                 commit=False)
+            previous = self.last_committed
+            cut = self.cut.take(up.files or {}, {}, {0: unit_signatures(ckpt_dir)},
+                                previous_files=previous.files if previous else None, running=running)
+            for message in cut.messages:
+                self.say(message)
+            result = CutSyncResult(up.files_sent, up.bytes_sent, None, tuple(cut.held_back), up)
+            if not cut.files:  # an empty directory never replaces a checkpoint
+                return result
+            no_progress = no_progress_after(restored, cut.files)
+            if previous is not None and (previous.attempt, previous.files, previous.no_progress) == (
+                    attempt, cut.files, no_progress):
+                return dataclasses.replace(result, manifest=previous)  # nothing new to commit
+            manifest = Manifest(attempt=attempt, files=cut.files, no_progress=no_progress)
+            self.inner.commit(manifest, deadline_s=max(deadline_s - (time.monotonic() - started), 2.0))
+            self.last_committed = manifest
+            return dataclasses.replace(result, manifest=manifest)
