@@ -25,7 +25,7 @@ def big_report(index: int, files: int = 2000) -> NodeReport:
                       files={f"step_9/shard-{index}-{k:05d}.distcp": {"sha256": f"{rnd.getrandbits(256):064x}",
                                                                      "size": rnd.randrange(10**9), "crc32c": "AAAAAA=="}
                              for k in range(files)},
-                      ctimes={"": 5, "step_9": 7})
+                      units={"": "5", "step_9": "7"})
 
 
 def srun_output(streams: dict[int, str], *, label: bool, seed: int) -> list[str]:
