@@ -21,6 +21,7 @@ from .checkpoint import Manifest, entry_content_id, scan_checkpoint_dir
 from .errors import SlurmagentError
 from .fsutil import atomic_write_text
 from .host import node_name
+from .identity import submission_of
 
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?")  # a Slurm job id, or ARRAYJOBID_TASKID
@@ -39,6 +40,9 @@ class JobIdentity:
     name: str  # the remote prefix's last part
     restart_count: int
     aliases: tuple[str, ...] = ()  # every id the job's own code may name it by (SLURM_JOB_ID too)
+    # The same for every attempt of one submission, new for every submission (slurmagent.identity):
+    # SLURMAGENT_SUBMISSION (slurmagent sbatch) or CLOUD_RUN_EXECUTION; "" for a plain sbatch job.
+    submission: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JobIdentity:
@@ -46,11 +50,20 @@ class JobIdentity:
             array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
             job_id = f"{array_job}_{task}" if array_job and task else env["SLURM_JOB_ID"]
             aliases = tuple(dict.fromkeys(i for i in (job_id, env["SLURM_JOB_ID"]) if JOB_ID_RE.fullmatch(i)))
-            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")), aliases)
+            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")), aliases,
+                       _submission(env, "slurm"))
         if env.get("CLOUD_RUN_JOB"):
             job, index = env["CLOUD_RUN_JOB"], env.get("CLOUD_RUN_TASK_INDEX", "0")
-            return cls("cloud-run", job, f"{job}-task-{index}", _int(env.get("CLOUD_RUN_TASK_ATTEMPT")))
+            return cls("cloud-run", job, f"{job}-task-{index}", _int(env.get("CLOUD_RUN_TASK_ATTEMPT")),
+                       submission=_submission(env, "cloud-run"))
         return cls("local", str(os.getpid()), f"local-{os.getpid()}", 0)
+
+
+def _submission(env: Mapping[str, str], platform: str) -> str:
+    try:
+        return submission_of(env, platform)
+    except ValueError as exc:
+        raise WrapperError(f"{exc}: not a submission id; not starting") from None
 
 
 def _int(value: str | None) -> int:
@@ -74,6 +87,7 @@ class RunOptions:
     restore_deadline_s: float = 600.0
     final_sync_floor_s: float = 15.0
     multi_node: bool = False  # restore always takes the committed manifest
+    per_job_remote: bool = False  # the default prefix: another submission's checkpoint there is foreign
     stop_wait_s: float = 10.0  # after a held requeue: SIGTERM, this long, then SIGKILL
     progress_report_s: float = 15.0  # a restore that takes longer says what it is doing this often
     error_report_s: float = 300.0  # a background sync that keeps failing is said at most this often

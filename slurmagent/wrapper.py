@@ -34,6 +34,7 @@ from .checkpoint import Manifest, no_progress_after, state_file_for
 from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
+from .identity import SUBMISSION_ENV, settle
 from .nodes import FAULT_FLUSH_SIGNAL
 from .run_setup import DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, manifest_id, signal_name, stat_scan
 
@@ -142,7 +143,8 @@ class Supervisor:
         local = stat_scan(ckpt)
         if self.store is None:
             return bool(local)
-        manifest = self.store.latest_manifest(deadline_s=self.opts.restore_deadline_s)
+        # this submission's committed checkpoint (None: none, or another's, now taken over)
+        manifest = settle(self.store, self.ident, self.opts.per_job_remote, self.say, self.opts.restore_deadline_s)
         if manifest is None:
             self.say(f"no checkpoint at {self.remote}: starting " + ("with the files in " + str(ckpt) if local else "fresh"))
             return bool(local)
@@ -326,6 +328,7 @@ class Supervisor:
         env = dict(self.env)
         env.update(SLURMAGENT_CKPT_DIR=str(self.opts.ckpt_dir), SLURMAGENT_RESTART_COUNT=str(self.ident.restart_count))
         env.pop("SLURMAGENT_RESUMED", None)
+        env.pop(SUBMISSION_ENV, None)  # ours: a job the trainer submits is another submission
         if resumed:
             env["SLURMAGENT_RESUMED"] = "1"
         if self.hold is not None:

@@ -1,0 +1,190 @@
+"""Checkpoint identity (issue 21 item 7): the same for every attempt of one submission, new for
+every submission; a reused job id or a new Cloud Run execution never restores another job's
+checkpoint, and the fence never repeats across submissions."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cluster_config_text, wait_for
+from slurmagent.checkpoint import Manifest, ManifestError, StaleAttemptError
+from slurmagent.identity import decide, settle
+from slurmagent.run_setup import JobIdentity, WrapperError
+
+TOY = str(Path(__file__).with_name("toy_trainer.py"))
+ENTRY = {"blake3": "a" * 64, "size": 1, "crc32c": "AAAAAA=="}
+
+
+# --------------------------------------------------------------------------- the rules (pure)
+
+
+def m(owner: str = "", attempt: int = 0) -> Manifest:
+    return Manifest(attempt=attempt, files={"state": dict(ENTRY)}, owner=owner)
+
+
+@pytest.mark.parametrize("current, submission, restart, per_job, action, owner", [
+    (None, "s1", 0, True, "fresh", "s1"),
+    (None, "", 3, True, "fresh", "NEW"),
+    (m("s1", 4), "s1", 5, True, "ours", "s1"),  # a requeue of the same submission
+    (m("s1", 0), "s1", 0, True, "ours", "s1"),  # attempt 0's own commit (the prefix claimed, then restarted)
+    (m("s0", 7), "s1", 0, True, "foreign", "s1"),  # a reused job id / a new Cloud Run execution
+    (m("s0", 7), "s1", 3, True, "foreign", "s1"),  # whatever the restart count
+    (m("", 2), "s1", 1, True, "foreign", "s1"),  # no owner: not this submission's
+    (m("s0", 2), "", 0, True, "foreign", "NEW"),  # plain sbatch, first attempt: an earlier job's
+    (m("NEWER", 0), "", 1, True, "ours", "NEWER"),  # plain sbatch, later attempt: adopts attempt 0's claim
+    (m("", 2), "", 3, True, "ours", ""),  # requeued across the upgrade: its own checkpoint, no owner
+    (m("s0", 2), "s1", 0, False, "adopt", "s1"),  # an explicit --remote: the user named it, resumed
+])
+def test_whose_checkpoint_is_it(current, submission, restart, per_job, action, owner):
+    d = decide(current, submission=submission, restart_count=restart, per_job_prefix=per_job,
+               fresh_owner=lambda: "NEW")
+    assert (d.action, d.owner) == (action, owner)
+    if action == "foreign":
+        assert "NOT restoring" in d.why
+
+
+def test_owner_is_an_optional_manifest_key_and_old_manifests_stay_readable():
+    old = Manifest.from_json(json.dumps({"schema": 2, "attempt": 3, "created": "2026-11-30T05:00:00Z", "files": {}}))
+    assert old.owner == "" and "owner" not in json.loads(old.to_json())  # written back as before
+    new = Manifest.from_json(Manifest(attempt=1, owner="a1b2").to_json())
+    assert new.owner == "a1b2" and json.loads(new.to_json())["schema"] == 2
+    with pytest.raises(ManifestError, match="owner"):
+        Manifest.from_json(json.dumps({"schema": 2, "attempt": 0, "created": "2026-11-30T05:00:00Z", "files": {},
+                                       "owner": "../x"}))
+
+
+def test_submission_comes_from_slurmagent_sbatch_or_the_cloud_run_execution():
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "SLURMAGENT_SUBMISSION": "f00d"}
+    assert JobIdentity.from_env(slurm).submission == "f00d"
+    assert JobIdentity.from_env({"SLURM_JOB_ID": "7"}).submission == ""  # plain sbatch
+    run = {"CLOUD_RUN_JOB": "train", "CLOUD_RUN_TASK_INDEX": "1", "CLOUD_RUN_EXECUTION": "train-x2k9v"}
+    ident = JobIdentity.from_env(run)
+    assert (ident.name, ident.submission) == ("train-task-1", "train-x2k9v")
+    with pytest.raises(WrapperError, match="SLURMAGENT_SUBMISSION"):
+        JobIdentity.from_env({**slurm, "SLURMAGENT_SUBMISSION": "a b"})
+
+
+# --------------------------------------------------------------------------- on the emulator
+
+
+@pytest.fixture
+def emu(gcs_emulator, monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.url)
+    return gcs_emulator
+
+
+def store(prefix: str, owner: str | None = None):
+    from slurmagent.gcp.storage import GcsCheckpointStore
+
+    s = GcsCheckpointStore(f"gs://ckpt/{prefix}", timeout_s=5)
+    s.owner = owner
+    return s
+
+
+def commit(prefix: str, tmp_path: Path, owner: str | None, attempt: int, content: bytes) -> Manifest:
+    d = tmp_path / f"d-{time.monotonic_ns()}"
+    d.mkdir()
+    (d / "state").write_bytes(content)
+    return store(prefix, owner).sync(d, attempt, tmp_path / f"s-{time.monotonic_ns()}.json", 30).manifest
+
+
+class Attempt:
+    def __init__(self, submission: str, restart_count: int):
+        self.submission, self.restart_count = submission, restart_count
+
+
+def test_fence_compares_attempts_within_one_submission_only(emu, tmp_path):
+    commit("jobs/9", tmp_path, "old-job", 5, b"old job, attempt 5")
+    lines: list[str] = []
+    new = store("jobs/9")
+    assert settle(new, Attempt("new-job", 0), True, lines.append) is None  # never restored
+    assert "NOT restoring" in lines[0]
+    # the new submission's attempt 0 commits, though the old one's restart count was higher
+    assert commit("jobs/9", tmp_path, "new-job", 0, b"new job, attempt 0").owner == "new-job"
+    with pytest.raises(StaleAttemptError, match="another submission"):  # the old job's writer is fenced off
+        commit("jobs/9", tmp_path, "old-job", 5, b"old job, late")
+    commit("jobs/9", tmp_path, "new-job", 1, b"new job, attempt 1")
+    with pytest.raises(StaleAttemptError, match="attempt 1, newer than ours"):  # a zombie of attempt 0
+        commit("jobs/9", tmp_path, "new-job", 0, b"new job, attempt 0, zombie")
+    assert store("jobs/9").latest_manifest().owner == "new-job"
+    kept = [b.name for b in store("jobs/9").objects.bucket.list_blobs(prefix="jobs/9/superseded/")]
+    assert len(kept) == 1  # the old job's manifest is still reachable
+
+
+def test_plain_sbatch_first_attempt_takes_the_prefix_over_and_later_attempts_adopt_it(emu, tmp_path):
+    commit("jobs/10", tmp_path, "earlier", 2, b"an earlier job's")
+    said: list[str] = []
+    s0 = store("jobs/10")
+    assert settle(s0, Attempt("", 0), True, said.append) is None
+    claimed = store("jobs/10").latest_manifest()
+    assert claimed.owner == s0.owner != "earlier" and claimed.files == {}  # claimed before the trainer starts
+    # attempt 0 is requeued before it committed anything: attempt 1 finds the claim, not the foreign files
+    s1 = store("jobs/10")
+    assert settle(s1, Attempt("", 1), True, said.append) is None and s1.owner == s0.owner
+    commit("jobs/10", tmp_path, s1.owner, 1, b"ours, attempt 1")
+    s2 = store("jobs/10")
+    got = settle(s2, Attempt("", 2), True, said.append)
+    assert got is not None and got.owner == s0.owner and got.attempt == 1
+
+
+def test_a_job_requeued_across_the_upgrade_restores_its_checkpoint(emu, tmp_path):
+    commit("jobs/11", tmp_path, None, 1, b"written by the old version")  # no owner in it
+    s = store("jobs/11")
+    got = settle(s, Attempt("", 2), True, print)
+    assert got is not None and got.owner == "" and got.attempt == 1
+    commit("jobs/11", tmp_path, s.owner, 2, b"written by the new version")  # and commits over it
+
+
+# --------------------------------------------------------------------------- the wrapper as a process
+
+
+def run_wrapper(tmp_path: Path, env_extra: dict, ckpt: Path, ledger: Path, steps: int, signal_at: int | None):
+    config = tmp_path / "c.toml"
+    config.write_text(f'state_dir = "{tmp_path / "state"}"\n[checkpoint]\nremote = "gs://ckpt/jobs"\n'
+                      "sync_interval_s = 1.0\ngrace_s = 10.0\n")
+    env = dict(os.environ, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), **env_extra)
+    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURMAGENT_RESUMED", "SLURMAGENT_SUBMISSION"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-m", "slurmagent.entry", "run", "--ckpt-dir", str(ckpt), "--",
+                             sys.executable, TOY, str(steps), str(ledger), "0.05"],
+                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    if signal_at is not None:
+        wait_for(lambda: ledger.exists() and ledger.read_text().count("\nstep ") >= signal_at, 60, "steps")
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    return proc.returncode, err
+
+
+def starts(ledger: Path) -> list[str]:
+    return [line for line in ledger.read_text().splitlines() if line.startswith("start")]
+
+
+def test_two_cloud_run_executions_of_one_job_never_share_a_checkpoint(emu, tmp_path):
+    task = {"CLOUD_RUN_JOB": "train", "CLOUD_RUN_TASK_INDEX": "0"}
+    first, second = tmp_path / "first", tmp_path / "second"
+    code, err = run_wrapper(tmp_path, {**task, "CLOUD_RUN_EXECUTION": "train-aaaa1", "CLOUD_RUN_TASK_ATTEMPT": "3"},
+                            tmp_path / "a", first, 1000, signal_at=10)
+    assert code == 143, err
+    # a new execution, same job name and task index, on a fresh instance: starts from step 0
+    code, err = run_wrapper(tmp_path, {**task, "CLOUD_RUN_EXECUTION": "train-bbbb2", "CLOUD_RUN_TASK_ATTEMPT": "0"},
+                            tmp_path / "b", second, 1000, signal_at=10)
+    assert code == 143, err
+    assert "NOT restoring the checkpoint" in err and "failed" not in err, err  # and every sync works
+    assert "resumed=1" not in starts(second)[0]
+    assert store("jobs/train-task-0").latest_manifest().owner == "train-bbbb2"
+    # its own retry resumes its own checkpoint, not the first execution's
+    code, err = run_wrapper(tmp_path, {**task, "CLOUD_RUN_EXECUTION": "train-bbbb2", "CLOUD_RUN_TASK_ATTEMPT": "1"},
+                            tmp_path / "c", second, 30, signal_at=None)
+    assert code == 0, err
+    assert "restored checkpoint of attempt 0" in err
+    assert "resumed=1" in starts(second)[1]
+    with open(tmp_path / "c" / "state.json") as fh:
+        assert json.load(fh)["step"] == 30
