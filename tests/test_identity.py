@@ -188,3 +188,61 @@ def test_two_cloud_run_executions_of_one_job_never_share_a_checkpoint(emu, tmp_p
     assert "resumed=1" in starts(second)[1]
     with open(tmp_path / "c" / "state.json") as fh:
         assert json.load(fh)["step"] == 30
+
+
+# --------------------------------------------------------------------------- on the real Slurm cluster
+
+# Each attempt logs what its directory held at start, then checkpoints "mine-<restart>"; the
+# attempt whose restart count is $2 ends by itself, the others wait for the flush.
+ATTEMPT = ('echo "start restart=$SLURMAGENT_RESTART_COUNT resumed=${SLURMAGENT_RESUMED:-0} '
+           'found=$(cat "$SLURMAGENT_CKPT_DIR/state" 2>/dev/null || echo none)" >> "$1"; '
+           'printf "%s" "mine-$SLURMAGENT_RESTART_COUNT" > "$SLURMAGENT_CKPT_DIR/state"; '
+           '[ "$SLURMAGENT_RESTART_COUNT" -ge "$2" ] && exit 0; trap "exit 0" USR1; while :; do sleep 0.1; done')
+PLAIN_SCRIPT = "#!/bin/sh\n#SBATCH --requeue\nexec {python} -m slurmagent.entry run \"$@\"\n"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("submit, requeues", [("slurmagent sbatch", 2), ("plain sbatch", 1)])
+def test_a_reused_job_id_never_restores_the_earlier_jobs_checkpoint_and_requeues_keep_their_own(
+        slurm, emu, tmp_path, submit, requeues):
+    c = slurm.cluster
+    config = tmp_path / "c.toml"
+    config.write_text(cluster_config_text(slurm.root) + '[checkpoint]\nremote = "gs://ckpt/jobs"\n'
+                      "sync_interval_s = 3600\ngrace_s = 10.0\n")
+    env = dict(c.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emu.url)
+    env.pop("SLURMAGENT_SUBMISSION", None)
+    ledger, out = tmp_path / "ledger", tmp_path / "out"
+    job_args = ["--ckpt-dir", str(tmp_path / "ckpt-%n"), "--", "sh", "-c", ATTEMPT, "sh", str(ledger), str(requeues)]
+    common = ["--parsable", "--hold", "-o", str(out), "--open-mode=append"]
+    if submit == "slurmagent sbatch":
+        argv = [sys.executable, "-m", "slurmagent.entry", "sbatch", *common, "--", *job_args]
+    else:
+        script = tmp_path / "job.sh"
+        script.write_text(PLAIN_SCRIPT.format(python=sys.executable))
+        argv = ["sbatch", *common, str(script), *job_args]
+    sub = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    # The id was an earlier job's (a controller redeployed with fresh state): its checkpoint,
+    # from a later attempt than any of ours, is under jobs/<id>.
+    commit(f"jobs/{job_id}", tmp_path, "earlier-job", 4, b"FOREIGN")
+    c.run(["scontrol", "release", job_id])
+    for restart in range(requeues):
+        wait_for(lambda: ledger.exists() and f"start restart={restart}" in ledger.read_text(), 120, f"attempt {restart}")
+        c.run(["scancel", "--batch", "--signal=TERM", job_id])
+        wait_for(lambda: int(c.job(job_id)["Restarts"]) > restart, 60, f"attempt {restart} requeued")
+        if restart == 0:  # the submission id is in the job's own script, which Slurm keeps across requeues
+            script = c.run(["scontrol", "write", "batch_script", job_id, "-"]).stdout
+    submission = next((line.split("=", 1)[1] for line in script.splitlines()
+                       if line.startswith("SLURMAGENT_SUBMISSION=")), "")
+    job = c.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED"), 120)
+    log = out.read_text()
+    assert job["JobState"] == "COMPLETED", log
+    found = [line.split(" ", 2)[1:] for line in ledger.read_text().splitlines()]
+    assert found == [[f"restart={n}", f"resumed={int(n > 0)} found={'mine-' + str(n - 1) if n else 'none'}"]
+                     for n in range(requeues + 1)], log
+    assert log.count("NOT restoring the checkpoint") == 1 and "failed" not in log, log
+    final = store(f"jobs/{job_id}").latest_manifest()
+    assert final.owner not in ("", "earlier-job") and final.attempt == requeues  # its own commits went in
+    assert final.owner == submission if submit == "slurmagent sbatch" else not submission
