@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Protocol, runtime_checkable
 
 from .checkpoint import Manifest, StorageUnavailableError
 from .checkpoint_errors import ClaimRaceError
-from .checkpoint_manifest import OWNER_RE
+from .checkpoint_manifest import OWNER_RE, utc_now_rfc3339
 
 SUBMISSION_ENV = "SLURMAGENT_SUBMISSION"
 CLAIM_RACES = 3  # a prefix that keeps changing while we take it over: give up (not starting)
@@ -74,7 +74,7 @@ def decide(current: Manifest | None, *, submission: str, restart_count: int, per
     if submission:
         because = "another submission's"
     else:
-        because = "found by a first attempt (restart count 0), so an earlier job's with this id"
+        because = "found by a first attempt (restart count 0), so an earlier job's"
     if not per_job_prefix:
         return Decision("adopt", owner, f"resuming the checkpoint in the explicit --remote ({whose}; {because}) "
                                         f"as this submission ({owner}); its earlier writer can no longer commit there")
@@ -109,7 +109,6 @@ def settle(store, ident: Attempt, per_job_prefix: bool, say: Callable[[str], Non
     if not isinstance(store, OwnedStore):
         return store.latest_manifest(deadline_s=deadline_s)
     submission, restart_count = ident.submission, ident.restart_count
-    deadline_s = min(60.0, deadline_s)
     for _ in range(CLAIM_RACES):
         current, generation = store.read_manifest(deadline_s=deadline_s)
         d = decide(current, submission=submission, restart_count=restart_count, per_job_prefix=per_job_prefix)
@@ -118,7 +117,8 @@ def settle(store, ident: Attempt, per_job_prefix: bool, say: Callable[[str], Non
             return current if current is not None and current.files else None  # an empty claim: nothing yet
         assert current is not None
         if d.action == "adopt":
-            claim = replace(current, attempt=restart_count, owner=d.owner)
+            claim = replace(current, attempt=restart_count, created=utc_now_rfc3339(), owner=d.owner,
+                            no_progress=0)  # the same files, a new submission's requeue budget
         else:
             claim = Manifest(attempt=restart_count, owner=d.owner)
         try:

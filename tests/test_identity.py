@@ -143,6 +143,16 @@ def test_a_job_requeued_across_the_upgrade_restores_its_checkpoint(emu, tmp_path
     commit("jobs/11", tmp_path, s.owner, 2, b"written by the new version")  # and commits over it
 
 
+def test_an_explicit_remote_is_resumed_by_a_new_submission_which_then_owns_it(emu, tmp_path):
+    commit("runs/r7", tmp_path, "monday", 5, b"monday's")
+    s = store("runs/r7")
+    got = settle(s, Attempt("tuesday", 0), False, print)
+    assert got is not None and set(got.files) == {"state"} and got.owner == "tuesday"
+    commit("runs/r7", tmp_path, "tuesday", 0, b"tuesday's")  # the restart count reset: never blocked
+    with pytest.raises(StaleAttemptError, match="another submission"):
+        commit("runs/r7", tmp_path, "monday", 5, b"monday's late writer")
+
+
 # --------------------------------------------------------------------------- the wrapper as a process
 
 
