@@ -72,6 +72,32 @@ def test_submission_comes_from_slurmagent_sbatch_or_the_cloud_run_execution():
         JobIdentity.from_env({**slurm, "SLURMAGENT_SUBMISSION": "a b"})
 
 
+SCRIPT_RECORDER = """#!{python}
+import sys
+script = next(a for a in sys.argv[1:] if a.endswith(".sh"))
+with open({log!r}, "a") as fh:
+    fh.write(open(script).read() + "\\0")
+print("77")
+"""
+
+
+def test_every_slurmagent_sbatch_is_a_new_submission_whatever_its_export_option(tmp_path):
+    log, recorder = tmp_path / "scripts", tmp_path / "sbatch"
+    recorder.write_text(SCRIPT_RECORDER.format(python=sys.executable, log=str(log)))
+    recorder.chmod(0o755)
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n[slurm]\nsbatch = "{recorder}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env.update(SLURMAGENT_CONFIG=str(tmp_path / "c.toml"), PYTHONPATH=str(REPO), SLURMAGENT_SUBMISSION="inherited")
+    for export in ("--export=ALL", "--export=NONE", "-N1"):
+        proc = subprocess.run([sys.executable, "-m", "slurmagent.entry", "sbatch", export, "--", "python", "t.py"],
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+    ids = [next(line.split("=", 1)[1] for line in script.splitlines() if line.startswith("SLURMAGENT_SUBMISSION="))
+           for script in log.read_text().split("\0")[:-1]]
+    assert len(ids) == 3 and len(set(ids)) == 3 and "inherited" not in ids  # in the script: every attempt sees it
+    assert all(JobIdentity.from_env({"SLURM_JOB_ID": "5", "SLURMAGENT_SUBMISSION": i}).submission == i for i in ids)
+
+
 # --------------------------------------------------------------------------- on the emulator
 
 
