@@ -179,6 +179,33 @@ def test_an_explicit_remote_is_resumed_by_a_new_submission_which_then_owns_it(em
         commit("runs/r7", tmp_path, "monday", 5, b"monday's late writer")
 
 
+@pytest.mark.parametrize("per_job_prefix", [True, False])
+def test_a_multi_node_job_decides_once_and_its_agents_restore_only_what_it_decided(emu, tmp_path, per_job_prefix):
+    from test_allocation import Nodes, dcp_like_checkpoint, job_store, tree
+
+    remote = "gs://ckpt/jobs/12"
+    monday = Nodes(tmp_path / "monday", 2, remote)
+    old, _ = job_store(monday)
+    old.owner = "monday"
+    old.restore(monday.dirs[0], deadline_s=60)
+    dcp_like_checkpoint(monday)
+    old.sync(monday.dirs[0], 3, tmp_path / "unused", deadline_s=60)
+
+    tuesday = Nodes(tmp_path / "tuesday", 2, remote)
+    new, err = job_store(tuesday)
+    manifest = settle(new, Attempt("tuesday", 0), per_job_prefix, print)  # in the batch step, once
+    if per_job_prefix:
+        assert manifest is None  # never restored: the agents are not even asked
+    else:  # an explicit --remote: resumed; the agents find the claim's generation and restore it whole
+        assert new.restore(tuesday.dirs[0], deadline_s=60).owner == "tuesday"
+        assert tree(tuesday.dirs[1]) == tree(tuesday.dirs[0]) and len(tree(tuesday.dirs[1])) == 3
+    dcp_like_checkpoint(tuesday, "step_2")
+    result = new.sync(tuesday.dirs[0], 0, tmp_path / "unused", deadline_s=60)  # attempt 0 after monday's 3
+    assert result.manifest_generation and new.latest_manifest().owner == "tuesday"
+    with pytest.raises(StaleAttemptError, match="another submission"):
+        old.sync(monday.dirs[0], 3, tmp_path / "unused", deadline_s=60)
+
+
 # --------------------------------------------------------------------------- the wrapper as a process
 
 
