@@ -360,6 +360,23 @@ class AllocationStore:
     def url(self) -> str:
         return self.committer.url if self.committer is not None else ""
 
+    # The checkpoint identity (slurmagent.identity) is decided once, here in the batch step,
+    # on the committer: the agents never commit, so they need not know the owner.
+    @property
+    def owner(self) -> str | None:
+        return getattr(self.committer, "owner", None)
+
+    @owner.setter
+    def owner(self, value: str | None) -> None:
+        if self.committer is not None:
+            self.committer.owner = value
+
+    def read_manifest(self, *, deadline_s: float = 60.0) -> tuple[Manifest | None, int]:
+        return self.committer.read_manifest(deadline_s=deadline_s) if self.committer is not None else (None, 0)
+
+    def claim(self, manifest: Manifest, over: Manifest | None, generation: int, *, deadline_s: float = 60.0) -> int:
+        return self.committer.claim(manifest, over, generation, deadline_s=deadline_s)
+
     def latest_manifest(self, *, deadline_s: float = 60.0) -> Manifest | None:
         """The committed job-level manifest (a multi-node restore always takes it)."""
         return self.committer.read_manifest(deadline_s=deadline_s)[0] if self.committer is not None else None

@@ -17,6 +17,7 @@ __all__ = [
     "StaleAttemptError",
     "StorageUnavailableError",
     "SyncDeadlineError",
+    "ClaimRaceError",
     "RestoreError",
     "LocalChangedError",
 ]
@@ -56,6 +57,10 @@ class SyncDeadlineError(StorageUnavailableError):
         super().__init__(message)
         self.unfinished = tuple(unfinished)
         self.unfinished_bytes = unfinished_bytes
+
+
+class ClaimRaceError(StorageUnavailableError):
+    """The manifest changed between reading it and taking the prefix over: read and decide again."""
 
 
 class RestoreError(CheckpointError):

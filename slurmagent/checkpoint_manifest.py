@@ -7,6 +7,7 @@ so a manifest that parses is one a restore can put in place as it is.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Mapping
@@ -17,6 +18,7 @@ from slurmagent.checkpoint_names import link_problem, name_problem, parent_dirs
 
 __all__ = [
     "MANIFEST_SCHEMA",
+    "OWNER_RE",
     "Manifest",
     "content_signature",
     "entry_content_id",
@@ -25,6 +27,8 @@ __all__ = [
 ]
 
 MANIFEST_SCHEMA = 2  # 1: sha256 entries only (still read); 2: + blake3 and link entries
+# A checkpoint owner: a submission id, a Cloud Run execution, or a prefix claim (slurmagent.identity).
+OWNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def entry_content_id(entry: Mapping) -> str:
@@ -67,6 +71,11 @@ class Manifest:
     restore can give each node only its own files (``--restore-scope node``);
     ``no_progress`` counts the restarts in a row whose committed checkpoint
     equals the one they restored (the wrapper's requeue budget).
+
+    ``owner`` (optional, absent in manifests written before it) names the submission whose
+    checkpoint this is (:mod:`slurmagent.identity`): fencing compares attempts only between
+    manifests of one owner; a manifest of another owner is foreign, never "newer". Readers
+    that predate it ignore it (unknown keys), so the format stays schema 2.
     """
 
     attempt: int
@@ -75,6 +84,7 @@ class Manifest:
     node_count: int = 0  # 0: a single-node checkpoint (no writers recorded)
     writers: dict[str, list[int]] = field(default_factory=dict)
     no_progress: int = 0  # restarts in a row whose committed files equal the restored ones
+    owner: str = ""  # the submission that wrote it ("": written before owners existed)
 
     @property
     def total_bytes(self) -> int:
@@ -100,6 +110,8 @@ class Manifest:
             body.update(node_count=self.node_count, writers=self.writers)
         if self.no_progress:
             body["no_progress"] = self.no_progress
+        if self.owner:
+            body["owner"] = self.owner
         return json.dumps(body, sort_keys=True, indent=1)
 
     @classmethod
@@ -184,6 +196,9 @@ class Manifest:
         no_progress = raw.get("no_progress", 0)
         if not isinstance(no_progress, int) or isinstance(no_progress, bool) or no_progress < 0:
             raise bad(f"no_progress {no_progress!r} is not an integer >= 0")
+        owner = raw.get("owner", "")
+        if owner != "" and not (isinstance(owner, str) and OWNER_RE.fullmatch(owner)):
+            raise bad(f"owner {owner!r} is not 1-128 letters, digits, '.', '_' or '-'")
         return cls(
             attempt=attempt,
             created=created,
@@ -191,6 +206,7 @@ class Manifest:
             node_count=node_count,
             writers={rel: sorted(set(nodes)) for rel, nodes in writers.items()},
             no_progress=no_progress,
+            owner=owner,
         )
 
 

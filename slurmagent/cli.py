@@ -215,15 +215,16 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.option("--parallel-upload-mib", type=click.IntRange(0), default=0)
 @click.option("--owner", default="")
 @click.option("--private-dir", "private", multiple=True)
+@click.option("--fresh", is_flag=True)
 def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline, transfers,
-               parallel_upload_mib, owner, private) -> None:
+               parallel_upload_mib, owner, private, fresh) -> None:
     """Internal: one node's part of a multi-node job's restore or sync (run by the wrapper via srun)."""
     from .node_agent import node_agent_main  # start-up speed: only this hidden command needs it
 
     sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,
                              generation=generation, scope=scope, deadline_s=deadline, env=os.environ,
                              transfers=transfers, parallel_upload_mib=parallel_upload_mib, owner=owner,
-                             private=private))
+                             private=private, fresh=fresh))
 
 
 class PassThrough(click.Command):

@@ -50,7 +50,7 @@ def prepare_dir(ckpt_dir: Path, private: Iterable[str] = ()) -> None:
 
 def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: str, num_nodes: int,
                   generation: int, scope: str, deadline_s: float, state_file: Path | None = None,
-                  owner: str = "", private: Iterable[str] = ()) -> NodeReport:
+                  owner: str = "", private: Iterable[str] = (), fresh: bool = False) -> NodeReport:
     """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part),
     every other file moved aside (none committed yet: all of them); `state_file`, the node's
     hash cache, learns the restored files. No remote: `D` keeps only files the record beside it
@@ -59,7 +59,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
     try:
         prepare_dir(ckpt_dir, private)
         if store is None:  # no remote: the directory is the only copy
-            moved = keep_own_files(ckpt_dir, DirRecord(ckpt_dir, owner, ""))
+            moved = keep_own_files(ckpt_dir, DirRecord(ckpt_dir, owner, "", fresh))
             if moved:
                 report.messages.append(moved_message(ckpt_dir, moved, "another job left"))
             report.ok = True
@@ -101,7 +101,8 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
 def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str | None, attempt: int,
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
-                    parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = ()) -> int:
+                    parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
+                    fresh: bool = False) -> int:
     """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
     index = int(env.get("SLURM_NODEID") or 0)
     node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
@@ -115,7 +116,8 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":
         report = agent_restore(store, path, index=index, node=node, num_nodes=num_nodes, generation=generation,
-                               scope=scope, deadline_s=deadline_s, state_file=state, owner=owner, private=private)
+                               scope=scope, deadline_s=deadline_s, state_file=state, owner=owner, private=private,
+                               fresh=fresh)
     elif store is None:
         report = NodeReport(index=index, node=node, ok=True)
     else:

@@ -22,6 +22,7 @@ from .checkpoint import Manifest, entry_content_id, scan_checkpoint_dir
 from .errors import SlurmagentError
 from .host import node_name
 from .private_dirs import RECORD_SUFFIX, UnsafeDirError, ensure_private_dir, private_ckpt_dir
+from .identity import submission_of
 
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?")  # a Slurm job id, or ARRAYJOBID_TASKID
@@ -40,6 +41,9 @@ class JobIdentity:
     name: str  # the remote prefix's last part
     restart_count: int
     aliases: tuple[str, ...] = ()  # every id the job's own code may name it by (SLURM_JOB_ID too)
+    # The same for every attempt of one submission, new for every submission (slurmagent.identity):
+    # SLURMAGENT_SUBMISSION (slurmagent sbatch) or CLOUD_RUN_EXECUTION; "" for a plain sbatch job.
+    submission: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JobIdentity:
@@ -47,11 +51,20 @@ class JobIdentity:
             array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
             job_id = f"{array_job}_{task}" if array_job and task else env["SLURM_JOB_ID"]
             aliases = tuple(dict.fromkeys(i for i in (job_id, env["SLURM_JOB_ID"]) if JOB_ID_RE.fullmatch(i)))
-            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")), aliases)
+            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")), aliases,
+                       _submission(env, "slurm"))
         if env.get("CLOUD_RUN_JOB"):
             job, index = env["CLOUD_RUN_JOB"], env.get("CLOUD_RUN_TASK_INDEX", "0")
-            return cls("cloud-run", job, f"{job}-task-{index}", _int(env.get("CLOUD_RUN_TASK_ATTEMPT")))
+            return cls("cloud-run", job, f"{job}-task-{index}", _int(env.get("CLOUD_RUN_TASK_ATTEMPT")),
+                       submission=_submission(env, "cloud-run"))
         return cls("local", str(os.getpid()), f"local-{os.getpid()}", 0)
+
+
+def _submission(env: Mapping[str, str], platform: str) -> str:
+    try:
+        return submission_of(env, platform)
+    except ValueError as exc:
+        raise WrapperError(f"{exc}: not a submission id; not starting") from None
 
 
 def _int(value: str | None) -> int:
@@ -75,6 +88,7 @@ class RunOptions:
     restore_deadline_s: float = 600.0
     final_sync_floor_s: float = 15.0
     multi_node: bool = False  # restore always takes the committed manifest
+    per_job_remote: bool = False  # the default prefix: another submission's checkpoint there is foreign
     stop_wait_s: float = 10.0  # after a held requeue: SIGTERM, this long, then SIGKILL
     progress_report_s: float = 15.0  # a restore that takes longer says what it is doing this often
     error_report_s: float = 300.0  # a background sync that keeps failing is said at most this often
@@ -182,7 +196,17 @@ def dir_owner(ident: JobIdentity) -> str:
     from the job's identity only, so a per-submission identity makes it per submission too.
     Outside Slurm and Cloud Run a rerun with the same directory is the same job ("rerun to
     resume")."""
-    return "local" if ident.platform == "local" else f"{ident.platform}:{ident.job_id}:{ident.name}"
+    if ident.platform == "local":
+        return "local"
+    owner = f"{ident.platform}:{ident.job_id}:{ident.name}"
+    return f"{owner}:{ident.submission}" if ident.submission else owner
+
+
+def fresh_attempt(ident: JobIdentity) -> bool:
+    """A plain `sbatch` job's first attempt: its job id may be an earlier job's (a controller
+    with fresh state, ids wrapping) and it has no submission id, so no file it finds can be its
+    own (`slurmagent.identity` applies the same rule to the bucket)."""
+    return ident.platform == "slurm" and not ident.submission and ident.restart_count == 0
 
 
 class DirRecord:
@@ -191,10 +215,11 @@ class DirRecord:
     or synced from it), and, without a remote, the file list and no-progress streak of the
     last attempt. Read only when it is the user's own (`private_dirs`)."""
 
-    def __init__(self, ckpt_dir: Path, owner: str = "", remote: str = ""):
+    def __init__(self, ckpt_dir: Path, owner: str = "", remote: str = "", fresh: bool = False):
         self.path = Path(str(ckpt_dir).rstrip("/") + RECORD_SUFFIX)
         self.owner = owner
         self.remote = remote
+        self.fresh = fresh  # `fresh_attempt`: no record is this attempt's own
 
     def read(self) -> dict:
         try:
@@ -215,7 +240,8 @@ class DirRecord:
 
     def is_mine(self, data: dict) -> bool:
         """Did this job (same owner, same remote) write the record `data`?"""
-        return bool(self.owner) and data.get("owner") == self.owner and data.get("remote", "") == self.remote
+        return (bool(self.owner) and not self.fresh and data.get("owner") == self.owner
+                and data.get("remote", "") == self.remote)
 
     def write(self, **data) -> None:
         body = json.dumps({"version": 1, "owner": self.owner, "remote": self.remote, **data}, sort_keys=True)

@@ -17,7 +17,8 @@ from .errors import SlurmagentError
 from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .child_process import RequeueHold
-from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, dir_owner, expand_node,
+from .identity import SUBMISSION_ENV, new_owner
+from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, dir_owner, expand_node, fresh_attempt,
                         explicit_ckpt_dir, make_private_dir, parse_signal)
 from .wrapper import FLUSH_SIGNALS, Supervisor
 
@@ -28,7 +29,8 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     if not cmd:
         raise WrapperError("nothing to run: slurmagent run [opts] -- CMD ARGS...")
     ck = cfg.checkpoint
-    if remote is None and ck.remote:
+    per_job_remote = remote is None and bool(ck.remote)
+    if per_job_remote:
         remote = ck.remote.rstrip("/") + "/" + ident.name
     for name, value in (("--grace", grace), ("--max-requeues", max_requeues), ("--sync-interval", sync_interval)):
         if value is not None and value < 0:
@@ -47,6 +49,7 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
         flush_lead_s=cfg.expiry.flush_lead_s,
         expiry_files=expiry_state.files_for(cfg, node),
         multi_node=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) > 1,
+        per_job_remote=per_job_remote,
     )
 
 
@@ -91,7 +94,8 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     # restore also makes the hold's directory (on every node's PATH) private on every node.
     from .allocation import allocation_store  # start-up speed: single-node runs never load it
 
-    restore_options = ["--owner", dir_owner(ident), *(["--private-dir", str(hold.dir)] if hold else [])]
+    restore_options = ["--owner", dir_owner(ident), *(["--fresh"] if fresh_attempt(ident) else []),
+                       *(["--private-dir", str(hold.dir)] if hold else [])]
     try:
         whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope,
                                      agent_options=node_agent_options(cfg), restore_options=restore_options)
@@ -161,6 +165,10 @@ def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
 WRAPPER_SCRIPT = """#!/bin/sh
 # Written by `slurmagent sbatch`: the batch step IS the wrapper, so the end-of-time
 # signal (--signal=B:USR1@LEAD) and `scancel --batch` reach it. Arguments come from argv.
+# The submission id is the checkpoint's identity: the same at every requeue (Slurm keeps
+# this script), new for every submission, whatever --export says.
+{submission_env}={submission}
+export {submission_env}
 exec {slurmagent} run "$@"
 """
 
@@ -184,7 +192,8 @@ def submit(cfg: Config, args: list[str]) -> int:
     fd, script = tempfile.mkstemp(prefix="slurmagent-sbatch-", suffix=".sh")
     try:
         with os.fdopen(fd, "w") as fh:
-            fh.write(WRAPPER_SCRIPT.format(slurmagent=" ".join(shlex.quote(a) for a in slurmagent_argv())))
+            fh.write(WRAPPER_SCRIPT.format(slurmagent=" ".join(shlex.quote(a) for a in slurmagent_argv()),
+                                           submission_env=SUBMISSION_ENV, submission=new_owner()))
         os.chmod(script, 0o755)
         proc = Slurm.from_config(cfg).sbatch([*sbatch_opts, *extra, script, *run_args])
     finally:

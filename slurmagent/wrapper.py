@@ -35,10 +35,11 @@ from .checkpoint_cut import committed_part
 from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
+from .identity import SUBMISSION_ENV, settle
 from .nodes import FAULT_FLUSH_SIGNAL
 from .private_dirs import private_ckpt_dir
-from .run_setup import (DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, dir_owner, manifest_id, signal_name,
-                        stat_scan)
+from .run_setup import (DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, dir_owner, fresh_attempt, manifest_id,
+                        signal_name, stat_scan)
 from .uncommitted import keep_own_files, moved_aside, set_aside
 
 EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
@@ -112,7 +113,8 @@ class Supervisor:
         self.sync_lock = threading.Lock()
         self.stop_sync = threading.Event()
         self.state_file = state_file_for(opts.ckpt_dir)
-        self.record = DirRecord(opts.ckpt_dir, dir_owner(ident), self.remote)  # which job wrote the files
+        self.record = DirRecord(opts.ckpt_dir, dir_owner(ident), self.remote,  # which job wrote the files
+                                fresh_attempt(ident))
         self.last_sync_error = ""
         self.bytes_synced = 0
         self.baseline: Manifest | None = None  # the committed checkpoint this attempt started from
@@ -150,7 +152,8 @@ class Supervisor:
             if self.store is not None:  # a multi-node job: the same on every node
                 self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
             return bool(stat_scan(ckpt))
-        manifest = self.store.latest_manifest(deadline_s=self.opts.restore_deadline_s)
+        # this submission's committed checkpoint (None: none, or another's, now taken over)
+        manifest = settle(self.store, self.ident, self.opts.per_job_remote, self.say, self.opts.restore_deadline_s)
         mid = manifest_id(manifest) if manifest is not None else None
         local = stat_scan(ckpt)
         record = self.record.read()
@@ -353,6 +356,7 @@ class Supervisor:
         env = dict(self.env)
         env.update(SLURMAGENT_CKPT_DIR=str(self.opts.ckpt_dir), SLURMAGENT_RESTART_COUNT=str(self.ident.restart_count))
         env.pop("SLURMAGENT_RESUMED", None)
+        env.pop(SUBMISSION_ENV, None)  # ours: a job the trainer submits is another submission
         if resumed:
             env["SLURMAGENT_RESUMED"] = "1"
         if self.hold is not None:

@@ -570,3 +570,37 @@ def test_lightning_default_layout_on_two_nodes_commits_each_checkpoint_while_it_
     print("save -> commit (s):", delays)
     final = committed(job)["files"]
     assert "lightning_logs/version_0/metrics.csv" in final and any(r.endswith("step=150.ckpt") for r in final)
+
+
+def test_a_two_node_job_never_resumes_an_earlier_jobs_checkpoint_under_its_id_and_commits_its_own(cl, emu, tmp_path):
+    """Issue 21 item 7: the id was an earlier job's (a controller redeployed with fresh state); its
+    checkpoint, of a later attempt than any of ours, is under jobs/<id>. The batch step decides
+    once; the nodes start fresh, the job commits and its requeue resumes its own checkpoint."""
+    from slurmagent.gcp.storage import GcsCheckpointStore
+
+    (tmp_path / "ledger").mkdir()
+    job = submit(cl, tmp_path, emu.url, [], [sys.executable, RANKS, "300", str(tmp_path / "ledger"), "0.05"],
+                 SBATCH_HOLD="1")
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    for name, body in ((".metadata", {"world": 2, "step": 999}), ("rank0.json", {"rank": 0, "step": 999}),
+                       ("rank1.json", {"rank": 1, "step": 999})):
+        (earlier / name).write_text(json.dumps(body))
+    old = GcsCheckpointStore(f"gs://ckpt/jobs/{job}")
+    old.owner = "earlier-job"
+    old.sync(earlier, 4, tmp_path / "earlier-state.json", 30)
+    cl.run(["scontrol", "release", job])
+    wait_for(lambda: all(len(steps(ledger(tmp_path, r))) >= 20 for r in (0, 1)), 90, "20 steps on both ranks")
+    cl.run(["scancel", "--batch", "--signal=TERM", job])
+    end = wait_end(cl, job)
+    out = (tmp_path / "out").read_text()
+    assert end["JobState"] == "COMPLETED" and end["Restarts"] == "1", out
+    assert out.count("NOT restoring the checkpoint") == 1 and "failed" not in out, out
+    for rank in (0, 1):
+        lines = ledger(tmp_path, rank)
+        first_run, second_run = starts(lines)
+        assert first_run["resumed"] == "0" and first_run["step"] == "0"
+        ckpt_step = int(next(l for l in lines if l.startswith("ckpt ")).split()[1])
+        assert second_run["resumed"] == "1" and int(second_run["step"]) == ckpt_step  # its own, not 999
+    final = committed(job)
+    assert final["attempt"] == 1 and final["owner"] != "earlier-job"

@@ -186,6 +186,22 @@ class GcsCheckpointStore:
             lambda dl: self.manifests.commit(manifest, dl), Deadline(deadline_s), "committing the manifest of"
         )
 
+    @property
+    def owner(self) -> str | None:
+        """The submission this store commits as (:mod:`slurmagent.identity`); None: not decided,
+        fencing by attempt alone."""
+        return self.manifests.owner
+
+    @owner.setter
+    def owner(self, value: str | None) -> None:
+        self.manifests.owner = value
+
+    def claim(self, manifest: Manifest, over: Manifest | None, generation: int, *, deadline_s: float = 60.0) -> int:
+        """Take the prefix over from ``over`` (the manifest read at ``generation``, another
+        submission's): see :meth:`ManifestStore.claim`. Returns the new generation."""
+        return self._guard(lambda dl: self.manifests.claim(manifest, over, generation, dl), Deadline(deadline_s),
+                           "taking over")
+
     # -- sync
 
     def sync(

@@ -63,8 +63,7 @@ def run_sync(
     files = [e for e in entries if not e.is_link]
     links = [e for e in entries if e.is_link]
     current, generation = manifests.read(dl)
-    if current is not None and current.attempt > attempt:
-        raise manifests.stale(current, attempt)
+    manifests.fence(current, attempt)  # a foreign owner's or a newer attempt's: not ours to replace
     run = SyncRun(objects, manifests, notices, settings, state, current, dl)
     reserve = min(2.0, 0.15 * dl.total)  # kept for the manifest write
     try:
@@ -212,13 +211,14 @@ def finish_sync(
     no_progress = no_progress_after(restored, new_files)
     if (
         current is not None
+        and run.manifests.is_own(current)
         and current.attempt == attempt
         and current.files == new_files
         and current.no_progress == no_progress
     ):
         new_generation, manifest = generation, current  # nothing changed: keep the manifest as it is
     else:
-        manifest = Manifest(attempt=attempt, files=new_files, no_progress=no_progress)
+        manifest = run.manifests.stamped(Manifest(attempt=attempt, files=new_files, no_progress=no_progress))
         new_generation = run.manifests.write(manifest, current, generation, run.dl)
     run.committed = committed
     return SyncResult(
