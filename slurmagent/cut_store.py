@@ -75,6 +75,22 @@ class QuietCutStore:
     def latest_manifest(self, *, deadline_s: float = 60.0) -> Manifest | None:
         return self.inner.latest_manifest(deadline_s=deadline_s)
 
+    # The checkpoint identity (slurmagent.identity.OwnedStore) is the bucket store's: its commits
+    # carry the owner settled at start.
+    @property
+    def owner(self) -> str | None:
+        return getattr(self.inner, "owner", None)
+
+    @owner.setter
+    def owner(self, value: str | None) -> None:
+        self.inner.owner = value
+
+    def read_manifest(self, *, deadline_s: float = 60.0) -> tuple[Manifest | None, int]:
+        return self.inner.read_manifest(deadline_s=deadline_s)
+
+    def claim(self, manifest: Manifest, over: Manifest | None, generation: int, *, deadline_s: float = 60.0) -> int:
+        return self.inner.claim(manifest, over, generation, deadline_s=deadline_s)
+
     def restore(self, ckpt_dir, *, deadline_s: float = 1800.0, state_file=None) -> Manifest | None:
         return self.inner.restore(ckpt_dir, deadline_s=deadline_s, state_file=state_file)
 
