@@ -110,6 +110,7 @@ class GcsCheckpointStore:
         max_workers: int = 16,
         parallel_upload_mib: int = 0,
         warn: Callable[[str], None] | None = None,
+        run_id: str = "",
     ) -> None:
         self.max_workers = max(1, int(max_workers))
         self.parallel_upload_threshold = parallel_upload_mib * MiB or None
@@ -119,6 +120,11 @@ class GcsCheckpointStore:
         self.notices = Notices(warn)
         self.manifests = ManifestStore(self.objects)
         self._committed: dict[str, tuple[int, int]] = {}
+        # Objects seen in the bucket during this run (slurmagent.gcp.verify): a store lives for one
+        # wrapper attempt; with ``run_id`` (a node agent, a new process every round) the set is also
+        # kept in the state file, under ``run_id/attempt``.
+        self.seen: set[str] = set()
+        self.run_id = run_id
         self.last_sync_error = ""
         self.last_sync: SyncResult | None = None
 
@@ -211,7 +217,9 @@ class GcsCheckpointStore:
         previous checkpoint stays.  An empty directory never replaces an existing
         checkpoint.  A file that cannot be read is left out (said once through
         ``warn``); one that keeps changing keeps its previous committed version
-        (or is left out) and is named in :attr:`SyncResult.busy`.  Raises
+        (or is left out) and is named in :attr:`SyncResult.busy`.  The objects the committed
+        manifest references are checked once per run (:mod:`slurmagent.gcp.verify`): a missing
+        one is uploaded again from the local files, never referenced blindly.  Raises
         :class:`StaleAttemptError`, :class:`StorageUnavailableError` (and its
         :class:`SyncDeadlineError`), :class:`ManifestError` (remote manifest
         unreadable), :class:`CheckpointError`.  Local files are only read.
@@ -222,7 +230,8 @@ class GcsCheckpointStore:
         try:
             result, committed = self._guard(
                 lambda dl: run_sync(self.objects, self.manifests, self.notices, self.settings(), ckpt_dir, attempt,
-                                    state_file, dl, restored, commit),
+                                    state_file, dl, restored, commit, self.seen,
+                                    f"{self.run_id}/{attempt}" if self.run_id else ""),
                 dl,
                 "syncing",
             )  # fmt: skip
