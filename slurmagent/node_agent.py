@@ -119,7 +119,9 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     if remote:
         from .gcp.storage import GcsCheckpointStore  # start-up speed: google libraries only where used
 
-        store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib)
+        # run_id: what this node saw in the bucket is checked once per attempt, not every round
+        store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib,
+                                   run_id=env.get("SLURM_JOB_ID") or "job")
     path = Path(ckpt_dir)
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":

@@ -123,3 +123,47 @@ def test_node_agents_keep_what_they_saw_in_the_state_file_and_a_new_attempt_chec
     assert all_objects_exist("job1")
     store().restore(dirs.restore)
     assert read_tree(dirs.restore) == read_tree(dirs.ckpt)
+
+
+TRAINER = """
+import os, sys
+d = os.environ["SLURMAGENT_CKPT_DIR"]
+if sys.argv[1] == "first":
+    os.makedirs(os.path.join(d, "tok"), exist_ok=True)
+    for name, size in (("config.json", 40), ("tok/vocab.txt", 3000), ("model.pt", 2 << 20)):
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(os.urandom(size))
+else:  # a later attempt: a new step; config.json, vocab.txt and model.pt stay as they are
+    with open(os.path.join(d, "step2.pt"), "wb") as f:
+        f.write(os.urandom(300 << 10))
+"""
+
+
+def run_wrapper(tmp_path: Path, emu, attempt: int, step: str) -> subprocess.CompletedProcess:
+    """`slurmagent run` of a Cloud Run task's attempt: the trainer writes its files and exits 0."""
+    from test_wrapper import write_config
+
+    config = write_config(tmp_path / "c.toml", "gs://ckpt/jobs", tmp_path / "state", sync_interval_s=60.0)
+    trainer = tmp_path / "t.py"
+    trainer.write_text(TRAINER)
+    env = dict(os.environ, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emu.url,
+               CLOUD_RUN_JOB="train", CLOUD_RUN_EXECUTION="train-x1", CLOUD_RUN_TASK_INDEX="0",
+               CLOUD_RUN_TASK_ATTEMPT=str(attempt))
+    return subprocess.run([sys.executable, "-m", "slurmagent.entry", "run", "--ckpt-dir", str(tmp_path / "ckpt"),
+                           "--remote", "gs://ckpt/lost", "--", sys.executable, str(trainer), step],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_wrapper_a_later_attempt_uploads_again_what_the_bucket_lost_and_the_checkpoint_restores(emu, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = run_wrapper(tmp_path, emu, 0, "first")
+    assert first.returncode == 0, first.stderr
+    deleted = delete_objects_of("lost", "model.pt", "config.json")  # a lifecycle rule on blobs/ ran
+    assert any("/pack-" in n for n in deleted)
+    later = run_wrapper(tmp_path, emu, 1, "later")
+    assert later.returncode == 0, later.stderr
+    assert "kept the local checkpoint" in later.stderr  # no restore: the sync alone must notice
+    assert "missing from gs://ckpt/lost" in later.stderr, later.stderr
+    assert all_objects_exist("lost")
+    store("lost").restore(tmp_path / "elsewhere")
+    assert read_tree(tmp_path / "elsewhere") == read_tree(ckpt)
