@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence, TextIO
 
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
+from .checkpoint_errors import NodeDiskError
 from .errors import SlurmagentError
 
 REPORT_TAG = "slurmagent-node-report "
@@ -116,6 +117,7 @@ class NodeReport:
     files_sent: int = 0
     bytes_sent: int = 0
     messages: list[str] = field(default_factory=list)
+    node_local: bool = False  # restore: failed because of this node's disk or path (another node would do)
 
     def to_line(self) -> str:
         return REPORT_TAG + json.dumps(self.__dict__, separators=(",", ":"))
@@ -396,6 +398,9 @@ class AllocationStore:
         reports = self.launcher.run(args + self.agent_options, deadline_s)
         failed = self._failures(reports)
         if failed:
+            local = [r.node for r in reports if not r.ok and r.node_local and r.node]
+            if local:  # the job is requeued without these nodes
+                raise NodeDiskError(f"restore failed on {failed}", nodes=local)
             raise RestoreError(f"restore failed on {failed}")
         self.baseline = self.last_committed = manifest
         if manifest is not None:

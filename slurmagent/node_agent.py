@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Protocol, TextIO
 
 from .allocation import UNCOMMITTED_SUFFIX, NodeReport, newest_changes, select_for_node
 from .checkpoint import Manifest, RestoreError, state_file_for
+from .checkpoint_errors import is_node_local
 from .errors import SlurmagentError
 
 
@@ -89,6 +90,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
         report.ok = True
     except (SlurmagentError, OSError) as exc:
         report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+        report.node_local = is_node_local(exc)  # this node's disk or path: the job goes elsewhere
     return report
 
 

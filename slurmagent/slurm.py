@@ -198,6 +198,19 @@ class Slurm:
         if job_ids:
             self._scontrol("requeue", ",".join(job_ids))
 
+    def exclude_nodes(self, job_id: str, nodes: list[str]) -> list[str]:
+        """Keep a PENDING job off `nodes` from now on: added to its ExcNodeList (the nodes it already
+        excludes stay). Slurm (22.05) refuses the update while the job runs ("Job is no longer pending
+        execution"): requeue it first. Returns the whole list now set; two calls."""
+        if not JOB_ID.fullmatch(job_id) or not nodes or not all(valid_node_name(n) for n in nodes):
+            raise SlurmError(f"cannot exclude {nodes!r} from job {job_id!r}: not a job id and node names")
+        proc = self._call(self.squeue, ["-h", "-j", job_id, "-t", "all", "-O", "ExcNodes:0"], check=False)
+        listed = proc.stdout.strip() if proc.returncode == 0 else ""
+        current = hostlist.expand(listed) if listed and listed not in ("(null)", "N/A") else []
+        want = sorted(set(current) | set(nodes))
+        self._scontrol("update", f"JobId={job_id}", f"ExcNodeList={hostlist.compress(want)}")
+        return want
+
     def cancel(self, job_ids: list[str]) -> None:
         """`scancel JOB...` in one call."""
         if job_ids:

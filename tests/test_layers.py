@@ -32,15 +32,15 @@ LAYERS = {
             "checkpoint_manifest"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "kernlog_changes", "slurm", "gcp.metadata", "gcp.events", "gcp.compute",
                "gcp.storage", "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs",
-               "gcp.sync", "gcp.restore"],
+               "gcp.sync", "gcp.restore", "gcp.verify"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "runner", "allocation", "node_agent", "trainer", "doctor", "install"],
+               "child_process", "runner", "allocation", "node_agent", "restore_failure", "trainer", "doctor", "install"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
 RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
-                  "allocation": "run", "node_agent": "run"}  # one runtime in several modules
+                  "allocation": "run", "node_agent": "run", "restore_failure": "run"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness
