@@ -408,6 +408,10 @@ class AllocationStore:
                      f"{manifest.attempt} ({'all' if self.scope == 'all' else 'its own'} files)")
         return manifest
 
+    def _check_held_back(self, files: dict[str, dict], reports: list[NodeReport], deadline_s: float) -> None:
+        if self.committer is not None:
+            _check_held_back_objects(self.committer, files, reports, deadline_s)
+
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0,
              restored: Manifest | None = None) -> AllocationSyncResult:
         with self._lock:
@@ -431,12 +435,30 @@ class AllocationStore:
             sent = sum(r.files_sent for r in reports), sum(r.bytes_sent for r in reports)
             if self.committer is None or not merged.files:
                 return AllocationSyncResult(*sent, None, len(merged.files), len(reports))
+            self._check_held_back(merged.files, reports, deadline_s)
             manifest = Manifest(attempt=attempt, files=merged.files, node_count=self.alloc.num_nodes,
                                 writers=merged.writers,
                                 no_progress=no_progress_after(restored or self.baseline, merged.files))
             generation = self.committer.commit(manifest, deadline_s=max(deadline_s / 4, 10.0))
             self.last_committed = manifest
             return AllocationSyncResult(*sent, generation, len(merged.files), len(reports), manifest)
+
+
+def _check_held_back_objects(committer: Committer, files: dict[str, dict], reports: Sequence[NodeReport],
+                            deadline_s: float) -> None:
+    """Entries no node reported (held back as previously committed) must still have their blob in
+    the bucket (a lifecycle rule may have deleted it, and no node holds those bytes to send again)."""
+    check = getattr(committer, "missing_objects", None)
+    reported = {entry_content_id(e) for r in reports for e in r.files.values() if "link" not in e}
+    held = {rel: e for rel, e in files.items() if "link" not in e and entry_content_id(e) not in reported}
+    if check is None or not held:
+        return
+    missing = check(held, deadline_s=max(deadline_s / 4, 10.0))
+    if missing:
+        raise CheckpointError(
+            f"not committing: {len(missing)} file(s) kept as previously committed ({', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}) have no blob in {committer.url} any more and no node "
+            "holds them; the next round commits what the nodes hold")
 
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,

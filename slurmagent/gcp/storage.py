@@ -52,6 +52,7 @@ from slurmagent.gcp.manifest_store import ManifestStore
 from slurmagent.gcp.restore import run_restore
 from slurmagent.gcp.sync import run_sync
 from slurmagent.gcp.sync_run import SyncResult
+from slurmagent.gcp.verify import existing, object_of, objects_of
 from slurmagent.gcp.transfer import Aborted, Deadline, MiB, Notices, TransferSettings, is_transient, one_line
 
 __all__ = [
@@ -191,6 +192,20 @@ class GcsCheckpointStore:
         return self._guard(
             lambda dl: self.manifests.commit(manifest, dl), Deadline(deadline_s), "committing the manifest of"
         )
+
+    def missing_objects(self, files: dict[str, dict], *, deadline_s: float = 60.0) -> list[str]:
+        """The entries of ``files`` whose blob or pack is not in the bucket, checked once per run
+        (what this store has seen exist is not asked again): a commit never points at a missing one."""
+        objs = objects_of(files)
+
+        def check(dl: Deadline) -> set[str]:
+            todo = [o for o in objs if o not in self.seen]
+            there = existing(self.objects, todo, dl, self.max_workers)
+            self.seen.update(there)
+            return set(todo) - there
+
+        missing = self._guard(check, Deadline(deadline_s), "checking the blobs of")
+        return sorted(rel for rel, e in files.items() if "link" not in e and object_of(e) in missing)
 
     # -- sync
 
