@@ -95,7 +95,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     if whole_job is not None:
         whole_job.trainer_running = sup.child_running
     if slurm is not None:
-        sup.exclude_nodes = slurm.exclude_nodes  # a restore failing on a node's disk: requeued without it
+        sup.slurm_nodes = slurm  # a restore failing on a node's disk: requeued without it
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)

@@ -35,7 +35,7 @@ from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
 from .nodes import FAULT_FLUSH_SIGNAL
-from .restore_failure import failed_nodes, requeue_without
+from .restore_failure import NodeExcluder, failed_nodes, requeue_without
 from .run_setup import DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, manifest_id, signal_name, stat_scan
 
 EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
@@ -103,7 +103,7 @@ class Supervisor:
         self.clock = clock
         self.hold = hold
         self.metrics = metrics
-        self.exclude_nodes: Callable[[str, list[str]], object] | None = None  # Slurm.exclude_nodes
+        self.slurm_nodes: NodeExcluder | None = None  # Slurm: a node's disk failed the restore -> ExcNodeList
         self.pending: list[int] = []  # signals recorded by the handler, acted on by the loop
         if store is not None and getattr(store, "warn", False) is None:
             store.warn = self.say  # files a sync leaves out are said on the job's stderr, like ours
@@ -308,8 +308,8 @@ class Supervisor:
                 resumed = self._prepare_dir_watched()
             except (SlurmagentError, OSError) as exc:
                 nodes = failed_nodes(exc, self.env)  # this node's disk or path: another node would do
-                if nodes and self.exclude_nodes is not None and self.requeue is not None:
-                    return requeue_without(self, outcome, exc, nodes, self.exclude_nodes)
+                if nodes and self.slurm_nodes is not None and self.requeue is not None:
+                    return requeue_without(self, outcome, exc, nodes, self.slurm_nodes)
                 if not isinstance(exc, SlurmagentError):
                     raise
                 raise WrapperError(f"cannot restore the checkpoint ({exc}); not starting, so it cannot be overwritten") from None

@@ -103,7 +103,16 @@ def supervise_a_restore_into(ckpt: Path, restart_count: int, max_requeues: int =
                       max_requeues=max_requeues)
     sup = Supervisor(opts, JobIdentity("slurm", "77", "77", restart_count, ("77",)),
                      GcsCheckpointStore(opts.remote, timeout_s=5), requeues, {"SLURMD_NODENAME": "n2"}, err=err)
-    sup.exclude_nodes = lambda job, nodes: excluded.append((job, nodes)) or nodes
+
+    class Slurm:
+        def excluded_nodes(self, job):
+            return ["n7"]
+
+        def exclude_nodes(self, job, nodes, keep=()):
+            excluded.append((job, nodes, keep))
+            return sorted({*keep, *nodes})
+
+    sup.slurm_nodes = Slurm()
     return sup, sup.run(), requeues, excluded, err.getvalue()
 
 
@@ -115,8 +124,8 @@ def test_a_checkpoint_dir_that_is_a_file_on_this_node_requeues_the_job_without_t
     bad.write_text("not a directory")  # the node's path is unusable
     _, outcome, requeues, excluded, err = supervise_a_restore_into(bad, restart_count=1)
     assert not (tmp_path / "n2" / "started").exists()
-    assert requeues == ["77"] and excluded == [("77", ["n2"])] and outcome.exit_code == EXIT_FLUSHED, err
-    assert "restore failed on n2" in err and "will not run on n2 again (ExcNodeList=n2)" in err
+    assert requeues == ["77"] and excluded == [("77", ["n2"], ["n7"])] and outcome.exit_code == EXIT_FLUSHED, err
+    assert "restore failed on n2" in err and "will not run on n2 again (ExcNodeList=n2,n7)" in err
     assert "without progress 1 of at most 3" in err
 
 
@@ -145,3 +154,43 @@ def test_a_node_disk_error_of_the_agents_names_their_nodes():
     assert failed_nodes(exc, {"SLURMD_NODENAME": "n1"}) == ["n3"]
     assert failed_nodes(OSError(28, "No space left on device"), {"SLURMD_NODENAME": "n1"}) == ["n1"]
     assert failed_nodes(ConnectionResetError(104, "reset"), {"SLURMD_NODENAME": "n1"}) == []
+
+
+def test_exclude_nodes_keeps_the_nodes_a_job_already_excludes():
+    import subprocess as sp
+
+    from slurmagent.errors import SlurmError
+    from slurmagent.slurm import Slurm
+
+    calls = []
+
+    def runner(argv, timeout):
+        calls.append(argv)
+        return sp.CompletedProcess(argv, 0, "n4\n" if argv[0] == "squeue" else "", "")
+
+    slurm = Slurm(runner=runner)
+    assert slurm.excluded_nodes("77") == ["n4"] and calls[-1][-2:] == ["-o", "%x"]
+    assert slurm.exclude_nodes("77", ["n1"], keep=["n4"]) == ["n1", "n4"]
+    assert calls[-1] == ["scontrol", "update", "JobId=77", "ExcNodeList=n[1,4]"]
+    with pytest.raises(SlurmError):
+        slurm.exclude_nodes("77", ["n1,n2"])  # never a hostlist smuggled in a name
+
+
+def test_the_exclusion_is_tried_again_while_slurm_refuses_it_for_a_moment():
+    from slurmagent.errors import SlurmError
+    from slurmagent.restore_failure import exclude_with_retries
+
+    answers = [SlurmError("scontrol update JobId=77: failed"), SlurmError("failed"), ["n1"]]
+
+    def exclude(job, nodes):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    now = [0.0]
+    assert exclude_with_retries(exclude, "77", ["n1"], sleep=lambda s: now.__setitem__(0, now[0] + s),
+                                clock=lambda: now[0]) == ["n1"]
+    with pytest.raises(SlurmError):  # never past its deadline
+        exclude_with_retries(lambda j, n: (_ for _ in ()).throw(SlurmError("no")), "77", ["n1"], deadline_s=3,
+                             sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])

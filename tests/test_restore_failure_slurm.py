@@ -59,7 +59,7 @@ def small_disk(c, node: str, size: str = "1m"):
         subprocess.run([*ns, "umount", "-l", target], timeout=30)
 
 
-def submit(c, tmp_path: Path, emu_url: str, nodes: int) -> str:
+def submit(c, tmp_path: Path, emu_url: str, nodes: int, *sbatch_args: str) -> str:
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
     (tmp_path / "ledger").mkdir()
@@ -68,7 +68,7 @@ def submit(c, tmp_path: Path, emu_url: str, nodes: int) -> str:
     cmd = ([sys.executable, str(trainer)] if nodes == 1 else ["srun", sys.executable, str(trainer)])
     sub = subprocess.run(
         [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", f"-N{nodes}", "--ntasks-per-node=1",
-         "-o", str(tmp_path / "out"), "--open-mode=append", "--", "--ckpt-dir", str(c.local_path / "ckpt"), "--",
+         "-o", str(tmp_path / "out"), "--open-mode=append", *sbatch_args, "--", "--ckpt-dir", str(c.local_path / "ckpt"), "--",
          *cmd, str(tmp_path / "ledger")], env=env, capture_output=True, text=True, timeout=30)
     assert sub.returncode == 0, sub.stderr
     return sub.stdout.strip().split(";")[0]
@@ -83,13 +83,14 @@ def nodes_of(c, job: str) -> list[str]:
     return c.run(["scontrol", "show", "hostnames", c.job(job)["NodeList"]]).stdout.split()
 
 
-def run_onto_a_small_disk(c, tmp_path: Path, emu, nodes: int, bad: str) -> tuple[str, list[str], dict]:
+def run_onto_a_small_disk(c, tmp_path: Path, emu, nodes: int, bad: str, *sbatch_args: str
+                          ) -> tuple[str, list[str], dict]:
     """First attempt on good nodes; its flush requeues it onto `bad` (+ others) whose disk is too
     small; returns (job, first nodes, the job at its end)."""
     others = [n for n in c.nodes if n != bad]
     drain(c, [bad])  # the first attempt runs elsewhere
     try:
-        job = submit(c, tmp_path, emu.url, nodes)
+        job = submit(c, tmp_path, emu.url, nodes, *sbatch_args)
         c.wait_job(job, ("RUNNING",), 60)
         first = nodes_of(c, job)
         wait_for(lambda: all(any(l.startswith("wrote") for l in ledger(tmp_path, r)) for r in range(nodes)), 60,
@@ -99,8 +100,9 @@ def run_onto_a_small_disk(c, tmp_path: Path, emu, nodes: int, bad: str) -> tuple
     with small_disk(c, bad):
         drain(c, first)  # the requeued attempt must include the bad node
         spare = [n for n in others if n not in first]
+        before = c.job(job).get("ExcNodeList")
         c.run(["scancel", "--batch", "--signal=TERM", job])
-        wait_for(lambda: "n1" in c.job(job).get("ExcNodeList", "") or c.job(job)["JobState"] == "FAILED", 120,
+        wait_for(lambda: c.job(job).get("ExcNodeList") != before or c.job(job)["JobState"] == "FAILED", 120,
                  "the job requeued without the bad node")
         drain(c, spare)
         c.resume(*first, *spare)
@@ -109,12 +111,12 @@ def run_onto_a_small_disk(c, tmp_path: Path, emu, nodes: int, bad: str) -> tuple
 
 
 def test_a_single_node_job_whose_disk_cannot_take_the_checkpoint_is_requeued_without_that_node(cl, emu, tmp_path):
-    job, first, end = run_onto_a_small_disk(cl, tmp_path, emu, 1, "n1")
+    job, first, end = run_onto_a_small_disk(cl, tmp_path, emu, 1, "n1", "--exclude=n4")
     out = (tmp_path / "out").read_text()
     assert end["JobState"] == "COMPLETED" and end["Restarts"] == "2", out
-    assert end["ExcNodeList"] == "n1", end
+    assert end["ExcNodeList"] == "n[1,4]", end  # the node the job excluded itself stays excluded
     assert "restore failed on n1" in out and "No space left on device" in out, out
-    assert "will not run on n1 again (ExcNodeList=n1)" in out, out
+    assert "will not run on n1 again (ExcNodeList=n1,n4)" in out, out
     lines = ledger(tmp_path, 0)
     wrote = next(l for l in lines if l.startswith("wrote")).split()[2]
     last_start = [l for l in lines if l.startswith("start")][-1]
