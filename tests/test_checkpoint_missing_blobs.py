@@ -3,13 +3,11 @@ rule, a hand): the next commit uploads it again from the local files, never poin
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from conftest import REPO
 from test_checkpoint import KiB, MiB, dirs, emu, object_of, raw_bucket, read_tree, store, write_tree  # noqa: F401

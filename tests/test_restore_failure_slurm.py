@@ -5,7 +5,6 @@ resumes on another node."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from pathlib import Path

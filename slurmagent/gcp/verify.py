@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from slurmagent.checkpoint import Manifest, entry_content_id
+from slurmagent.checkpoint import entry_content_id
 from slurmagent.gcp.bucket import BucketObjects
 from slurmagent.gcp.sync_run import SyncRun
 from slurmagent.gcp.transfer import Deadline, WorkerPool, is_not_found
