@@ -52,6 +52,7 @@ from .agent_channel import read_frames
 from .agent_step import Rounds, agent_env, run_step
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
 from .checkpoint_cut import QuietCut
+from .checkpoint_errors import NodeDiskError
 from .errors import SlurmagentError
 from .private_dirs import UNCOMMITTED_SUFFIX  # noqa: F401 - its home is private_dirs
 
@@ -124,6 +125,7 @@ class NodeReport:
     files_sent: int = 0
     bytes_sent: int = 0
     messages: list[str] = field(default_factory=list)
+    node_local: bool = False  # restore: failed because of this node's disk or path (another node would do)
 
     def payload(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":")).encode()
@@ -394,12 +396,19 @@ class AllocationStore:
         reports = self._round(ticket, args + self.restore_options, deadline_s)
         failed = self._failures(reports, "restore")
         if failed:
+            local = [r.node for r in reports if not r.ok and r.node_local and r.node]
+            if local:  # the job is requeued without these nodes
+                raise NodeDiskError(failed, nodes=local)
             raise RestoreError(failed)
         self.baseline = self.last_committed = manifest
         if manifest is not None:
             self.say(f"every node of the job ({self.alloc.num_nodes}) holds the checkpoint of attempt "
                      f"{manifest.attempt} ({'all' if self.scope == 'all' else 'its own'} files)")
         return manifest
+
+    def _check_held_back(self, files: dict[str, dict], reports: list[NodeReport], deadline_s: float) -> None:
+        if self.committer is not None:
+            _check_held_back_objects(self.committer, files, reports, deadline_s)
 
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0,
              restored: Manifest | None = None) -> AllocationSyncResult:
@@ -435,6 +444,7 @@ class AllocationStore:
             if self.committer is None or not cut.files:
                 return AllocationSyncResult(*sent, None, len(cut.files), len(reports),
                                             pending_since=self._pending_since(merged.files, previous, sent_ns), **extra)
+            self._check_held_back(cut.files, reports, deadline_s)
             manifest = Manifest(attempt=attempt, files=cut.files, node_count=self.alloc.num_nodes,
                                 writers=cut.writers,
                                 no_progress=no_progress_after(restored or self.baseline, cut.files))
@@ -467,6 +477,23 @@ class AllocationStore:
                   if rel not in now_files or rel not in held or _same(now_files[rel]) != _same(held[rel])}
         self.pending = {rel: self.pending.get(rel, round_ns / 1e9) for rel in differ}
         return min(self.pending.values()) if self.pending else None
+
+
+def _check_held_back_objects(committer: Committer, files: dict[str, dict], reports: Sequence[NodeReport],
+                            deadline_s: float) -> None:
+    """Entries no node reported (held back as previously committed) must still have their blob in
+    the bucket (a lifecycle rule may have deleted it, and no node holds those bytes to send again)."""
+    check = getattr(committer, "missing_objects", None)
+    reported = {entry_content_id(e) for r in reports for e in r.files.values() if "link" not in e}
+    held = {rel: e for rel, e in files.items() if "link" not in e and entry_content_id(e) not in reported}
+    if check is None or not held:
+        return
+    missing = check(held, deadline_s=max(deadline_s / 4, 10.0))
+    if missing:
+        raise CheckpointError(
+            f"not committing: {len(missing)} file(s) kept as previously committed ({', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}) have no blob in {committer.url} any more and no node "
+            "holds them; the next round commits what the nodes hold")
 
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,

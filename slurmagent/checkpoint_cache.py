@@ -45,7 +45,11 @@ class LocalState:
         {"version": 2, "ckpt_dir": "/abs/dir",
          "files": {"relpath": {"size": 1, "mtime_ns": 2, "ino": 3, "blake3": "..",
                                "sha256": "..", "crc32c": ".."}},
-         "remote_blobs": {"gs://b/p": ["blake3:<hex>", "sha256:<hex>", ...]}}
+         "remote_blobs": {"gs://b/p": ["blake3:<hex>", "sha256:<hex>", ...]},
+         "verified": {"gs://b/p": {"run": "<job id>/<attempt>", "ids": ["pack:<hex>", ...]}}}
+
+    ``verified``: the objects a node agent's syncs saw in the bucket during one run (a new
+    process every round), so each is checked once per run (``slurmagent.gcp.verify``).
     """
 
     def __init__(self, state_file: str | os.PathLike, ckpt_dir: str | os.PathLike) -> None:
@@ -60,6 +64,7 @@ class LocalState:
         self._lock = threading.Lock()
         self.files: dict[str, dict] = {}
         self.remote_blobs: dict[str, set[str]] = {}
+        self.verified_runs: dict[str, tuple[str, set[str]]] = {}  # remote -> (run key, object ids)
         self.hashed_files = 0  # how many files were actually read by digest()
         self.hashed_bytes = 0
         self._load()
@@ -98,6 +103,11 @@ class LocalState:
                         elif is_content_id(i):
                             known.add(i)
                     self.remote_blobs[url] = known
+        verified = raw.get("verified")
+        if isinstance(verified, dict):
+            for url, v in verified.items():
+                if isinstance(v, dict) and isinstance(v.get("run"), str) and isinstance(v.get("ids"), list):
+                    self.verified_runs[url] = (v["run"], {i for i in v["ids"] if isinstance(i, str)})
 
     def cached(self, f: LocalFile, want_sha256: bool = False) -> FileDigest | None:
         """The cached digest of ``f`` when (relpath, size, mtime_ns, inode) match; else None."""
@@ -157,6 +167,21 @@ class LocalState:
         with self._lock:
             self.remote_blobs.setdefault(remote, set()).update(ids)
 
+    def forget_blobs(self, remote: str, ids: Iterable[str]) -> None:
+        """These blobs are not (or no longer) on ``remote``."""
+        with self._lock:
+            self.remote_blobs.get(remote, set()).difference_update(ids)
+
+    def verified(self, remote: str, run: str) -> set[str]:
+        """The objects seen on ``remote`` during run ``run`` (empty for another run)."""
+        with self._lock:
+            key, ids = self.verified_runs.get(remote, ("", set()))
+            return set(ids) if run and key == run else set()
+
+    def set_verified(self, remote: str, run: str, ids: Iterable[str]) -> None:
+        with self._lock:
+            self.verified_runs[remote] = (run, set(ids))
+
     def save(self, keep_relpaths: Iterable[str] | None = None, keep_blobs: Iterable[str] | None = None) -> None:
         """Write atomically.  ``keep_relpaths`` / ``keep_blobs`` prune entries of files/blobs no longer present."""
         with self._lock:
@@ -174,6 +199,8 @@ class LocalState:
                 "files": files,
                 "remote_blobs": {u: sorted(s) for u, s in remotes.items()},
             }
+            if self.verified_runs:
+                data["verified"] = {u: {"run": r, "ids": sorted(i)} for u, (r, i) in self.verified_runs.items()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         try:

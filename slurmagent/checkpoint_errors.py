@@ -6,6 +6,7 @@ the Cloud Storage side) raises the same classes without importing each other.
 
 from __future__ import annotations
 
+import errno
 from typing import Iterable
 
 from slurmagent.errors import SlurmagentError
@@ -19,7 +20,9 @@ __all__ = [
     "SyncDeadlineError",
     "ClaimRaceError",
     "RestoreError",
+    "NodeDiskError",
     "LocalChangedError",
+    "is_node_local",
 ]
 
 
@@ -65,6 +68,29 @@ class ClaimRaceError(StorageUnavailableError):
 
 class RestoreError(CheckpointError):
     """A checkpoint could not be restored (missing or corrupt blob); nothing was put in place."""
+
+
+class NodeDiskError(RestoreError):
+    """This node's checkpoint directory cannot take the checkpoint (the path is unusable, the disk
+    is full or read-only): another node can, so the job is requeued without this node.
+    ``nodes``: the nodes it happened on (empty: the node that raised it)."""
+
+    def __init__(self, message: str, nodes: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.nodes = tuple(nodes)
+
+
+# errno values that say "this node's disk or path", never "the bucket" (a network failure is an
+# OSError too, but with none of these)
+NODE_LOCAL_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES,
+    errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP, errno.EFBIG, errno.EMLINK, errno.ENXIO, errno.ENODEV,
+})
+
+
+def is_node_local(exc: BaseException) -> bool:
+    """Did this fail because of the node's own disk or path (another node would do)?"""
+    return isinstance(exc, NodeDiskError) or (isinstance(exc, OSError) and exc.errno in NODE_LOCAL_ERRNOS)
 
 
 class LocalChangedError(CheckpointError):

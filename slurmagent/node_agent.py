@@ -21,6 +21,7 @@ from .agent_channel import write_frames
 from .allocation import NodeReport, select_for_node
 from .checkpoint import Manifest, RestoreError, state_file_for
 from .checkpoint_cut import unit_signatures
+from .checkpoint_errors import is_node_local
 from .errors import SlurmagentError
 from .private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
 from .run_setup import DirRecord
@@ -78,6 +79,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
         report.ok = True
     except (SlurmagentError, OSError) as exc:
         report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+        report.node_local = is_node_local(exc)  # this node's disk or path: the job goes elsewhere
     return report
 
 
@@ -111,7 +113,9 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     if remote:
         from .gcp.storage import GcsCheckpointStore  # start-up speed: google libraries only where used
 
-        store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib)
+        # run_id: what this node saw in the bucket is checked once per attempt, not every round
+        store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib,
+                                   run_id=env.get("SLURM_JOB_ID") or "job")
     path = Path(ckpt_dir)
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":

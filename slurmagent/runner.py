@@ -110,6 +110,8 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
                      hold=hold, metrics=metrics)
     if job_store is not None:
         job_store.trainer_running = sup.child_running
+    if slurm is not None:
+        sup.slurm_nodes = slurm  # a restore failing on a node's disk: requeued without it
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)

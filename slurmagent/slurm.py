@@ -198,6 +198,25 @@ class Slurm:
         if job_ids:
             self._scontrol("requeue", ",".join(job_ids))
 
+    def excluded_nodes(self, job_id: str) -> list[str]:
+        """The nodes job `job_id` excludes (its ExcNodeList: `squeue -o %x`, one call). Read it while
+        the job runs: after a requeue from inside the job, Slurm's SIGTERM to the job's processes
+        may end this very call."""
+        if not JOB_ID.fullmatch(job_id):
+            raise SlurmError(f"not a job id: {job_id!r}")
+        listed = self._call(self.squeue, ["-h", "-j", job_id, "-t", "all", "-o", "%x"]).stdout.strip()
+        return hostlist.expand(listed) if listed and listed not in ("(null)", "N/A") else []
+
+    def exclude_nodes(self, job_id: str, nodes: list[str], keep: list[str] = ()) -> list[str]:
+        """Keep a PENDING job off `nodes` from now on: its ExcNodeList becomes `keep` (what it excluded
+        already, `excluded_nodes`) and `nodes`, one call. Slurm (22.05) refuses the update while the
+        job runs ("Job is no longer pending execution"): requeue it first. Returns the list set."""
+        if not JOB_ID.fullmatch(job_id) or not nodes or not all(valid_node_name(n) for n in (*nodes, *keep)):
+            raise SlurmError(f"cannot exclude {nodes!r} from job {job_id!r}: not a job id and node names")
+        want = sorted(set(keep) | set(nodes))
+        self._scontrol("update", f"JobId={job_id}", f"ExcNodeList={hostlist.compress(want)}")
+        return want
+
     def cancel(self, job_ids: list[str]) -> None:
         """`scancel JOB...` in one call."""
         if job_ids:

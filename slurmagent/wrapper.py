@@ -38,6 +38,7 @@ from .expiry_state import termination_time
 from .identity import SUBMISSION_ENV, settle
 from .nodes import FAULT_FLUSH_SIGNAL
 from .private_dirs import private_ckpt_dir
+from .restore_failure import NodeExcluder, failed_nodes, requeue_without
 from .run_setup import (DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, dir_owner, fresh_attempt, manifest_id,
                         signal_name, stat_scan)
 from .uncommitted import keep_own_files, moved_aside, set_aside
@@ -107,6 +108,7 @@ class Supervisor:
         self.clock = clock
         self.hold = hold
         self.metrics = metrics
+        self.slurm_nodes: NodeExcluder | None = None  # Slurm: a node's disk failed the restore -> ExcNodeList
         self.pending: list[int] = []  # signals recorded by the handler, acted on by the loop
         if store is not None and getattr(store, "warn", False) is None:
             store.warn = self.say  # files a sync leaves out are said on the job's stderr, like ours
@@ -334,7 +336,12 @@ class Supervisor:
         try:
             try:
                 resumed = self._prepare_dir_watched()
-            except SlurmagentError as exc:
+            except (SlurmagentError, OSError) as exc:
+                nodes = failed_nodes(exc, self.env)  # this node's disk or path: another node would do
+                if nodes and self.slurm_nodes is not None and self.requeue is not None:
+                    return requeue_without(self, outcome, exc, nodes, self.slurm_nodes)
+                if not isinstance(exc, SlurmagentError):
+                    raise
                 raise WrapperError(f"cannot restore the checkpoint ({exc}); not starting, so it cannot be overwritten") from None
             if resumed is None:
                 cause = signal_name(next(s for s in self.pending if s in FLUSH_SIGNALS))

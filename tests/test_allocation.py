@@ -520,3 +520,38 @@ def test_node_agents_move_files_with_the_tunables_the_wrapper_hands_them(gcs_emu
     assert proc.returncode == 0 and report.ok and report.bytes_sent == 3145728, proc.stderr + proc.stdout
     composed = [path for method, path in proxy.requests if method == "POST" and "/compose" in path]
     assert bool(composed) == bool(parallel_upload_mib), proxy.requests
+
+
+def test_a_unit_held_back_whose_committed_blob_is_gone_is_never_committed_pointing_at_it(remote, tmp_path):
+    """The committed folder's pack is deleted while the job runs (a lifecycle rule); the nodes rewrite
+    the folder while their agents look, so the cut would keep it as committed: not with a missing pack.
+    (A new attempt would find it at its restore; the agents check once per attempt.)"""
+    from google.cloud import storage
+
+    nodes = Nodes(tmp_path / "run0", 2, remote)
+    store, _ = job_store(nodes)
+    store.restore(nodes.dirs[0], deadline_s=60)
+    dcp_like_checkpoint(nodes, "latest")
+    store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    pack = next(e["pack"] for e in nodes.store.latest_manifest().files.values())
+    prefix = remote.split("/", 3)[3]
+    storage.Client(project="test").bucket("ckpt").blob(f"{prefix}/blobs/pack-{pack}").delete()
+
+    def trainer_writes_between_agents(i: int) -> None:
+        if i == 0:
+            time.sleep(0.01)
+            for d in nodes.dirs:
+                for p in (d / "latest").iterdir():
+                    write(p, p.read_text() + " v2")
+
+    nodes.order = [1, 0]
+    nodes.before_agent = trainer_writes_between_agents
+    store.trainer_running = lambda: True
+    with pytest.raises(CheckpointError, match="no blob in .* any more and no node holds them"):
+        store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
+    nodes.before_agent = lambda i: None
+    store.trainer_running = lambda: False
+    store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)  # the nodes' files: restorable
+    after = Nodes(tmp_path / "run1", 2, remote)
+    job_store(after)[0].restore(after.dirs[0], deadline_s=60)
+    assert tree(after.dirs[0]) == {**tree(nodes.dirs[0]), **tree(nodes.dirs[1])}

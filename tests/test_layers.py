@@ -33,17 +33,17 @@ LAYERS = {
             "checkpoint_manifest", "private_dirs", "checkpoint_cut"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "kernlog_changes", "slurm", "gcp.metadata", "gcp.events", "gcp.compute",
                "gcp.storage", "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs",
-               "gcp.sync", "gcp.restore"],
+               "gcp.sync", "gcp.restore", "gcp.verify"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "runner", "allocation", "agent_step", "node_agent", "uncommitted", "cut_store", "identity", "trainer", "doctor",
+               "child_process", "runner", "allocation", "agent_step", "node_agent", "uncommitted", "cut_store", "identity", "restore_failure", "trainer", "doctor",
                "install"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
 RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
                   "allocation": "run", "agent_step": "run", "node_agent": "run", "uncommitted": "run",
-                  "cut_store": "run", "identity": "run"}  # one runtime in several modules
+                  "cut_store": "run", "identity": "run", "restore_failure": "run"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness

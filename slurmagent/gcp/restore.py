@@ -18,10 +18,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+from slurmagent import checkpoint_hash
 from slurmagent.checkpoint import (
     EMPTY_CRC32C,
     RESERVED_PREFIX,
     CheckpointError,
+    LocalFile,
     LocalState,
     Manifest,
     RestoreError,
@@ -31,6 +33,7 @@ from slurmagent.checkpoint import (
     entry_content_id,
     parent_dirs,
 )
+from slurmagent.checkpoint_errors import NodeDiskError, is_node_local
 from slurmagent.gcp.bucket import BucketObjects
 from slurmagent.gcp.manifest_store import ManifestStore
 from slurmagent.gcp.packs import schedule_pack_restore
@@ -54,17 +57,40 @@ def run_restore(
     manifest: Manifest | None = None,
 ) -> tuple[Manifest | None, dict[str, tuple[int, int]] | None]:
     """Put ``manifest`` (default: the committed one) into ``root`` (see :meth:`GcsCheckpointStore.restore`):
-    the manifest restored (None when there is none), and relpath -> (size, mtime_ns) of what was placed."""
+    the manifest restored (None when there is none), and relpath -> (size, mtime_ns) of what was placed.
+    A failure of this node's disk or path (full, read-only, a file where a directory must be) is a
+    :class:`NodeDiskError`: another node can take the checkpoint."""
     if manifest is None:
         manifest, _ = manifests.read(dl)
     if manifest is None:
         return None, None
+    try:
+        return place(objects, notices, settings, root, dl, state_file, manifest)
+    except OSError as exc:
+        if not is_node_local(exc):
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise NodeDiskError(f"cannot restore into {root}: {exc.strerror or exc}{where}") from None
+
+
+def place(
+    objects: BucketObjects,
+    notices: Notices,
+    settings: TransferSettings,
+    root: Path,
+    dl: Deadline,
+    state_file: str | os.PathLike | None,
+    manifest: Manifest,
+) -> tuple[Manifest, dict[str, tuple[int, int]]]:
+    """The restore of ``manifest`` into ``root``, staged in place (see :func:`make_room`)."""
     root.mkdir(parents=True, exist_ok=True)
     items = sorted(manifest.regular_files().items())
     links = sorted(manifest.links().items())
     check_targets(str(root), manifest)
     for stale in root.glob(f"{STAGING_PREFIX}*"):  # left by a restore that was killed
         shutil.rmtree(stale, ignore_errors=True)
+    placed = [(rel, entry, os.path.join(root, *rel.split("/"))) for rel, entry in items]
+    items = make_room(root, items, state_file)  # what is left to download
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
     # The staging directory holds the checkpoint's own tree, so that whole directories
     # move into place with one rename each when the destination does not have them.
@@ -107,10 +133,49 @@ def run_restore(
             except OSError:
                 pass
         shutil.rmtree(staging, ignore_errors=True)
-    placed = [(rel, entry, os.path.join(root, *rel.split("/"))) for rel, entry in items]
     committed = after_restore(objects, notices, root, manifest, placed, links, state_file)
     log.info("restored %d files (%d bytes) from %s", len(items), manifest.total_bytes, objects.manifest_url)
     return manifest, committed
+
+
+def make_room(root: Path, items: list[tuple[str, dict]], state_file: str | os.PathLike | None) -> list[tuple[str, dict]]:
+    """Stage so that a disk that held the old version takes the new one: a file already holding
+    its entry's content stays in place (not downloaded again); one holding other bytes is removed
+    now, before its new bytes are written (never both on disk at once). Returns what is left to
+    download. A failed restore leaves a removed name absent, never a partial file under it."""
+    state = None
+    if state_file is not None:
+        try:
+            state = LocalState(state_file, root)
+        except CheckpointError:
+            state = None
+    left = []
+    for rel, entry in items:
+        dest = os.path.join(root, *rel.split("/"))
+        try:
+            st = os.lstat(dest)
+        except FileNotFoundError:
+            left.append((rel, entry))
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size == entry["size"] and holds(state, rel, dest, st, entry):
+            continue
+        os.unlink(dest)  # the old version's bytes go before the new one's come
+        left.append((rel, entry))
+    return left
+
+
+def holds(state: LocalState | None, rel: str, path: str, st: os.stat_result, entry: dict) -> bool:
+    """Does the file at ``path`` hold exactly ``entry``'s content? (its cached digest, else one read)"""
+    want_sha = not entry.get("blake3")
+    f = LocalFile(rel, path, st.st_size, st.st_mtime_ns, st.st_ino)
+    try:
+        d = state.digest(f, want_sha256=want_sha) if state is not None else checkpoint_hash.hash_file(
+            path, want_sha256=want_sha, expect=f, threads=4)[0]
+    except (OSError, CheckpointError):
+        return False
+    if d.crc32c != entry["crc32c"]:
+        return False
+    return d.sha256 == entry["sha256"] if want_sha else d.blake3 == entry["blake3"]
 
 
 def check_targets(root: str, manifest: Manifest) -> None:
@@ -119,7 +184,7 @@ def check_targets(root: str, manifest: Manifest) -> None:
     for rel in manifest.files:
         dest = os.path.join(root, *rel.split("/"))
         if os.path.isdir(dest) and not os.path.islink(dest):
-            raise RestoreError(f"cannot restore {rel}: {dest} is a directory")
+            raise NodeDiskError(f"cannot restore {rel}: {dest} is a directory")
         parents.update(parent_dirs(rel))
     for parent in sorted(parents):
         path = os.path.join(root, *parent.split("/"))
@@ -128,7 +193,7 @@ def check_targets(root: str, manifest: Manifest) -> None:
         except FileNotFoundError:
             continue
         if not stat.S_ISDIR(st.st_mode):  # a file, or a symlink we would write through
-            raise RestoreError(f"cannot restore into {parent}/: {path} is not a directory")
+            raise NodeDiskError(f"cannot restore into {parent}/: {path} is not a directory")
 
 
 def after_restore(

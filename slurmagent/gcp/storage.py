@@ -52,6 +52,7 @@ from slurmagent.gcp.manifest_store import ManifestStore
 from slurmagent.gcp.restore import run_restore
 from slurmagent.gcp.sync import run_sync
 from slurmagent.gcp.sync_run import SyncResult
+from slurmagent.gcp.verify import existing, object_of, objects_of
 from slurmagent.gcp.transfer import Aborted, Deadline, MiB, Notices, TransferSettings, is_transient, one_line
 
 __all__ = [
@@ -110,6 +111,7 @@ class GcsCheckpointStore:
         max_workers: int = 16,
         parallel_upload_mib: int = 0,
         warn: Callable[[str], None] | None = None,
+        run_id: str = "",
     ) -> None:
         self.max_workers = max(1, int(max_workers))
         self.parallel_upload_threshold = parallel_upload_mib * MiB or None
@@ -119,6 +121,11 @@ class GcsCheckpointStore:
         self.notices = Notices(warn)
         self.manifests = ManifestStore(self.objects)
         self._committed: dict[str, tuple[int, int]] = {}
+        # Objects seen in the bucket during this run (slurmagent.gcp.verify): a store lives for one
+        # wrapper attempt; with ``run_id`` (a node agent, a new process every round) the set is also
+        # kept in the state file, under ``run_id/attempt``.
+        self.seen: set[str] = set()
+        self.run_id = run_id
         self.last_sync_error = ""
         self.last_sync: SyncResult | None = None
 
@@ -202,6 +209,20 @@ class GcsCheckpointStore:
         return self._guard(lambda dl: self.manifests.claim(manifest, over, generation, dl), Deadline(deadline_s),
                            "taking over")
 
+    def missing_objects(self, files: dict[str, dict], *, deadline_s: float = 60.0) -> list[str]:
+        """The entries of ``files`` whose blob or pack is not in the bucket, checked once per run
+        (what this store has seen exist is not asked again): a commit never points at a missing one."""
+        objs = objects_of(files)
+
+        def check(dl: Deadline) -> set[str]:
+            todo = [o for o in objs if o not in self.seen]
+            there = existing(self.objects, todo, dl, self.max_workers)
+            self.seen.update(there)
+            return set(todo) - there
+
+        missing = self._guard(check, Deadline(deadline_s), "checking the blobs of")
+        return sorted(rel for rel, e in files.items() if "link" not in e and object_of(e) in missing)
+
     # -- sync
 
     def sync(
@@ -227,7 +248,9 @@ class GcsCheckpointStore:
         previous checkpoint stays.  An empty directory never replaces an existing
         checkpoint.  A file that cannot be read is left out (said once through
         ``warn``); one that keeps changing keeps its previous committed version
-        (or is left out) and is named in :attr:`SyncResult.busy`.  Raises
+        (or is left out) and is named in :attr:`SyncResult.busy`.  The objects the committed
+        manifest references are checked once per run (:mod:`slurmagent.gcp.verify`): a missing
+        one is uploaded again from the local files, never referenced blindly.  Raises
         :class:`StaleAttemptError`, :class:`StorageUnavailableError` (and its
         :class:`SyncDeadlineError`), :class:`ManifestError` (remote manifest
         unreadable), :class:`CheckpointError`.  Local files are only read.
@@ -238,7 +261,8 @@ class GcsCheckpointStore:
         try:
             result, committed = self._guard(
                 lambda dl: run_sync(self.objects, self.manifests, self.notices, self.settings(), ckpt_dir, attempt,
-                                    state_file, dl, restored, commit),
+                                    state_file, dl, restored, commit, self.seen,
+                                    f"{self.run_id}/{attempt}" if self.run_id else ""),
                 dl,
                 "syncing",
             )  # fmt: skip

@@ -22,6 +22,7 @@ from slurmagent.checkpoint import (
     LocalState,
     Manifest,
     SyncDeadlineError,
+    entry_content_id,
     no_progress_after,
     parent_dirs,
     scan_checkpoint_dir,
@@ -32,6 +33,7 @@ from slurmagent.gcp.packs import seal_last_pack
 from slurmagent.gcp.sync_run import SyncResult, SyncRun
 from slurmagent.gcp.transfer import Deadline, Notices, TransferSettings, human_size, some_names
 from slurmagent.gcp.upload import sync_file, upload_claimed
+from slurmagent.gcp.verify import objects_of, verify_current
 
 __all__ = ["run_sync"]
 
@@ -49,10 +51,18 @@ def run_sync(
     dl: Deadline,
     restored: Manifest | None = None,
     commit: bool = True,
+    seen: set[str] | None = None,
+    run_key: str = "",
 ) -> tuple[SyncResult, dict[str, tuple[int, int]] | None]:
     """Sync ``ckpt_dir`` (see :meth:`GcsCheckpointStore.sync`): the result, and relpath -> (size, mtime_ns)
-    of what the manifest now holds when this sync wrote or kept one (None when it did not commit)."""
+    of what the manifest now holds when this sync wrote or kept one (None when it did not commit).
+
+    ``seen``: the objects known to exist in this run (updated in place); ``run_key``: this run's
+    key for the same set kept in the state file (a node agent: a new process every round)."""
     state = LocalState(state_file, ckpt_dir)
+    seen = set() if seen is None else seen
+    if run_key:
+        seen |= state.verified(objects.url, run_key)
     skipped: list[str] = []
 
     def on_skip(rel: str, why: str) -> None:
@@ -66,7 +76,9 @@ def run_sync(
     manifests.fence(current, attempt)  # a foreign owner's or a newer attempt's: not ours to replace
     run = SyncRun(objects, manifests, notices, settings, state, current, dl)
     reserve = min(2.0, 0.15 * dl.total)  # kept for the manifest write
+    result = None
     try:
+        verify_current(run, seen)  # before any file trusts the committed manifest's blobs
         wave = files
         for round_no in range(settings.busy_retries + 1):
             for f in wave:
@@ -92,6 +104,12 @@ def run_sync(
         return result, run.committed
     finally:
         run.pool.close()
+        if result is not None:  # every object its entries name is in the bucket now
+            live = set(objects_of(result.files))
+            seen &= live | set(objects_of(run.current.files if run.current else {}))
+            seen |= live
+        if run_key:
+            state.set_verified(objects.url, run_key, seen)
         state.add_known_blobs(objects.url, run.confirmed)
         try:
             state.save(
@@ -168,6 +186,13 @@ def finish_sync(
     busy = sorted(run.busy)
     for rel in busy:
         previous = current.files.get(rel) if current is not None else None
+        if previous is not None and "link" not in previous and entry_content_id(previous) in run.missing_ids:
+            previous = None
+            run.notices.say_once(
+                f"busy-missing:{rel}",
+                f"{rel}: its committed version's blob is missing from {run.objects.url}; left out of this "
+                "checkpoint until it can be read whole",
+            )
         if previous is not None and "link" not in previous:
             new_files[rel] = dict(previous)
             run.notices.say_once(

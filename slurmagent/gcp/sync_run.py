@@ -72,6 +72,7 @@ class SyncRun:
         self.busy: dict[str, LocalFile] = {}
         self.unreadable: dict[str, str] = {}
         self.done: set[str] = set()
+        self.missing_ids: set[str] = set()  # content ids of the committed manifest whose object is gone
         self.committed: dict[str, tuple[int, int]] | None = None  # relpath -> (size, mtime_ns), once committed
 
     def file_busy(self, f: LocalFile, cid: str | None = None) -> None:

@@ -120,7 +120,12 @@ def upload_claimed(run: SyncRun, f: LocalFile, d: FileDigest, cid: str, data: by
             run.confirmed.add(cid)
             run.done.add(f.relpath)
         return
-    if data is not None and d.size <= run.settings.pack_file_max and cid.startswith("blake3:"):
+    small = min(run.settings.pack_file_max, run.settings.small_file_max)
+    if (data is not None or d.size <= small) and d.size <= run.settings.pack_file_max and cid.startswith("blake3:"):
+        if data is None:  # digest from the cache (e.g. its pack was deleted): read it, to pack it
+            data = read_again(run, f, cid)
+            if data is None:
+                return
         add_to_pack(run, f, d, cid, data)
         return
     try:
@@ -143,6 +148,26 @@ def upload_claimed(run: SyncRun, f: LocalFile, d: FileDigest, cid: str, data: by
         if uploaded:
             run.uploaded[cid] = d.size
         run.done.add(f.relpath)
+
+
+def read_again(run: SyncRun, f: LocalFile, cid: str) -> bytes | None:
+    """The bytes of small file ``f`` whose content must be ``cid``; None (said busy, or done when
+    gone) otherwise: a pack holds exactly the hashed bytes."""
+    try:
+        d, _, data = checkpoint_hash.hash_file(f.path, expect=f, keep_bytes=run.settings.small_file_max)
+    except FileNotFoundError:
+        with run.lock:
+            run.included.pop(f.relpath, None)
+            run.claimed.discard(cid)
+            run.done.add(f.relpath)
+        return None
+    except (LocalChangedError, OSError):
+        run.file_busy(f, cid)
+        return None
+    if d.content_id != cid or data is None:
+        run.file_busy(f, cid)
+        return None
+    return data
 
 
 def check_stored(objects: BucketObjects, obj: dict, name: str, f: LocalFile, d: FileDigest, dl: Deadline) -> None:
