@@ -13,10 +13,12 @@ what it held, the hash cache) follow the same rules. The parents of an explicit 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
 
+from .checkpoint_errors import NODE_LOCAL_ERRNOS, NodeDiskError
 from .errors import SlurmagentError
 
 UNCOMMITTED_SUFFIX = ".uncommitted"
@@ -28,6 +30,19 @@ class UnsafeDirError(SlurmagentError):
     """A directory or file of the job that another user owns, can write, or points elsewhere."""
 
     exit_code = 2
+
+
+class UnusableDirError(NodeDiskError, UnsafeDirError):
+    """This node's path cannot hold the directory (a file where it should be, a full or
+    read-only disk): not a refusal of someone else's directory, so under Slurm the job is
+    requeued without this node (`restore_failure`)."""
+
+
+def _cannot(what: str, exc: OSError, hint: str = "") -> UnsafeDirError:
+    """The error for an OSError on our own path: unusable (node-local) or plain."""
+    message = f"{what}: {exc.strerror or exc}{hint}"
+    return UnusableDirError(message) if exc.errno in NODE_LOCAL_ERRNOS and exc.errno != errno.ELOOP else (
+        UnsafeDirError(message))
 
 
 def beside(ckpt_dir: Path, suffix: str) -> Path:
@@ -51,12 +66,13 @@ def ensure_private_dir(d: Path, uid: int | None = None, *, what: str = "checkpoi
     except FileExistsError:
         pass
     except OSError as exc:
-        raise UnsafeDirError(f"cannot create {what} {d}: {exc.strerror or exc}{hint}") from None
+        raise _cannot(f"cannot create {what} {d}", exc, hint) from None
     try:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        why = "it is a symlink" if os.path.islink(d) else (exc.strerror or str(exc))
-        raise UnsafeDirError(f"refusing {what} {d}: {why} (not created by you){hint}") from None
+        if os.path.islink(d):
+            raise UnsafeDirError(f"refusing {what} {d}: it is a symlink (not created by you){hint}") from None
+        raise _cannot(f"refusing {what} {d}", exc, f" (not created by you){hint}") from None
     try:
         st = os.fstat(fd)
         why = _refuse_stat(st, uid)
@@ -104,7 +120,7 @@ def private_ckpt_dir(ckpt_dir: Path, uid: int | None = None) -> Path:
     try:
         os.makedirs(ckpt_dir.parent, 0o700, exist_ok=True)
     except OSError as exc:
-        raise UnsafeDirError(f"cannot create checkpoint dir {ckpt_dir}: {exc.strerror or exc}") from None
+        raise _cannot(f"cannot create checkpoint dir {ckpt_dir}", exc) from None
     ensure_private_dir(ckpt_dir, uid, hint=hint)
     aside = beside(ckpt_dir, UNCOMMITTED_SUFFIX)
     if os.path.lexists(aside):
@@ -115,7 +131,7 @@ def private_ckpt_dir(ckpt_dir: Path, uid: int | None = None) -> Path:
         try:
             create_private_file(path)
         except OSError as exc:
-            raise UnsafeDirError(f"cannot create checkpoint file {path}: {exc.strerror or exc}") from None
+            raise _cannot(f"cannot create checkpoint file {path}", exc) from None
     return ckpt_dir
 
 

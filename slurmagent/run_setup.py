@@ -21,7 +21,8 @@ from typing import Mapping
 from .checkpoint import Manifest, entry_content_id, scan_checkpoint_dir
 from .errors import SlurmagentError
 from .host import node_name
-from .private_dirs import RECORD_SUFFIX, UnsafeDirError, ensure_private_dir, private_ckpt_dir
+from .private_dirs import (RECORD_SUFFIX, UnsafeDirError, UnusableDirError, ensure_private_dir,
+                           private_ckpt_dir)
 from .identity import submission_of
 
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
@@ -162,12 +163,16 @@ def make_private_dir(path: Path, uid: int | None = None) -> Path:
     return path
 
 
-def explicit_ckpt_dir(path: Path, uid: int | None = None) -> Path:
+def explicit_ckpt_dir(path: Path, uid: int | None = None, *, defer_unusable: bool = False) -> Path:
     """An explicit `--ckpt-dir` under the same rules as the default one (its parents, e.g.
-    `/mnt/localssd`, are the administrator's): see `private_dirs.private_ckpt_dir`."""
+    `/mnt/localssd`, are the administrator's): see `private_dirs.private_ckpt_dir`.
+    `defer_unusable` (a Slurm job): a path this node cannot hold is left to the restore step,
+    which requeues the job without this node (`restore_failure`); a refusal stays a refusal."""
     try:
         return private_ckpt_dir(path, uid)
     except UnsafeDirError as exc:
+        if defer_unusable and isinstance(exc, UnusableDirError):
+            return path
         raise WrapperError(str(exc)) from None
 
 

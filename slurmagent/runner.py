@@ -39,7 +39,8 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
     return RunOptions(
         cmd=cmd,
         # explicit or default: owned by the user, writable by nobody else, created 0700
-        ckpt_dir=(explicit_ckpt_dir(Path(expand_node(ckpt_dir, env))) if ckpt_dir
+        ckpt_dir=(explicit_ckpt_dir(Path(expand_node(ckpt_dir, env)), defer_unusable=ident.platform == "slurm")
+                  if ckpt_dir
                   else make_private_dir(default_ckpt_dir(env, ident))),
         remote=remote or "",
         ckpt_signal=parse_signal(ckpt_signal),

@@ -194,3 +194,20 @@ def test_the_exclusion_is_tried_again_while_slurm_refuses_it_for_a_moment():
     with pytest.raises(SlurmError):  # never past its deadline
         exclude_with_retries(lambda j, n: (_ for _ in ()).throw(SlurmError("no")), "77", ["n1"], deadline_s=3,
                              sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
+
+
+def test_an_explicit_ckpt_dir_this_node_cannot_hold_is_left_to_the_restore_under_slurm(tmp_path):
+    """A file where `--ckpt-dir` should be is this node's problem: a Slurm job gets as far as the
+    restore (which requeues it without the node); a plain run is refused in one line. A refusal of
+    another user's directory stays a refusal either way (tests/test_ckpt_dirs.py)."""
+    from slurmagent.config import Config
+    from slurmagent.run_setup import WrapperError
+    from slurmagent.runner import build_options
+
+    bad = tmp_path / "ckpt"
+    bad.write_text("not a directory")
+    slurm_env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "TMPDIR": str(tmp_path)}
+    opts = build_options(Config(), ["true"], slurm_env, JobIdentity.from_env(slurm_env), ckpt_dir=str(bad))
+    assert opts.ckpt_dir == bad and bad.is_file()
+    with pytest.raises(WrapperError, match="Not a directory"):
+        build_options(Config(), ["true"], {"TMPDIR": str(tmp_path)}, JobIdentity.from_env({}), ckpt_dir=str(bad))
