@@ -34,6 +34,7 @@ from .checkpoint import Manifest, no_progress_after, state_file_for
 from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
+from .ckpt_report import CheckpointReport
 from .nodes import FAULT_FLUSH_SIGNAL
 from .run_setup import DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, manifest_id, signal_name, stat_scan
 
@@ -92,6 +93,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         hold: RequeueHold | None = None,
         metrics: MetricsSink | None = None,
+        report: CheckpointReport | None = None,
     ):
         self.opts = opts
         self.ident = ident
@@ -102,6 +104,8 @@ class Supervisor:
         self.clock = clock
         self.hold = hold
         self.metrics = metrics
+        self.report = report  # what the job's owner sees: stderr at a low rate, `status --job`
+        self.last_sync: tuple = ()  # (manifest, seconds, files sent, bytes sent, held-back units)
         self.pending: list[int] = []  # signals recorded by the handler, acted on by the loop
         if store is not None and getattr(store, "warn", False) is None:
             store.warn = self.say  # files a sync leaves out are said on the job's stderr, like ours
@@ -230,6 +234,8 @@ class Supervisor:
                 self.committed = result.manifest
                 self.committed_scan = before
                 self.record.write(manifest=manifest_id(result.manifest), files=before)
+            self.last_sync = (result.manifest, self.clock() - started, result.files_sent, result.bytes_sent,
+                              getattr(result, "held_back", None))
         finally:
             self.sync_lock.release()
         self.bytes_synced += result.bytes_sent
@@ -285,12 +291,22 @@ class Supervisor:
 
     def _background_sync(self) -> None:
         while not self.stop_sync.wait(self.opts.sync_interval_s):
-            self.sync(deadline_s=max(self.opts.sync_interval_s, self.opts.sync_deadline_s))
-            if self.metrics is not None and not self.stop_sync.is_set():
+            ok = self.sync(deadline_s=max(self.opts.sync_interval_s, self.opts.sync_deadline_s))
+            if (self.metrics is not None or self.report is not None) and not self.stop_sync.is_set():
                 try:
-                    self._metric(set_={self._lag_key: self.lag_seconds()})
+                    lag = self.lag_seconds()
                 except OSError:
-                    pass
+                    lag = None
+                if lag is not None:
+                    self._metric(set_={self._lag_key: lag})
+                self._report_sync(ok, lag)
+
+    def _report_sync(self, ok: bool, lag: float | None, say: bool = True) -> None:
+        if self.report is not None:
+            if ok and self.last_sync:
+                self.report.synced(*self.last_sync[:4], lag_s=lag, held_back=self.last_sync[4], say=say)
+            elif not ok:
+                self.report.failed(self.last_sync_error)
 
     # --- main loop ----------------------------------------------------------------------------
 
@@ -313,6 +329,8 @@ class Supervisor:
                 self._hand_back(outcome, streak=None, what=f"stopped during the restore by {cause} (the job never started)")
                 return outcome
             outcome.resumed = resumed
+            if self.report is not None:
+                self.report.restored(self.baseline)
             self.start_scan = self.committed_scan = stat_scan(self.opts.ckpt_dir)
             return self._run_child(outcome)
         finally:
@@ -349,6 +367,7 @@ class Supervisor:
             outcome.child_code = code
             outcome.exit_code = code if code >= 0 else 128 - code
             outcome.synced = self.sync(deadline_s=300.0, final=True)
+            self._report_sync(outcome.synced, None, say=False)
             outcome.bytes_synced = self.bytes_synced
             outcome.summary = f"exit {outcome.exit_code}: the job's own exit code (it ended by itself)" + (
                 "" if outcome.synced or self.store is None else "; its last checkpoint is NOT in the bucket")
@@ -412,6 +431,7 @@ class Supervisor:
             self.hold.cleanup()  # the job is gone; nothing is left behind if we are killed later
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
         outcome.synced = self.sync(deadline_s=left, final=True)
+        self._report_sync(outcome.synced, None, say=False)
         self._hand_back(outcome, streak=self.no_progress_streak())
         outcome.flush_seconds = self.clock() - started
         outcome.bytes_synced = self.bytes_synced
