@@ -120,7 +120,8 @@ def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool
     """The owner's view of the checkpoint (stderr lines, `status --job`); None without a bucket."""
     if not remote:
         return None
-    record = ckpt_report.record_path(env, os.geteuid(), ident.name)
+    # by the id the user types (`status --job ID`); a Cloud Run task by its prefix name
+    record = ckpt_report.record_path(env, os.geteuid(), ident.job_id if ident.platform == "slurm" else ident.name)
     try:
         make_private_dir(record.parent)
     except WrapperError:
