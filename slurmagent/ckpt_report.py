@@ -98,7 +98,7 @@ class CheckpointReport:
         c, s = self.state.get("last_commit"), self.state.get("last_sync") or {}
         parts = []
         if c:
-            age = _age_s(c.get("created"), self.wall())
+            age = age_s(c.get("created"), self.wall())
             parts.append(f"last commit: attempt {c['attempt']}, {c['files']} file(s), {human_bytes(c['bytes'])}"
                          + (f", {age:.0f} s ago" if age is not None else ""))
         else:
@@ -123,7 +123,7 @@ class CheckpointReport:
             pass  # a status record never fails the job
 
 
-def _age_s(created: Any, now: float) -> float | None:
+def age_s(created: Any, now: float) -> float | None:
     from datetime import datetime
 
     if not isinstance(created, str):

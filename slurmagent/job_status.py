@@ -14,7 +14,7 @@ import re
 import time
 from typing import Any, Callable, Mapping
 
-from .ckpt_report import _age_s, human_bytes, manifest_summary, read_record, record_path
+from .ckpt_report import age_s, human_bytes, manifest_summary, read_record, record_path
 from .config import Config
 from .errors import SlurmagentError
 from .slurm import Slurm
@@ -62,7 +62,7 @@ def collect_job_status(cfg: Config, job_id: str, *, remote: str | None = None, s
                 store_factory = GcsCheckpointStore
             manifest = store_factory(st["remote"]).latest_manifest(deadline_s=30.0)
             if manifest is not None:
-                st["commit"] = {**manifest_summary(manifest), "age_s": _age_s(manifest.created, clock())}
+                st["commit"] = {**manifest_summary(manifest), "age_s": age_s(manifest.created, clock())}
         except Exception as exc:  # noqa: BLE001 - one line, the rest is still worth showing
             st["remote_error"] = (str(exc).splitlines() or [type(exc).__name__])[0]
     return st

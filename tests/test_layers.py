@@ -29,18 +29,19 @@ LAYERS = {
     PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "kernel_xid", "hostlist", "timefmt", "errors"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
             "checkpoint", "checkpoint_errors", "checkpoint_names", "checkpoint_hash", "checkpoint_cache",
-            "checkpoint_manifest"],
+            "checkpoint_manifest", "ckpt_report"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "kernlog_changes", "slurm", "gcp.metadata", "gcp.events", "gcp.compute",
                "gcp.storage", "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs",
                "gcp.sync", "gcp.restore"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "runner", "allocation", "node_agent", "trainer", "doctor", "install"],
+               "child_process", "runner", "allocation", "node_agent", "trainer", "doctor", "install",
+               "job_status"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
 RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
-                  "allocation": "run", "node_agent": "run"}  # one runtime in several modules
+                  "allocation": "run", "node_agent": "run", "status": "status", "job_status": "status"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness
