@@ -1,22 +1,31 @@
-"""PyTorch + torch.distributed.checkpoint (DCP) under the wrapper:
+"""PyTorch + torch.distributed.checkpoint (DCP) under the wrapper, one node or many:
 
     slurmagent sbatch -t 4:00:00 -- python examples/dcp_train.py --steps 100000
+    slurmagent sbatch -N 2 --ntasks-per-node=1 -- --ckpt-dir /mnt/localssd/ckpt -- \
+        srun python examples/dcp_train.py --steps 100000      # MASTER_ADDR/MASTER_PORT exported
 
 Each checkpoint is a step folder written by `dcp.save` (its `.metadata` index is written last).
 Two layouts:
 
-* `--layout rename` (default): saved as `step-00000200.tmp/`, then renamed to `step-00000200/`;
-  a `.tmp` folder is never synced, so the bucket only ever sees whole step folders.
+* `--layout rename` (default): saved as `step-00000200.tmp/`, then renamed to `step-00000200/`
+  after a barrier, by the first rank OF EACH NODE: with node-local disks every node holds a
+  `.tmp` folder of its own ranks' shards, and one left unrenamed is never synced (a requeued
+  rank would miss its shard). A `.tmp` folder is never synced.
 * `--layout torchtitan`: saved straight into `step-200/` as torchtitan does; a folder counts
   only once it holds `.metadata` (torchtitan's own rule), so a half-written one is ignored.
+  (The wrapper commits a folder only once it was quiet for a whole sync round, so a commit
+  never holds one half-written either.)
 
-The newest complete folder is loaded at start; the two newest are kept. Data of step `s`
-comes from a generator seeded with (seed, s), so a resumed run computes exactly what an
+The newest complete folder is loaded at start; the two newest are kept: old folders are
+removed by the first rank of each node (keep-last-k on node-local disks must run on every
+node, or the other nodes' shards of old steps stay in the checkpoint forever). Data of step
+`s` comes from a generator seeded with (seed, s), so a resumed run computes exactly what an
 uninterrupted one does. On the wrapper's signal every rank agrees (`trainer.any_rank`),
 saves at the same step and exits 0; the wrapper syncs and requeues.
 
-Under torchrun/srun with several ranks, initialise the process group first (this script
-does when WORLD_SIZE > 1); DCP then writes one shard per rank into the same folder.
+Several ranks (srun: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; torchrun: RANK/WORLD_SIZE/
+LOCAL_RANK; plus MASTER_ADDR/MASTER_PORT) initialise a process group; every rank trains the
+same replica, and DCP writes one shard per rank into the same folder.
 """
 
 from __future__ import annotations
@@ -55,23 +64,39 @@ def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def ranks() -> tuple[int, int, int]:
+    """(rank, world size, rank on this node) from srun or torchrun."""
+    env = os.environ
+    return (int(env.get("SLURM_PROCID", env.get("RANK", "0"))), int(env.get("SLURM_NTASKS", env.get("WORLD_SIZE", "1"))),
+            int(env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0"))))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save(model, opt, step: int, root: Path, layout: str, keep: int = 2) -> None:
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "step": step}
     final = root / (f"step-{step:08d}" if layout == "rename" else f"step-{step}")
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    node_first = ranks()[2] == 0  # the first rank on this node: its disk is this node's alone
     if layout == "rename":
         tmp = final.with_name(final.name + ".tmp")
-        if rank0:
+        if node_first:
             shutil.rmtree(tmp, ignore_errors=True)
+        barrier()  # nobody writes into the folder before it is cleared
         dcp.save(state, checkpoint_id=tmp)
-        if rank0:
+        barrier()  # every shard and the .metadata are written, on every node
+        if node_first:  # each node renames its own part: rank 0 alone would leave the others' .tmp
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
     else:
         dcp.save(state, checkpoint_id=final)
-    if rank0:
-        for _, old in complete_steps(root)[:-keep]:
+        barrier()
+    if node_first:  # keep-last-k on every node, by name (only rank 0's node holds .metadata)
+        steps = sorted((int(m.group(1)), p) for p in root.glob("step-*") if (m := STEP_DIR.fullmatch(p.name)))
+        for _, old in steps[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -94,11 +119,12 @@ def main() -> int:
     ap.add_argument("--log", help="append 'start STEP' / 'ckpt STEP' lines here")
     args = ap.parse_args()
     torch.set_num_threads(1)  # same kernels, same bits, in every run
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world, _ = ranks()
+    if world > 1:  # MASTER_ADDR/MASTER_PORT from the environment
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
 
     def log(line: str) -> None:
-        if args.log:
+        if args.log and rank == 0:
             with open(args.log, "a") as fh:
                 fh.write(line + "\n")
 
@@ -123,7 +149,7 @@ def main() -> int:
             if stop:
                 log(f"ckpt {step}")
                 return 0
-    if args.params_out:
+    if args.params_out and rank == 0:
         with open(args.params_out, "wb") as fh:
             for p in model.parameters():
                 fh.write(p.detach().numpy().tobytes())
@@ -132,4 +158,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)

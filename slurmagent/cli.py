@@ -338,9 +338,25 @@ def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> N
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--job", "job_id", metavar="ID", help="a job's checkpoint: last commit, its age and size, the last sync, lag")
+@click.option("--remote", metavar="gs://B/P", help="with --job: the job's checkpoint prefix, when not the default")
 @click.pass_obj
-def status(state: State, as_json: bool) -> None:
-    """Nodes drained by slurmagent, repair state, breaker, journal backlog, expiry countdowns."""
+def status(state: State, as_json: bool, job_id: str | None, remote: str | None) -> None:
+    """Nodes drained by slurmagent, repair state, breaker, journal backlog, expiry countdowns;
+    with --job ID, that job's checkpoint."""
+    if job_id is not None:
+        from .job_status import collect_job_status, format_job_status  # start-up speed
+        from .run_setup import JOB_ID_RE
+
+        bad = (f"--job {job_id!r}: not a Slurm job id (e.g. 77 or 77_3)" if not JOB_ID_RE.fullmatch(job_id) else
+               f"--remote {remote!r}: not a gs://BUCKET/PREFIX" if remote is not None and not remote.startswith("gs://")
+               else None)
+        if bad:
+            click.echo(f"slurmagent status: {bad}", err=True)
+            sys.exit(2)
+        st = collect_job_status(state.config(), job_id, remote=remote)
+        click.echo(json.dumps(st, indent=1, default=str) if as_json else format_job_status(st))
+        return
     from .status import collect_status, format_status  # start-up speed
 
     st = collect_status(state.config())

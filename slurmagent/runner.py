@@ -10,7 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import expiry_state
+from . import ckpt_report, expiry_state
+from .ckpt_report import CheckpointReport
 from .config import Config
 from .cut_store import QuietCutStore
 from .errors import SlurmagentError
@@ -21,6 +22,8 @@ from .identity import SUBMISSION_ENV, new_owner
 from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, dir_owner, expand_node, fresh_attempt,
                         explicit_ckpt_dir, make_private_dir, parse_signal)
 from .wrapper import FLUSH_SIGNALS, Supervisor
+
+REPORT_INTERVAL_S = 600.0  # the checkpoint's state on the job's stderr at most this often (and on changes)
 
 def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
                   ckpt_signal="USR1", grace=None, max_requeues=None, sync_interval=None) -> RunOptions:
@@ -107,8 +110,9 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
     job_store = whole_job or (QuietCutStore(store) if store is not None else None)
+    report = checkpoint_report(env, ident, options, store is not None)
     sup = Supervisor(options, ident, job_store, (lambda job: slurm.requeue([job])) if slurm else None, env,
-                     hold=hold, metrics=metrics)
+                     hold=hold, metrics=metrics, report=report)
     if job_store is not None:
         job_store.trainer_running = sup.child_running
     if slurm is not None:
@@ -125,8 +129,26 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
             hold.cleanup()
     if metrics is not None:
         _record_metrics(metrics, outcome)
+    if report is not None:
+        report.ended(outcome.summary)
     sup.say(outcome.summary)
     return outcome.exit_code
+
+
+def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool) -> CheckpointReport | None:
+    """The owner's view of the checkpoint (stderr lines, `status --job`); None without a bucket."""
+    if not remote:
+        return None
+    # by the id the user types (`status --job ID`); a Cloud Run task by its prefix name
+    record = ckpt_report.record_path(env, os.geteuid(), ident.job_id if ident.platform == "slurm" else ident.name)
+    try:
+        make_private_dir(record.parent)
+    except WrapperError:
+        record = None  # the stderr lines still come; `status --job` reads the bucket
+    return CheckpointReport(lambda line: print(f"slurmagent run: {line}", file=sys.stderr, flush=True),
+                            job=ident.job_id, attempt=ident.restart_count, remote=options.remote,
+                            ckpt_dir=str(options.ckpt_dir), node=env.get("SLURMD_NODENAME", ""), record=record,
+                            interval_s=REPORT_INTERVAL_S, behind_s=max(3 * options.sync_interval_s, 60.0))
 
 
 def _requeue_hold(cfg: Config, env, ident: JobIdentity) -> RequeueHold | None:

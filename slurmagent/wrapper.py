@@ -35,6 +35,7 @@ from .checkpoint_cut import committed_part
 from .child_process import RequeueHold, killpg, terminate_group
 from .errors import SlurmagentError
 from .expiry_state import termination_time
+from .ckpt_report import CheckpointReport
 from .identity import SUBMISSION_ENV, settle
 from .nodes import FAULT_FLUSH_SIGNAL
 from .private_dirs import private_ckpt_dir
@@ -98,6 +99,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         hold: RequeueHold | None = None,
         metrics: MetricsSink | None = None,
+        report: CheckpointReport | None = None,
     ):
         self.opts = opts
         self.ident = ident
@@ -109,6 +111,8 @@ class Supervisor:
         self.hold = hold
         self.metrics = metrics
         self.slurm_nodes: NodeExcluder | None = None  # Slurm: a node's disk failed the restore -> ExcNodeList
+        self.report = report  # what the job's owner sees: stderr at a low rate, `status --job`
+        self.last_sync: tuple = ()  # (manifest, seconds, files sent, bytes sent, held-back units)
         self.pending: list[int] = []  # signals recorded by the handler, acted on by the loop
         if store is not None and getattr(store, "warn", False) is None:
             store.warn = self.say  # files a sync leaves out are said on the job's stderr, like ours
@@ -254,6 +258,8 @@ class Supervisor:
                 self.committed_scan = committed_part(before, self.committed_scan, getattr(result, "held_back", ()))
                 self.record.write(manifest=manifest_id(result.manifest), files=self.committed_scan)
             self.store_pending_since = getattr(result, "pending_since", None)
+            self.last_sync = (result.manifest, self.clock() - started, result.files_sent, result.bytes_sent,
+                              getattr(result, "held_back", None))
         finally:
             self.sync_lock.release()
         self.bytes_synced += result.bytes_sent
@@ -317,12 +323,22 @@ class Supervisor:
 
     def _background_sync(self) -> None:
         while not self.stop_sync.wait(self.opts.sync_interval_s):
-            self.sync(deadline_s=max(self.opts.sync_interval_s, self.opts.sync_deadline_s))
-            if self.metrics is not None and not self.stop_sync.is_set():
+            ok = self.sync(deadline_s=max(self.opts.sync_interval_s, self.opts.sync_deadline_s))
+            if (self.metrics is not None or self.report is not None) and not self.stop_sync.is_set():
                 try:
-                    self._metric(set_={self._lag_key: self.lag_seconds()})
+                    lag = self.lag_seconds()
                 except OSError:
-                    pass
+                    lag = None
+                if lag is not None:
+                    self._metric(set_={self._lag_key: lag})
+                self._report_sync(ok, lag)
+
+    def _report_sync(self, ok: bool, lag: float | None, say: bool = True) -> None:
+        if self.report is not None:
+            if ok and self.last_sync:
+                self.report.synced(*self.last_sync[:4], lag_s=lag, held_back=self.last_sync[4], say=say)
+            elif not ok:
+                self.report.failed(self.last_sync_error)
 
     # --- main loop ----------------------------------------------------------------------------
 
@@ -350,6 +366,8 @@ class Supervisor:
                 self._hand_back(outcome, streak=None, what=f"stopped during the restore by {cause} (the job never started)")
                 return outcome
             outcome.resumed = resumed
+            if self.report is not None:
+                self.report.restored(self.baseline)
             self.start_scan = self.committed_scan = stat_scan(self.opts.ckpt_dir)
             return self._run_child(outcome)
         finally:
@@ -387,6 +405,7 @@ class Supervisor:
             outcome.child_code = code
             outcome.exit_code = code if code >= 0 else 128 - code
             outcome.synced = self.sync(deadline_s=300.0, final=True)
+            self._report_sync(outcome.synced, None, say=False)
             outcome.bytes_synced = self.bytes_synced
             outcome.summary = f"exit {outcome.exit_code}: the job's own exit code (it ended by itself)" + (
                 "" if outcome.synced or self.store is None else "; its last checkpoint is NOT in the bucket")
@@ -451,6 +470,7 @@ class Supervisor:
             self.hold.cleanup()  # the job is gone; nothing is left behind if we are killed later
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
         outcome.synced = self.sync(deadline_s=left, final=True)
+        self._report_sync(outcome.synced, None, say=False)
         self._hand_back(outcome, streak=self.no_progress_streak())
         outcome.flush_seconds = self.clock() - started
         outcome.bytes_synced = self.bytes_synced

@@ -30,20 +30,21 @@ LAYERS = {
            "agent_channel"],
     STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
             "checkpoint", "checkpoint_errors", "checkpoint_names", "checkpoint_hash", "checkpoint_cache",
-            "checkpoint_manifest", "private_dirs", "checkpoint_cut"],
+            "checkpoint_manifest", "private_dirs", "checkpoint_cut", "ckpt_report"],
     ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "kernlog_changes", "slurm", "gcp.metadata", "gcp.events", "gcp.compute",
                "gcp.storage", "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs",
                "gcp.sync", "gcp.restore", "gcp.verify"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "runner", "allocation", "agent_step", "node_agent", "uncommitted", "cut_store", "identity", "restore_failure", "trainer", "doctor",
-               "install"],
+               "child_process", "runner", "allocation", "agent_step", "node_agent", "uncommitted", "cut_store", "identity",
+               "restore_failure", "trainer", "doctor", "install", "job_status"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
 RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
                   "allocation": "run", "agent_step": "run", "node_agent": "run", "uncommitted": "run",
-                  "cut_store": "run", "identity": "run", "restore_failure": "run"}  # one runtime in several modules
+                  "cut_store": "run", "identity": "run", "restore_failure": "run",
+                  "status": "status", "job_status": "status"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness

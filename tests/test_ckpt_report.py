@@ -1,0 +1,150 @@
+"""The job's owner sees their checkpoint: the wrapper says the last commit, the sync's
+duration and the lag on the job's stderr at a low rate (and when the bucket falls behind or
+catches up), and `slurmagent status --job ID` shows the committed checkpoint (from the
+bucket) and the running attempt's view (from the wrapper's record)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cluster_config_text, wait_for
+from slurmagent.checkpoint import Manifest
+from slurmagent.ckpt_report import CheckpointReport, read_record, record_path
+from slurmagent.gcp.storage import GcsCheckpointStore
+from slurmagent.run_setup import JobIdentity, RunOptions
+from slurmagent.wrapper import Supervisor
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_report_says_the_first_commit_state_changes_and_then_only_every_interval(tmp_path):
+    said: list[str] = []
+    clock = Clock()
+    rep = CheckpointReport(said.append, job="77", attempt=1, remote="gs://b/p", ckpt_dir="/d", record=tmp_path / "r.json",
+                           interval_s=600, behind_s=60, clock=clock, wall=lambda: 1.8e9)
+    m = Manifest(attempt=1, files={"a": {"blake3": "0" * 64, "size": 2_000_000, "crc32c": "AAAAAA=="}})
+    rep.synced(None, 0.4, 0, 0, lag_s=0.0)
+    assert said == []  # nothing committed yet: nothing to say
+    rep.synced(m, 1.25, 1, 2_000_000, lag_s=0.0)
+    assert len(said) == 1 and said[0].startswith("checkpoint: last commit: attempt 1, 1 file(s), 2.0 MB")
+    assert "last sync 1.2 s (1 file(s), 2.0 MB sent); lag 0 s" in said[0]
+    for _ in range(20):  # commits every few seconds: no line each time
+        clock.t += 5
+        rep.synced(m, 0.5, 1, 10, lag_s=3.0)
+    assert len(said) == 1
+    clock.t += 5
+    rep.synced(None, 30.0, 0, 0, lag_s=90.0, held_back=["step-300"])  # falls behind: said at once
+    assert len(said) == 2 and "lag 90 s (behind: the bucket is not keeping up); held back: step-300" in said[1]
+    clock.t += 5
+    rep.synced(m, 0.5, 1, 10, lag_s=1.0)  # caught up: said at once
+    assert len(said) == 3 and "behind" not in said[2]
+    clock.t += 600
+    rep.synced(m, 0.5, 1, 10, lag_s=1.0)
+    assert len(said) == 4  # and every interval otherwise
+    rec = read_record(tmp_path / "r.json")
+    assert rec["last_commit"]["bytes"] == 2_000_000 and rec["lag_s"] == 1.0 and rec["attempt"] == 1
+    assert oct((tmp_path / "r.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_record_that_is_not_ours_is_not_read(tmp_path):
+    (tmp_path / "target.json").write_text('{"job": "77"}')
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+    (tmp_path / "big.json").write_text(json.dumps({"job": "77", "x": "y" * 100_000}))
+    (tmp_path / "list.json").write_text("[1]")
+    assert [read_record(tmp_path / n) for n in ("link.json", "big.json", "list.json", "none.json")] == [None] * 4
+
+
+@pytest.fixture
+def emu(gcs_emulator_factory, monkeypatch):
+    emu = gcs_emulator_factory()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.url)
+    return emu
+
+
+def test_wrapper_says_the_checkpoint_state_on_stderr_once_not_at_every_commit(emu, tmp_path):
+    err = io.StringIO()
+    stop = tmp_path / "stop"
+    writer = ('i=0; while [ ! -e "$1" ]; do i=$((i+1)); printf "%s" "$i" > "$SLURMAGENT_CKPT_DIR/.s.tmp"; '
+              'mv "$SLURMAGENT_CKPT_DIR/.s.tmp" "$SLURMAGENT_CKPT_DIR/state"; sleep 0.2; done')
+    opts = RunOptions(cmd=["sh", "-c", writer, "sh", str(stop)], ckpt_dir=tmp_path / "ckpt",
+                      remote="gs://ckpt/jobs/rep", sync_interval_s=0.3)
+    record = tmp_path / "rec.json"
+    sup = Supervisor(opts, JobIdentity("cloud-run", "rep", "rep-task-0", 0), GcsCheckpointStore(opts.remote), None,
+                     dict(os.environ), err=err)
+    sup.report = CheckpointReport(sup.say, job="rep", attempt=0, remote=opts.remote, ckpt_dir=str(opts.ckpt_dir),
+                                  record=record, interval_s=3600)
+    store = GcsCheckpointStore(opts.remote)
+    commits: set[str] = set()
+
+    def scenario() -> None:  # several commits of a changing file, then the job ends
+        wait_for(lambda: (m := store.latest_manifest()) and commits.add(m.created) or len(commits) >= 4, 60,
+                 "four commits", interval=0.1)
+        stop.touch()
+
+    t = threading.Thread(target=scenario, daemon=True)
+    t.start()
+    outcome = sup.run()
+    t.join(5)
+    text = err.getvalue()
+    assert outcome.exit_code == 0 and outcome.synced, text
+    lines = [line for line in text.splitlines() if "checkpoint: " in line and "final sync" not in line]
+    assert len(lines) == 1, text  # the first commit, not one line per commit
+    assert lines[0].startswith("slurmagent run: checkpoint: last commit: attempt 0, 1 file(s)")
+    assert "last sync " in lines[0] and "; lag " in lines[0]
+    rec = read_record(record)
+    assert rec["last_commit"]["files"] == 1 and rec["remote"] == "gs://ckpt/jobs/rep"
+    assert rec["last_sync"]["seconds"] >= 0 and rec["error"] is None
+
+
+@pytest.mark.slurm
+def test_status_job_shows_the_committed_checkpoint_and_the_running_attempt(slurm, gcs_emulator, tmp_path):
+    c = slurm.cluster
+    config = tmp_path / "c.toml"
+    config.write_text(cluster_config_text(slurm.root) + '[checkpoint]\nremote = "gs://ckpt/jobs"\n'
+                      "sync_interval_s = 0.5\ngrace_s = 10.0\n")
+    env = dict(c.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=gcs_emulator.url,
+               TMPDIR=str(tmp_path))
+    job_cmd = ('printf %s 0123456789 > "$SLURMAGENT_CKPT_DIR/.w.tmp" && mv "$SLURMAGENT_CKPT_DIR/.w.tmp" '
+               '"$SLURMAGENT_CKPT_DIR/weights" && sleep 120')
+    sub = subprocess.run([sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-o", str(tmp_path / "out"),
+                          "--", "sh", "-c", job_cmd], env=env, capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        c.wait_job(job, ("RUNNING",), 60)
+        rec = record_path({"TMPDIR": str(tmp_path)}, os.geteuid(), job)
+        wait_for(lambda: (read_record(rec) or {}).get("last_commit"), 60, "a commit")
+
+        def status(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "slurmagent.entry", "status", "--job", job, *args], env=env,
+                                  capture_output=True, text=True, timeout=60)
+
+        shown = status()
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert lines[0].startswith(f"job {job}: RUNNING, restarts 0"), shown.stdout
+        assert lines[1].startswith(f"checkpoint: gs://ckpt/jobs/{job}: last commit by attempt 0 at "), shown.stdout
+        assert "1 file(s), 10 B" in lines[1]
+        assert lines[2].startswith("this node: attempt 0 on ") and "last sync took" in lines[2] and "lag" in lines[2]
+        as_json = json.loads(status("--json").stdout)
+        assert as_json["commit"]["files"] == 1 and as_json["commit"]["bytes"] == 10
+        # on a login node (no record here) the bucket still answers
+        elsewhere = subprocess.run([sys.executable, "-m", "slurmagent.entry", "status", "--job", job], capture_output=True,
+                                   env={**env, "TMPDIR": str(tmp_path / "login")}, text=True, timeout=60)
+        assert "last commit by attempt 0" in elsewhere.stdout and "this node" not in elsewhere.stdout
+    finally:
+        c.run(["scancel", job])
