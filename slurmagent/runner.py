@@ -16,6 +16,7 @@ from .errors import SlurmagentError
 from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .child_process import RequeueHold
+from .own_requeue import RequeueVerb
 from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, expand_node, make_private_dir,
                         parse_signal)
 from .wrapper import FLUSH_SIGNALS, Supervisor
@@ -90,8 +91,8 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
     hold = _requeue_hold(cfg, env, ident) if slurm is not None else None
     metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
-    sup = Supervisor(options, ident, whole_job or store, (lambda job: slurm.requeue([job])) if slurm else None, env,
-                     hold=hold, metrics=metrics)
+    sup = Supervisor(options, ident, whole_job or store, _requeue_of(slurm) if slurm else None, env,
+                     hold=hold, metrics=metrics, read_job=slurm.job if slurm else None)
     if whole_job is not None:
         whole_job.trainer_running = sup.child_running
     try:
@@ -108,6 +109,13 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         _record_metrics(metrics, outcome)
     sup.say(outcome.summary)
     return outcome.exit_code
+
+
+def _requeue_of(slurm: Slurm):
+    """The wrapper's requeue: `requeue`, or the `requeuehold` its job asked for (held)."""
+    def requeue(job: str, verb: RequeueVerb = RequeueVerb()) -> None:
+        slurm.requeue([job], hold=verb.hold, special_exit=verb.special_exit)
+    return requeue
 
 
 def _requeue_hold(cfg: Config, env, ident: JobIdentity) -> RequeueHold | None:

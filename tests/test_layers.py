@@ -35,12 +35,12 @@ LAYERS = {
                "gcp.sync", "gcp.restore"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "runner", "allocation", "node_agent", "trainer", "doctor", "install"],
+               "child_process", "own_requeue", "runner", "allocation", "node_agent", "trainer", "doctor", "install"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
 RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
-                  "allocation": "run", "node_agent": "run"}  # one runtime in several modules
+                  "own_requeue": "run", "allocation": "run", "node_agent": "run"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness
