@@ -225,7 +225,7 @@ class KillWatch:
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
             arrived = [s for s in self.pending[self._seen:] if s in self.WATCHED]
-            if arrived:
+            if arrived and self.phase:  # phase "": our own requeue is asked now, its kill is expected
                 self.said = True
                 self.say(f"{signal.Signals(arrived[0]).name}: job {self.job} is being requeued/killed by Slurm during "
                          f"the {self.phase} (it kills this wrapper KillWait seconds later); a framework that calls "

@@ -433,7 +433,7 @@ class Supervisor:
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
         watch.phase = "final sync"
         outcome.synced = self.sync(deadline_s=left, final=True)
-        watch.phase = "requeue"
+        watch.phase = ""
         self._hand_back(outcome, streak=self.no_progress_streak())
         outcome.flush_seconds = self.clock() - started
         outcome.bytes_synced = self.bytes_synced
