@@ -83,7 +83,7 @@ def requeue_own_job(job_id: str, restart_count: int, requeue: Callable[[], None]
         if read_job is not None:
             try:
                 verdict, why = judge_job(read_job(), restart_count)
-            except SlurmError as exc:
+            except Exception as exc:  # noqa: BLE001 - an unreadable state never costs the requeue
                 verdict, why = "requeue", ""
                 if not unreadable_said:
                     unreadable_said = True

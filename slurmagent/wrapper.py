@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Protocol, TextIO
 
 from .checkpoint import Manifest, no_progress_after, state_file_for
 from .child_process import (EXIT_CHILD_SIGNALLED, KillWatch, RequeueHold, exit_by_itself, killpg, signal_at_exit,
-                            terminate_group)
+                            terminate_group)  # EXIT_CHILD_SIGNALLED: the wrapper's exit codes live together
 from .errors import SlurmagentError
 from .expiry_state import termination_time
 from .nodes import FAULT_FLUSH_SIGNAL, JobInfo
@@ -407,6 +407,7 @@ class Supervisor:
         deadline = self.flush_deadline = started + grace
         if child.poll() is not None and cause != SELF_REQUEUE_CAUSE:
             self.say(f"{cause} came as the job exited (exit {child.returncode}): syncing the checkpoint it left")
+            outcome.held_requeue = self.hold is not None and self.hold.requested()  # its verb is asked
         elif cause == SELF_REQUEUE_CAUSE:
             outcome.held_requeue = True
             self._stop_child(child, outcome, "it asked for its own requeue (held until the checkpoint is synced)")
