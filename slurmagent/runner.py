@@ -19,6 +19,7 @@ from .host import node_name, slurmagent_argv
 from .slurm import Slurm
 from .child_process import RequeueHold
 from .identity import SUBMISSION_ENV, new_owner
+from .own_requeue import RequeueVerb
 from .run_setup import (JobIdentity, RunOptions, WrapperError, default_ckpt_dir, dir_owner, expand_node, fresh_attempt,
                         explicit_ckpt_dir, make_private_dir, parse_signal)
 from .wrapper import FLUSH_SIGNALS, Supervisor
@@ -111,8 +112,8 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
     job_store = whole_job or (QuietCutStore(store) if store is not None else None)
     report = checkpoint_report(env, ident, options, store is not None)
-    sup = Supervisor(options, ident, job_store, (lambda job: slurm.requeue([job])) if slurm else None, env,
-                     hold=hold, metrics=metrics, report=report)
+    sup = Supervisor(options, ident, job_store, _requeue_of(slurm) if slurm else None, env,
+                     hold=hold, metrics=metrics, report=report, read_job=slurm.job if slurm else None)
     if job_store is not None:
         job_store.trainer_running = sup.child_running
     if slurm is not None:
@@ -149,6 +150,13 @@ def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool
                             job=ident.job_id, attempt=ident.restart_count, remote=options.remote,
                             ckpt_dir=str(options.ckpt_dir), node=env.get("SLURMD_NODENAME", ""), record=record,
                             interval_s=REPORT_INTERVAL_S, behind_s=max(3 * options.sync_interval_s, 60.0))
+
+
+def _requeue_of(slurm: Slurm):
+    """The wrapper's requeue: `requeue`, or the `requeuehold` its job asked for (held)."""
+    def requeue(job: str, verb: RequeueVerb = RequeueVerb()) -> None:
+        slurm.requeue([job], hold=verb.hold, special_exit=verb.special_exit)
+    return requeue
 
 
 def _requeue_hold(cfg: Config, env, ident: JobIdentity) -> RequeueHold | None:

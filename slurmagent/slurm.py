@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol, TypeVar
 
 from . import hostlist
 from .errors import SlurmError
@@ -21,6 +22,7 @@ from .nodes import (RUNNING_JOB_FIELDS, JobInfo, NodeInfo, RunningJob, job_from_
 from .reasons import clean_reason
 from .timefmt import parse_time_limit
 
+T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 10.0  # one scontrol/squeue/scancel/sbatch call, unless [slurm] timeout_s says otherwise
 
 
@@ -54,6 +56,50 @@ def unreachable(exc: BaseException) -> bool:
     text = str(exc).lower()
     return any(s in text for s in ("unable to contact", "timed out", "connect failure", "connection refused",
                                    "cannot run", "socket timed out", "zero bytes"))
+
+
+# scontrol's answers to a requeue that no retry can change (the job is not requeueable, gone,
+# not a batch job, not ours); any other failure (controller unreachable, "Unexpected message
+# received" from a restarting one, a timeout) may pass. "Job is pending execution" means it was
+# requeued already: `requeue_already_done`.
+REQUEUE_REFUSALS = ("presently disabled", "invalid job id", "permission denied", "access denied",
+                    "only batch jobs", "not supported", "invalid state specification")
+
+
+def requeue_refused_for_good(exc: BaseException) -> bool:
+    """A requeue failure that retrying cannot change (classified by scontrol's message)."""
+    text = str(exc).lower()
+    return any(s in text for s in REQUEUE_REFUSALS) or requeue_already_done(exc)
+
+
+def requeue_already_done(exc: BaseException) -> bool:
+    """scontrol refused the requeue because the job is already PENDING again."""
+    return "pending execution" in str(exc).lower()
+
+
+def retry_with_backoff(call: Callable[[], T], deadline: float, permanent: Callable[[Exception], bool],
+                       say: Callable[[str], None], *, what: str = "the call", clock: Callable[[], float] = time.monotonic,
+                       sleep: Callable[[float], None] = time.sleep, first_wait_s: float = 1.0,
+                       max_wait_s: float = 8.0) -> T:
+    """`call()` until it works, fails for good (`permanent`), or the clock passes `deadline`
+    (slurmctld restarting or failing over must not cost a requeue): waits double from
+    `first_wait_s` up to `max_wait_s`, never past the deadline, and one line says each wait.
+    The last failure is raised."""
+    wait, tries = first_wait_s, 0
+    while True:
+        tries += 1
+        try:
+            return call()
+        except SlurmError as exc:
+            if permanent(exc):
+                raise
+            left = deadline - clock()
+            if left <= 0:
+                raise SlurmError(f"{exc} (gave up after {tries} tries: no time left)") from None
+            pause = min(wait, max_wait_s, left)
+            say(f"{what} failed ({exc}); try {tries + 1} in {pause:.1f} s ({left:.0f} s left)")
+            sleep(pause)
+            wait *= 2
 
 
 class Slurm:
@@ -194,9 +240,11 @@ class Slurm:
     def resume(self, nodes: list[str]) -> None:
         self.update_nodes(nodes, State="RESUME")
 
-    def requeue(self, job_ids: list[str]) -> None:
+    def requeue(self, job_ids: list[str], *, hold: bool = False, special_exit: bool = False) -> None:
+        """`scontrol requeue JOBS` in one call; `hold`: `requeuehold [State=SpecialExit] JOBS`."""
         if job_ids:
-            self._scontrol("requeue", ",".join(job_ids))
+            verb = ["requeuehold", *(["State=SpecialExit"] if special_exit else [])] if hold else ["requeue"]
+            self._scontrol(*verb, ",".join(job_ids))
 
     def excluded_nodes(self, job_id: str) -> list[str]:
         """The nodes job `job_id` excludes (its ExcNodeList: `squeue -o %x`, one call). Read it while

@@ -32,12 +32,14 @@ from typing import Callable, Mapping, Protocol, TextIO
 
 from .checkpoint import Manifest, no_progress_after, state_file_for
 from .checkpoint_cut import committed_part
-from .child_process import RequeueHold, killpg, terminate_group
+from .child_process import (EXIT_CHILD_SIGNALLED, KillWatch, RequeueHold, exit_by_itself, killpg, signal_at_exit,
+                            terminate_group)  # EXIT_CHILD_SIGNALLED: the wrapper's exit codes live together
+from .ckpt_report import CheckpointReport
 from .errors import SlurmagentError
 from .expiry_state import termination_time
-from .ckpt_report import CheckpointReport
 from .identity import SUBMISSION_ENV, settle
-from .nodes import FAULT_FLUSH_SIGNAL
+from .nodes import FAULT_FLUSH_SIGNAL, JobInfo
+from .own_requeue import REQUEUE_MIN_S, RequeueResult, RequeueVerb, requeue_own_job
 from .private_dirs import private_ckpt_dir
 from .restore_failure import NodeExcluder, failed_nodes, requeue_without
 from .run_setup import (DirRecord, JobIdentity, Outcome, RunOptions, WrapperError, dir_owner, fresh_attempt, manifest_id,
@@ -100,6 +102,7 @@ class Supervisor:
         hold: RequeueHold | None = None,
         metrics: MetricsSink | None = None,
         report: CheckpointReport | None = None,
+        read_job: Callable[[str], JobInfo | None] | None = None,
     ):
         self.opts = opts
         self.ident = ident
@@ -113,6 +116,8 @@ class Supervisor:
         self.slurm_nodes: NodeExcluder | None = None  # Slurm: a node's disk failed the restore -> ExcNodeList
         self.report = report  # what the job's owner sees: stderr at a low rate, `status --job`
         self.last_sync: tuple = ()  # (manifest, seconds, files sent, bytes sent, held-back units)
+        self.read_job = read_job  # the job's state before a requeue: a job being cancelled is never requeued
+        self.flush_deadline: float | None = None
         self.pending: list[int] = []  # signals recorded by the handler, acted on by the loop
         if store is not None and getattr(store, "warn", False) is None:
             store.warn = self.say  # files a sync leaves out are said on the job's stderr, like ours
@@ -403,12 +408,14 @@ class Supervisor:
             self.stop_sync.set()
             code = child.returncode
             outcome.child_code = code
-            outcome.exit_code = code if code >= 0 else 128 - code
-            outcome.synced = self.sync(deadline_s=300.0, final=True)
+            with self._kill_watch() as watch:
+                watch.phase = "final sync"
+                outcome.synced = self.sync(deadline_s=300.0, final=True)
             self._report_sync(outcome.synced, None, say=False)
             outcome.bytes_synced = self.bytes_synced
-            outcome.summary = f"exit {outcome.exit_code}: the job's own exit code (it ended by itself)" + (
-                "" if outcome.synced or self.store is None else "; its last checkpoint is NOT in the bucket")
+            outcome.exit_code, outcome.summary = exit_by_itself(code)
+            if not outcome.synced and self.store is not None:
+                outcome.summary += "; its last checkpoint is NOT in the bucket"
             self._metric(replace_prefix=_series(self._lag_key))
             return outcome
         return self._flush(child, cause, outcome)
@@ -419,7 +426,10 @@ class Supervisor:
         while True:
             try:
                 child.wait(timeout=0.1)
-                return None
+                # a flush signal that came before or with the exit counts (a node shutdown SIGTERMs
+                # trainer and wrapper at once; the trainer saves and exits 0), one on its way too
+                signum = signal_at_exit(self.pending, FLUSH_SIGNALS, self.clock)
+                return None if signum is None else signal_name(signum)
             except subprocess.TimeoutExpired:
                 pass
             while self.pending:
@@ -439,13 +449,24 @@ class Supervisor:
                     if left <= self.opts.flush_lead_s:
                         return f"VM expiry in {max(left, 0):.0f} s"
 
+    def _kill_watch(self) -> KillWatch:
+        job = self.ident.job_id if self.ident.platform == "slurm" else ""
+        return KillWatch(self.pending if job else [], self.say, job)
+
     def _flush(self, child: subprocess.Popen, cause: str, outcome: Outcome) -> Outcome:
+        with self._kill_watch() as watch:
+            return self._flush_watched(child, cause, outcome, watch)
+
+    def _flush_watched(self, child: subprocess.Popen, cause: str, outcome: Outcome, watch: KillWatch) -> Outcome:
         started = self.clock()
         self.stop_background_sync()
         outcome.flushed, outcome.flush_cause = True, cause
         grace = flush_grace(self.opts.grace_s, cause)
-        deadline = started + grace
-        if cause == SELF_REQUEUE_CAUSE:
+        deadline = self.flush_deadline = started + grace
+        if child.poll() is not None and cause != SELF_REQUEUE_CAUSE:
+            self.say(f"{cause} came as the job exited (exit {child.returncode}): syncing the checkpoint it left")
+            outcome.held_requeue = self.hold is not None and self.hold.requested()  # its verb is asked
+        elif cause == SELF_REQUEUE_CAUSE:
             outcome.held_requeue = True
             self._stop_child(child, outcome, "it asked for its own requeue (held until the checkpoint is synced)")
         else:
@@ -469,7 +490,9 @@ class Supervisor:
         if self.hold is not None:
             self.hold.cleanup()  # the job is gone; nothing is left behind if we are killed later
         left = max(deadline - self.clock(), self.opts.final_sync_floor_s)
+        watch.phase = "final sync"
         outcome.synced = self.sync(deadline_s=left, final=True)
+        watch.phase = ""
         self._report_sync(outcome.synced, None, say=False)
         self._hand_back(outcome, streak=self.no_progress_streak())
         outcome.flush_seconds = self.clock() - started
@@ -520,9 +543,9 @@ class Supervisor:
                                        f"(--max-requeues {cap})")
             self.say(f"not requeueing job {job}: {outcome.requeue_refused}")
         else:
-            try:
-                self.requeue(job)
-                outcome.requeued = True
+            result = self._requeue_own(job, outcome)
+            outcome.requeued, outcome.requeue_refused = result.requeued, "" if result.requeued else result.why
+            if result.requeued and not result.why:
                 if streak:
                     budget = f" without progress {streak} of at most {cap}"
                 elif streak is None:
@@ -530,15 +553,23 @@ class Supervisor:
                 else:
                     budget = ", it made progress"
                 self.say(f"requeued job {job} (restart {self.ident.restart_count + 1}{budget})")
-            except SlurmagentError as exc:
-                outcome.requeue_refused = f"scontrol requeue failed: {exc}"
-                self.say(f"requeue of job {job} failed: {exc}")
+            else:
+                self.say(f"not requeueing job {job}{' again' if result.requeued else ''}: {result.why}")
         if outcome.requeued:
             outcome.exit_code = EXIT_FLUSHED
             outcome.summary = f"exit {EXIT_FLUSHED}: {flushed}, job {job} requeued"
         else:
             outcome.exit_code = EXIT_REQUEUE_REFUSED
             outcome.summary = f"exit {EXIT_REQUEUE_REFUSED}: {flushed}, job {job} NOT requeued: {outcome.requeue_refused}"
+
+    def _requeue_own(self, job: str, outcome: Outcome) -> RequeueResult:
+        """`scontrol requeue` (or the held `requeuehold`) by own_requeue's rules: never for a
+        job Slurm is ending, never twice, retried until the flush deadline."""
+        verb = self.hold.verb() if self.hold is not None and outcome.held_requeue else RequeueVerb()
+        call = (lambda: self.requeue(job)) if verb == RequeueVerb() else (lambda: self.requeue(job, verb))
+        read = (lambda: self.read_job(job)) if self.read_job is not None else None
+        deadline = max(self.flush_deadline or 0.0, self.clock() + REQUEUE_MIN_S)
+        return requeue_own_job(job, self.ident.restart_count, call, read, deadline, self.say, clock=self.clock)
 
 
 def _series(key: tuple) -> str:

@@ -36,13 +36,13 @@ LAYERS = {
                "gcp.sync", "gcp.restore", "gcp.verify"],
     ACTIONS: ["actions", "action_handlers", "eviction"],
     RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "runner", "allocation", "agent_step", "node_agent", "uncommitted", "cut_store", "identity",
+               "child_process", "own_requeue", "runner", "allocation", "agent_step", "node_agent", "uncommitted", "cut_store", "identity",
                "restore_failure", "trainer", "doctor", "install", "job_status"],
     FACE: ["cli", "entry", "hookmain"],
 }
 PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
 RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
-                  "allocation": "run", "agent_step": "run", "node_agent": "run", "uncommitted": "run",
+                  "allocation": "run", "agent_step": "run", "node_agent": "run", "uncommitted": "run", "own_requeue": "run",
                   "cut_store": "run", "identity": "run", "restore_failure": "run",
                   "status": "status", "job_status": "status"}  # one runtime in several modules
 SHARED_RUNTIMES = {"health"}
