@@ -28,7 +28,9 @@ restore wins, else the lowest node index, with a warning. A node *wrote* a file 
 differs from the restored one or it wrote it before (the restored manifest's `writers`); a
 node that holds only the restored, unchanged copy did not. A file no node of this job wrote
 any more while one of its writers is in the job was deleted by that writer (rank 0 rotating
-old checkpoints) and leaves the checkpoint, whatever other nodes still hold from the restore.
+old checkpoints) and leaves the checkpoint, whatever other nodes still hold from the restore;
+a step folder one of its writer nodes removed whole leaves whole, with the files other nodes
+wrote into it (`checkpoint_cut.Rotations`: HF's `rng_state_1.pth`).
 
 While the command still runs, a commit is a consistent cut (`checkpoint_cut.py`): units (step
 folders, the files of one folder) are taken only when quiet for a whole round on every node,
