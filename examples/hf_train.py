@@ -2,7 +2,7 @@
 
     slurmagent sbatch -- python examples/hf_train.py
     slurmagent sbatch -N 2 --ntasks-per-node=1 -- --ckpt-dir /mnt/localssd/ckpt -- \\
-        srun python examples/hf_train.py --save-on-each-node    # MASTER_ADDR/MASTER_PORT exported
+        srun python examples/hf_train.py    # MASTER_ADDR/MASTER_PORT exported
 
 By default SIGUSR1 kills the Trainer (it installs no handler). `CheckpointOnSignal` (the
 recipe's 7 lines) records the wrapper's signal with the trainer helper and, at the end of the
@@ -10,10 +10,10 @@ step every rank agrees on, asks the Trainer to save `checkpoint-<global step>/` 
 wrapper then syncs and requeues. The next attempt finds the restored folder and resumes
 there (`resume_from_checkpoint`): global step, optimizer, scheduler and RNG state continue.
 
-`output_dir` is SLURMAGENT_CKPT_DIR. On node-local disks pass `save_on_each_node=True`: HF
-then writes and rotates (`save_total_limit`) every checkpoint on each node's first rank;
-without it only rank 0's node rotates, and the other nodes' old `checkpoint-N/` folders
-(their ranks' RNG files, restored copies) stay in the checkpoint.
+`output_dir` is SLURMAGENT_CKPT_DIR. On node-local disks HF's defaults work: rank 0 rotates
+(`save_total_limit`) on its node only, and a `checkpoint-N/` it removed leaves the checkpoint
+with the other ranks' `rng_state_<rank>.pth` in it. `--save-on-each-node` writes and rotates
+every checkpoint on each node's first rank too (the other nodes' local disks stay small).
 
 The model is a 2-layer GPT-2 built from a config (nothing downloaded) trained on random
 token ids (no tokenizer). Under srun, RANK/WORLD_SIZE/LOCAL_RANK come from SLURM_PROCID/

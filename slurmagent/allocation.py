@@ -28,7 +28,9 @@ restore wins, else the lowest node index, with a warning. A node *wrote* a file 
 differs from the restored one or it wrote it before (the restored manifest's `writers`); a
 node that holds only the restored, unchanged copy did not. A file no node of this job wrote
 any more while one of its writers is in the job was deleted by that writer (rank 0 rotating
-old checkpoints) and leaves the checkpoint, whatever other nodes still hold from the restore.
+old checkpoints) and leaves the checkpoint, whatever other nodes still hold from the restore;
+a step folder one of its writer nodes removed whole leaves whole, with the files other nodes
+wrote into it (`checkpoint_cut.Rotations`: HF's `rng_state_1.pth`).
 
 While the command still runs, a commit is a consistent cut (`checkpoint_cut.py`): units (step
 folders, the files of one folder) are taken only when quiet for a whole round on every node,
@@ -51,7 +53,7 @@ from . import hostlist
 from .agent_channel import read_frames
 from .agent_step import Rounds, agent_env, run_step
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
-from .checkpoint_cut import QuietCut
+from .checkpoint_cut import QuietCut, Rotations, unit_of
 from .checkpoint_errors import NodeDiskError
 from .errors import SlurmagentError
 from .private_dirs import UNCOMMITTED_SUFFIX  # noqa: F401 - its home is private_dirs
@@ -331,6 +333,7 @@ class AllocationStore:
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
         self.cut = QuietCut()
+        self.rotations = Rotations()  # step folders a writer node removed whole (rank-0 rotation)
         self.clock_ns: Callable[[], int] = time.time_ns  # the batch step's wall clock
         self.pending: dict[str, float] = {}  # relpath -> when a round first saw it differ from the commit
         self._warned: set[str] = set()
@@ -427,11 +430,12 @@ class AllocationStore:
                 raise CheckpointError(f"{failed}; the last complete checkpoint stays")
             self._check_clocks(reports, sent_ns, received_ns)
             merged = merge_reports(reports, baseline=self.baseline)
+            previous = self.last_committed
+            merged = self._without_rotated(merged, reports, previous)
             for rel, why in merged.conflicts.items():  # once per file and job, not every round
                 if rel not in self._warned:
                     self._warned.add(rel)
                     self.say(f"WARNING: {why}")
-            previous = self.last_committed
             # While the trainer runs: only units quiet for a whole round on every node (checkpoint_cut).
             cut = self.cut.take(merged.files, merged.writers, {r.index: r.units for r in reports},
                                 previous_files=previous.files if previous else None,
@@ -452,6 +456,18 @@ class AllocationStore:
             self.last_committed = manifest
             return AllocationSyncResult(*sent, generation, len(cut.files), len(reports), manifest,
                                         pending_since=self._pending_since(merged.files, manifest, sent_ns), **extra)
+
+    def _without_rotated(self, merged: Merged, reports: list[NodeReport], previous: Manifest | None) -> Merged:
+        """`merged` less the step folders a writer node removed whole (checkpoint_cut.Rotations)."""
+        committed = {rel: _writers_before(previous, rel) for rel in previous.files} if previous else {}
+        gone = self.rotations.drop({r.index: r.files for r in reports}, merged.writers, committed)
+        if not gone:
+            return merged
+        keep = {rel for rel in merged.files if unit_of(rel) not in gone}
+        return Merged({rel: e for rel, e in merged.files.items() if rel in keep},
+                      {rel: w for rel, w in merged.writers.items() if rel in keep},
+                      {rel: why for rel, why in merged.conflicts.items() if rel in keep},
+                      sorted(set(merged.dropped) | (set(merged.files) - keep)))
 
     def _check_clocks(self, reports: list[NodeReport], sent_ns: int, received_ns: int) -> None:
         """Each agent's clock against the batch step's: its reading must fall between our send

@@ -30,6 +30,11 @@ after the trainer exited, takes everything as it is.
 
 A folder named like a step that is not one checkpoint (`run_2/...`) only makes its
 unit coarse: it is committed when everything under it is quiet, and said when held back.
+
+**Rotation** (`Rotations`): a step folder one of its writer nodes removed entirely leaves
+the checkpoint whole, whatever other nodes still hold of it: trainers rotate old checkpoints
+on global rank 0 only, while the other nodes keep their own ranks' files of them (HF's
+`rng_state_1.pth`) and every restored copy.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from .checkpoint_manifest import entry_content_id
 from .checkpoint_names import is_reserved_name
@@ -62,6 +67,11 @@ def unit_of(relpath: str) -> str:
         if is_step_folder(name):
             return "/".join(folders[: i + 1])
     return "/".join(folders)
+
+
+def is_step_unit(unit: str) -> bool:
+    """A unit that is a step folder (one checkpoint), not the files of a plain folder."""
+    return bool(unit) and is_step_folder(unit.rsplit("/", 1)[-1])
 
 
 def committed_part(before: dict[str, list[int]], committed: dict[str, list[int]],
@@ -172,3 +182,47 @@ class QuietCut:
 
 def _contents(files: Mapping[str, dict]) -> dict[str, str]:
     return {rel: content_of(e) for rel, e in files.items()}
+
+
+class Rotations:
+    """Step folders a writer node removed whole: they leave the checkpoint whole (22.4).
+
+    A node *wrote* a unit when the last commit names it a writer of one of its files (a
+    restored, unchanged copy makes no writer: `merge_reports`) or a round of this job saw it
+    write one (a folder rotated before any commit took it). When such a node holds none of
+    the unit any more, its other nodes' files go too, and stay out while that node holds
+    none of it (a new save of the same step brings it back under the normal rules). A
+    writer that is not in this job (fewer nodes after a requeue) decides nothing; a failed
+    round commits nothing and is never looked at. Other units keep the per-file rule."""
+
+    def __init__(self) -> None:
+        self.writers: dict[str, set[int]] = {}  # step folder -> nodes seen writing it in this job's rounds
+        self.gone: dict[str, set[int]] = {}  # step folder -> the writer nodes that removed it
+
+    def drop(self, held: Mapping[int, Iterable[str]], writers: Mapping[str, Iterable[int]],
+             committed_writers: Mapping[str, Iterable[int]]) -> set[str]:
+        """The step folders to leave out of this round. `held`: node index -> the files it
+        holds now (every node of the round); `writers`: this round's merged writers;
+        `committed_writers`: file -> writer nodes of the last commit."""
+        units_held = {i: {unit_of(rel) for rel in rels} for i, rels in held.items()}
+        anywhere = set().union(*units_held.values()) if units_held else set()
+        wrote: dict[str, set[int]] = {}
+        for source in (committed_writers, writers):
+            for rel, nodes in source.items():
+                unit = unit_of(rel)
+                if is_step_unit(unit):
+                    wrote.setdefault(unit, set()).update(nodes)
+        for unit, nodes in wrote.items():
+            if unit in anywhere:
+                self.writers.setdefault(unit, set()).update(nodes)
+        for unit in list(self.writers):
+            removers = {i for i in self.writers[unit] if i in units_held and unit not in units_held[i]}
+            if unit not in anywhere:  # gone from every node: nothing to leave out, nothing to remember
+                self.writers.pop(unit)
+                self.gone.pop(unit, None)
+            elif removers:
+                self.gone.setdefault(unit, set()).update(removers)
+        for unit in list(self.gone):  # a remover holding it again: a new save, normal rules
+            if any(unit in units_held.get(i, ()) for i in self.gone[unit]):
+                self.gone.pop(unit)
+        return set(self.gone)

@@ -175,6 +175,126 @@ def test_lightning_metrics_rewritten_every_round_never_hold_back_its_checkpoints
     assert "v0 (node index 0)" in said[0]
 
 
+# --- rotation: step folders a writer node removed whole (22.4) ---------------------------------
+
+HF_RANK0 = ("model.safetensors", "optimizer.pt", "trainer_state.json", "rng_state_0.pth")
+
+
+class Scripted:
+    """Node agents that report what the test says each node holds (content letters), with
+    unit signatures that change when a unit's files do; no disks, no bucket."""
+
+    def __init__(self, n: int):
+        self.held: dict[int, dict[str, str]] = {i: {} for i in range(n)}
+
+    def run(self, args: list[str], deadline_s: float, cancel=None) -> list[NodeReport]:
+        if args[0] == "restore":
+            return [NodeReport(index=i, node=f"v{i}", ok=True) for i in self.held]
+        out = []
+        for i, files in self.held.items():
+            units: dict[str, list] = {}
+            for rel, c in files.items():
+                units.setdefault(unit_of(rel), []).append((rel, c))
+            out.append(sigs(report(i, files), **{u: json.dumps(sorted(fs)) for u, fs in units.items()}))
+        return out
+
+
+class Bucket:
+    url = "gs://b/p"
+
+    def __init__(self, manifest: Manifest | None = None):
+        self.manifest, self.generation = manifest, int(manifest is not None)
+
+    def read_manifest(self, deadline_s=0):
+        return self.manifest, self.generation
+
+    def commit(self, manifest, deadline_s=0):
+        self.manifest, self.generation = manifest, self.generation + 1
+        return self.generation
+
+
+def hf_save(agents: Scripted, step: int, c: str = "a") -> None:
+    """HF defaults on 2 nodes: rank 0 writes the checkpoint, each rank its own RNG file."""
+    agents.held[0].update({f"checkpoint-{step}/{name}": c for name in HF_RANK0})
+    agents.held[1][f"checkpoint-{step}/rng_state_1.pth"] = c
+
+
+def rotate_on_rank_0(agents: Scripted, step: int) -> None:
+    agents.held[0] = {rel: c for rel, c in agents.held[0].items() if unit_of(rel) != f"checkpoint-{step}"}
+
+
+def rounds(store: AllocationStore, n: int, running: bool = True) -> list[set[str]]:
+    """The checkpoint-* folders of each of n commits."""
+    store.trainer_running = lambda: running
+    out = []
+    for _ in range(n):
+        store.sync("/ck", 0, "/state", deadline_s=10)
+        files = store.committer.manifest.files if store.committer.manifest else {}
+        out.append({rel.split("/")[0] for rel in files if rel.startswith("checkpoint-")})
+    return out
+
+
+def test_a_step_folder_rank_0_rotated_away_leaves_the_checkpoint_whatever_rank_1_wrote_into_it():
+    """HF defaults (no save_on_each_node): rank 1's rng_state_1.pth kept every old checkpoint-N/."""
+    agents = Scripted(2)
+    store = AllocationStore(Allocation("1", 2), Bucket(), agents, err=io.StringIO())
+    store.restore("/ck", deadline_s=10)
+    hf_save(agents, 1)
+    hf_save(agents, 2)
+    assert rounds(store, 2)[-1] == {"checkpoint-1", "checkpoint-2"}
+    hf_save(agents, 3)
+    rotate_on_rank_0(agents, 1)  # save_total_limit=2, on rank 0 only
+    assert rounds(store, 4)[1:] == [{"checkpoint-2", "checkpoint-3"}] * 3  # once quiet, and it stays out
+    assert rounds(store, 1, running=False) == [{"checkpoint-2", "checkpoint-3"}]  # the final sync too
+    assert store.committer.manifest.writers["checkpoint-3/rng_state_1.pth"] == [1]
+
+
+def test_a_step_folder_rotated_before_any_commit_took_it_never_enters_the_checkpoint():
+    agents = Scripted(2)
+    store = AllocationStore(Allocation("1", 2), Bucket(), agents, err=io.StringIO())
+    store.restore("/ck", deadline_s=10)
+    hf_save(agents, 1)
+    rounds(store, 1)  # seen, not yet quiet
+    rotate_on_rank_0(agents, 1)
+    assert rounds(store, 3) == [set()] * 3  # not rank 1's rng_state_1.pth alone
+
+
+@pytest.mark.parametrize("scope", ["all", "node"])
+def test_after_a_requeue_rank_0_rotation_removes_a_folder_every_node_holds_from_the_restore(scope):
+    files = {f"checkpoint-{s}/{n}": entry("a") for s in (1, 2) for n in (*HF_RANK0, "rng_state_1.pth")}
+    writers = {rel: [1] if rel.endswith("rng_state_1.pth") else [0] for rel in files}
+    agents = Scripted(2)
+    store = AllocationStore(Allocation("1", 2), Bucket(Manifest(0, files=files, node_count=2, writers=writers)),
+                            agents, scope=scope, err=io.StringIO())
+    store.restore("/ck", deadline_s=10)
+    for i in (0, 1):  # what the restore put on each node
+        agents.held[i] = {rel: "a" for rel, w in writers.items() if scope == "all" or i in w}
+    hf_save(agents, 3)
+    rotate_on_rank_0(agents, 1)
+    assert rounds(store, 1, running=False) == [{"checkpoint-2", "checkpoint-3"}]
+    assert store.committer.manifest.writers["checkpoint-2/rng_state_1.pth"] == [1]  # restored copies make no writer
+
+
+def test_rotation_never_drops_what_a_node_outside_this_job_wrote_nor_loose_files_nor_a_reader_removed():
+    """Writers 2 and 3 of a 4-node checkpoint are not in this 2-node job; node 1 holds only
+    restored copies of checkpoint-1 and removes them; top-level files keep the per-file rule."""
+    files = {"checkpoint-1/model.pt": entry("a"), "checkpoint-1/rng_state_2.pth": entry("b"),
+             "checkpoint-1/rng_state_3.pth": entry("c"), "rank0.pt": entry("d"), "rank1.pt": entry("e")}
+    writers = {"checkpoint-1/model.pt": [0], "checkpoint-1/rng_state_2.pth": [2],
+               "checkpoint-1/rng_state_3.pth": [3], "rank0.pt": [0], "rank1.pt": [1]}
+    agents = Scripted(2)
+    store = AllocationStore(Allocation("1", 2), Bucket(Manifest(0, files=files, node_count=4, writers=writers)),
+                            agents, err=io.StringIO())
+    store.restore("/ck", deadline_s=10)
+    agents.held[0] = {rel: SHA_OF[e["sha256"]] for rel, e in files.items() if rel != "rank0.pt"}  # rank 0 removed it
+    agents.held[1] = {rel: SHA_OF[e["sha256"]] for rel, e in files.items() if not rel.startswith("checkpoint-1/")}
+    store.sync("/ck", 1, "/state", deadline_s=10)
+    assert store.committer.manifest.files.keys() == files.keys() - {"rank0.pt"}
+
+
+SHA_OF = {v: k for k, v in SHA.items()}
+
+
 # --- restore scope ------------------------------------------------------------------------------
 
 

@@ -75,22 +75,31 @@ def checkpoint_folders(manifest: dict | None) -> set[str]:
     return {name.split("/")[0] for name in (manifest or {}).get("files", {}) if name.startswith("checkpoint-")}
 
 
+def half_empty(manifest: dict | None) -> set[str]:
+    """checkpoint-N folders without the trainer's state (rank 0 writes it last)."""
+    names = set((manifest or {}).get("files", {}))
+    return {f for f in checkpoint_folders(manifest) if f"{f}/trainer_state.json" not in names}
+
+
 def test_hf_save_total_limit_on_two_nodes_holds_two_checkpoints_over_three_requeues(cl: LocalSlurmCluster, emu,
                                                                                     tmp_path):
-    """The recipe's `save_on_each_node=True`: each node rotates its own copies. (Without it HF
-    rotates on rank 0 only, and rank 1's `rng_state_1.pth` in every old `checkpoint-N/` on its
-    own disk keeps that folder in the checkpoint: 3+ folders after one requeue.)"""
+    """HF defaults (no `save_on_each_node`): every rank writes its `rng_state_<rank>.pth` into
+    `checkpoint-N/` on its own node's disk, rank 0 alone rotates old folders, and the other
+    node keeps its files of them (and, after a requeue, every restored copy). A step folder its
+    writer removed whole leaves the checkpoint whole: never 3+ folders, never half-empty ones."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     log = tmp_path / "log"
     cmd = [sys.executable, HF_TRAIN, "--max-steps", "100", "--save-steps", "10", "--save-total-limit", "2",
-           "--step-seconds", "0.1", "--log", str(log), "--save-on-each-node"]
+           "--step-seconds", "0.1", "--log", str(log)]
     job = submit(cl, tmp_path, emu.url, [], cmd, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]))
     seen: list[set[str]] = []
+    halves: list[set[str]] = []
 
     def sample() -> dict | None:
         m = committed(job)
         seen.append(checkpoint_folders(m))
+        halves.append(half_empty(m))
         return m
 
     for attempt in range(3):
@@ -110,4 +119,5 @@ def test_hf_save_total_limit_on_two_nodes_holds_two_checkpoints_over_three_reque
     assert len(starts) == 4 and starts[0] == 0 and all(s in saves for s in starts[1:]), (starts, saves)
     assert starts == sorted(starts) and len(set(starts)) == 4  # each attempt resumed where the last one saved
     assert all(len(folders) <= 2 for folders in seen), [sorted(f) for f in seen if len(f) > 2]
+    assert not any(halves), [sorted(h) for h in halves if h]
     assert checkpoint_folders(committed(job)) == {"checkpoint-90", "checkpoint-100"}
