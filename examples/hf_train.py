@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--save-total-limit", type=int, default=2)
     ap.add_argument("--save-on-each-node", action="store_true", help="node-local disks: save and rotate on every node")
     ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (stands in for real work)")
+    ap.add_argument("--n-embd", type=int, default=32, help="model width (checkpoint size grows as its square)")
     ap.add_argument("--log", help="append 'start/save/step N' lines here (rank 0)")
     args = ap.parse_args()
     torchrun_env()
@@ -94,7 +95,7 @@ def main() -> int:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=args.n_embd, n_layer=2, n_head=2))
     out = str(trainer.ckpt_dir())
     targs = TrainingArguments(
         output_dir=out, max_steps=args.max_steps, per_device_train_batch_size=4, learning_rate=1e-3,
