@@ -55,8 +55,8 @@ from .agent_step import Rounds, agent_env, run_step
 from .checkpoint import CheckpointError, Manifest, RestoreError, entry_content_id, no_progress_after
 from .checkpoint_cut import QuietCut, Rotations, unit_of
 from .checkpoint_errors import NodeDiskError
+from .cut_store import check_held_back_objects
 from .errors import SlurmagentError
-from .private_dirs import UNCOMMITTED_SUFFIX  # noqa: F401 - its home is private_dirs
 
 AGENT_STEP_NAME = "slurmagent-node-agent"
 SCOPES = ("all", "node")
@@ -411,7 +411,8 @@ class AllocationStore:
 
     def _check_held_back(self, files: dict[str, dict], reports: list[NodeReport], deadline_s: float) -> None:
         if self.committer is not None:
-            _check_held_back_objects(self.committer, files, reports, deadline_s)
+            check_held_back_objects(self.committer, files, (e for r in reports for e in r.files.values()),
+                                    deadline_s)
 
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = 600.0,
              restored: Manifest | None = None) -> AllocationSyncResult:
@@ -493,23 +494,6 @@ class AllocationStore:
                   if rel not in now_files or rel not in held or _same(now_files[rel]) != _same(held[rel])}
         self.pending = {rel: self.pending.get(rel, round_ns / 1e9) for rel in differ}
         return min(self.pending.values()) if self.pending else None
-
-
-def _check_held_back_objects(committer: Committer, files: dict[str, dict], reports: Sequence[NodeReport],
-                            deadline_s: float) -> None:
-    """Entries no node reported (held back as previously committed) must still have their blob in
-    the bucket (a lifecycle rule may have deleted it, and no node holds those bytes to send again)."""
-    check = getattr(committer, "missing_objects", None)
-    reported = {entry_content_id(e) for r in reports for e in r.files.values() if "link" not in e}
-    held = {rel: e for rel, e in files.items() if "link" not in e and entry_content_id(e) not in reported}
-    if check is None or not held:
-        return
-    missing = check(held, deadline_s=max(deadline_s / 4, 10.0))
-    if missing:
-        raise CheckpointError(
-            f"not committing: {len(missing)} file(s) kept as previously committed ({', '.join(missing[:3])}"
-            f"{' ...' if len(missing) > 3 else ''}) have no blob in {committer.url} any more and no node "
-            "holds them; the next round commits what the nodes hold")
 
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,

@@ -15,9 +15,9 @@ import dataclasses
 import sys
 import threading
 import time
-from typing import Any, Callable, Protocol, TextIO
+from typing import Any, Callable, Iterable, Protocol, TextIO
 
-from .checkpoint import Manifest, no_progress_after
+from .checkpoint import CheckpointError, Manifest, entry_content_id, no_progress_after
 from .checkpoint_cut import QuietCut, unit_signatures
 
 
@@ -115,7 +115,25 @@ class QuietCutStore:
             if previous is not None and (previous.attempt, previous.files, previous.no_progress) == (
                     attempt, cut.files, no_progress):
                 return dataclasses.replace(result, manifest=previous)  # nothing new to commit
+            check_held_back_objects(self.inner, cut.files, (up.files or {}).values(), deadline_s)
             manifest = Manifest(attempt=attempt, files=cut.files, no_progress=no_progress)
             self.inner.commit(manifest, deadline_s=max(deadline_s - (time.monotonic() - started), 2.0))
             self.last_committed = manifest
             return dataclasses.replace(result, manifest=manifest)
+
+
+def check_held_back_objects(store: Any, files: dict[str, dict], reported: Iterable[dict], deadline_s: float) -> None:
+    """Entries no node reported now (held back as previously committed) must still have their
+    blob in the bucket: a lifecycle rule may have deleted it, and no node holds those bytes to
+    send again. `store.missing_objects` (gcp.storage) checks each object once per run."""
+    check = getattr(store, "missing_objects", None)
+    now = {entry_content_id(e) for e in reported if "link" not in e}
+    held = {rel: e for rel, e in files.items() if "link" not in e and entry_content_id(e) not in now}
+    if check is None or not held:
+        return
+    missing = check(held, deadline_s=max(deadline_s / 4, 10.0))
+    if missing:
+        raise CheckpointError(
+            f"not committing: {len(missing)} file(s) kept as previously committed ({', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}) have no blob in {store.url} any more and no node "
+            "holds them; the next round commits what the nodes hold")

@@ -41,7 +41,9 @@ class UnusableDirError(NodeDiskError, UnsafeDirError):
 def _cannot(what: str, exc: OSError, hint: str = "") -> UnsafeDirError:
     """The error for an OSError on our own path: unusable (node-local) or plain."""
     message = f"{what}: {exc.strerror or exc}{hint}"
-    return UnusableDirError(message) if exc.errno in NODE_LOCAL_ERRNOS and exc.errno != errno.ELOOP else (
+    # not ours to use (permissions, a link) is a refusal, never "this node's disk"
+    node_disk = exc.errno in NODE_LOCAL_ERRNOS and exc.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM)
+    return UnusableDirError(message) if node_disk else (
         UnsafeDirError(message))
 
 

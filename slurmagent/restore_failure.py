@@ -60,6 +60,9 @@ def requeue_without(sup: Any, outcome: Any, exc: BaseException, nodes: list[str]
         manifest = sup.store.latest_manifest(deadline_s=30.0) if sup.store is not None else None
     except SlurmagentError:
         pass
+    owner = getattr(sup.store, "owner", None)
+    if manifest is not None and owner and manifest.owner != owner:
+        manifest = None  # another submission's: its no-progress streak is not ours
     job = sup.ident.job_id
     keep: list[str] = []
     try:

@@ -32,8 +32,7 @@ from typing import Callable, Mapping, Protocol, TextIO
 
 from .checkpoint import Manifest, no_progress_after, state_file_for
 from .checkpoint_cut import committed_part
-from .child_process import (EXIT_CHILD_SIGNALLED, KillWatch, RequeueHold, exit_by_itself, killpg, signal_at_exit,
-                            terminate_group)  # EXIT_CHILD_SIGNALLED: the wrapper's exit codes live together
+from .child_process import KillWatch, RequeueHold, exit_by_itself, killpg, signal_at_exit, terminate_group
 from .ckpt_report import CheckpointReport
 from .errors import SlurmagentError
 from .expiry_state import termination_time
@@ -168,7 +167,11 @@ class Supervisor:
         mid = manifest_id(manifest) if manifest is not None else None
         local = stat_scan(ckpt)
         record = self.record.read()
-        if not self.opts.multi_node and local and self.record.is_mine(record) and record.get("manifest") == mid:
+        keep = not self.opts.multi_node and local and self.record.is_mine(record) and record.get("manifest") == mid
+        if keep and manifest is None and not (self.ident.submission or self.ident.platform == "local"):
+            keep = False  # only a submission id tells this job's earlier attempt from an earlier job with
+            # the same (reused) job id that never committed either: its files go aside, never deleted
+        if keep:
             if manifest is None:
                 self.say(f"kept the files of this job's earlier attempt in {ckpt}: nothing is committed to "
                          f"{self.remote} yet")
@@ -185,7 +188,7 @@ class Supervisor:
         if manifest is not None or self.opts.multi_node:  # the agents do the same on every node
             # the hash cache learns the restored files, so the next sync neither reads nor sends them
             restored = self.store.restore(ckpt, deadline_s=self.opts.restore_deadline_s, state_file=self.state_file)
-        if restored is None:  # none committed (or deleted between the two reads)
+        if restored is None or not restored.files:  # none committed (deleted between the reads, or a claim)
             set_aside(ckpt, (), self.say)
             self.record.write(manifest=None, files={})
             self.say(f"no checkpoint at {self.remote}: starting fresh")

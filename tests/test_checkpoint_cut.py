@@ -216,3 +216,54 @@ def test_hf_style_trainer_killed_hard_at_ten_random_moments_always_restores_whol
                                                     (tmp_path / f"wrapper-{attempt}.err").read_text())
         committed_steps |= {p.name for p in restored.glob("checkpoint-*")}
     assert len(committed_steps) >= 3, committed_steps  # periodic commits happened, and went on after restores
+
+
+def test_a_held_back_units_committed_blob_that_is_gone_is_never_committed_again(emu, tmp_path):
+    """A single-node commit keeps a held-back unit's previous entries: their blobs must still be in
+    the bucket (an age rule on blobs/ may have deleted one), else nothing is committed that round."""
+    from slurmagent.checkpoint import CheckpointError
+    from slurmagent.gcp.storage import GcsCheckpointStore
+
+    d, state = tmp_path / "ck", tmp_path / "state.json"
+    inner = GcsCheckpointStore("gs://ckpt/gone")
+    store = QuietCutStore(inner, err=io.StringIO())
+    store.trainer_running = lambda: True
+    (d / "checkpoint-1").mkdir(parents=True)
+    (d / "checkpoint-1" / "model.safetensors").write_bytes(b"1" * 600 * 1024)  # a blob of its own (no pack)
+    store.sync(d, 0, state)
+    first = store.sync(d, 0, state).manifest
+    blobs = [b for b in inner.client.bucket("ckpt").list_blobs(prefix="gone/blobs/")]
+    assert first is not None and len(blobs) == 1
+    blobs[0].delete()  # a lifecycle rule, between two attempts
+    inner = GcsCheckpointStore("gs://ckpt/gone")  # the next attempt: a new run, nothing seen yet
+    store = QuietCutStore(inner, err=io.StringIO())
+    store.trainer_running = lambda: True
+    (d / "checkpoint-1" / "model.safetensors").write_bytes(b"2" * 600 * 1024)  # being rewritten: held back
+    with pytest.raises(CheckpointError, match="no blob in gs://ckpt/gone any more"):
+        store.sync(d, 1, state, restored=first)
+    assert inner.latest_manifest() == first  # not committed again over a gone blob
+    store.sync(d, 1, state, restored=first)  # quiet now: the new version is taken, with its blob
+    restored = tmp_path / "restored"
+    inner.restore(restored)
+    assert (restored / "checkpoint-1" / "model.safetensors").read_bytes() == b"2" * 600 * 1024
+
+
+def test_a_multi_node_start_on_an_empty_claim_is_a_fresh_start(tmp_path):
+    """The agents' restore of a prefix this job just took over (an empty claim) is no checkpoint:
+    the trainer is not told to resume (SLURMAGENT_RESUMED unset)."""
+
+    class ClaimedPrefix:
+        url = "gs://ckpt/jobs/77"
+
+        def latest_manifest(self, *, deadline_s=60.0):
+            return None  # what `settle` returns for an empty claim
+
+        def restore(self, ckpt_dir, *, deadline_s=1800.0, state_file=None):
+            Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+            return Manifest(attempt=0)  # the agents hold the claim: no files
+
+    opts = RunOptions(cmd=["true"], ckpt_dir=tmp_path / "ckpt", remote="gs://ckpt/jobs/77", multi_node=True)
+    sup = Supervisor(opts, JobIdentity("slurm", "77", "77", 1, ("77",)), ClaimedPrefix(), None, {},
+                     err=io.StringIO())
+    assert sup.prepare_dir() is False
+    assert sup.baseline is None and "starting fresh" in sup.err.getvalue()

@@ -194,12 +194,27 @@ def test_a_record_of_another_job_never_keeps_the_files_beside_the_same_commit(em
 
 def test_a_restart_of_the_same_job_keeps_its_files_when_nothing_was_committed_yet(emu, tmp_path):
     ckpt = tmp_path / "n1" / "ckpt"
+    first, err = attempt(tmp_path, 0, "A", ckpt_dir=ckpt, before_flush=emu.stop, grace_s=2, final_sync_floor_s=1,
+                         submission="sub-1")  # `slurmagent sbatch`: one id for every attempt
+    assert not first.synced, err
+    emu.start()
+    outcome, err, shown = run_shown(tmp_path, 1, ckpt, submission="sub-1")
+    assert "kept the files of this job's earlier attempt" in err, err
+    assert shown[:2] == ["state", "1"] and not aside(ckpt).exists()
+
+
+def test_a_plain_sbatch_restart_never_keeps_uncommitted_files_a_reused_job_id_may_have_left(emu, tmp_path):
+    """Without a submission id, attempt 1 of job 77 cannot tell its own attempt 0's uncommitted
+    files from those of an earlier job 77 (a controller with fresh state) that never committed:
+    they go aside, kept, never shown (the bucket held nothing of either)."""
+    ckpt = tmp_path / "n1" / "ckpt"
     first, err = attempt(tmp_path, 0, "A", ckpt_dir=ckpt, before_flush=emu.stop, grace_s=2, final_sync_floor_s=1)
     assert not first.synced, err
     emu.start()
     outcome, err, shown = run_shown(tmp_path, 1, ckpt)
-    assert "kept the files of this job's earlier attempt" in err, err
-    assert shown[:2] == ["state", "1"] and not aside(ckpt).exists()
+    assert "kept the files of this job's earlier attempt" not in err, err
+    assert shown == ["0"], shown  # started fresh
+    assert "state" in tree(aside(ckpt)), err
 
 
 def test_without_a_remote_another_jobs_files_go_aside_and_a_restart_keeps_its_own(tmp_path):

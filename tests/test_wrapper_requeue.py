@@ -48,12 +48,12 @@ class Requeues(list):
 
 def attempt(tmp_path: Path, restart: int, content: str, *, store=True, max_requeues: int = 3, ckpt_dir=None,
             requeues: Requeues | None = None, cmd=None, flush: bool = True, hold=None, grace_s: float = 20.0,
-            ready: Path | None = None, before_flush=None, **options):
+            ready: Path | None = None, before_flush=None, submission: str = "", **options):
     """One attempt of job 77 on a fresh node (empty dir) unless `ckpt_dir` is given: the trainer
     writes `content`, then the wrapper gets SIGTERM (when `flush`). Returns (outcome, stderr)."""
     ckpt = ckpt_dir or tmp_path / f"node-{restart}" / "ckpt"
     ready = ready or tmp_path / f"ready-{restart}-{time.monotonic_ns()}"
-    ident = JobIdentity("slurm", "77", "77", restart, ("77",))
+    ident = JobIdentity("slurm", "77", "77", restart, ("77",), submission)
     opts = RunOptions(cmd=cmd or ["sh", "-c", SH_TRAINER, "sh", content, str(ready)], ckpt_dir=ckpt,
                       remote="gs://ckpt/jobs/77" if store else "", grace_s=grace_s, max_requeues=max_requeues,
                       sync_interval_s=3600, stop_wait_s=5, **options)

@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 
 from ..errors import ExpiryError, SlurmagentError
 from ..repair_policy import VmFacts
-from ..timefmt import fmt_time, from_epoch, parse_time, usable_time
+from ..timefmt import fmt_time, parse_time, usable_time
 from . import metadata
 from .metadata import MigRef, parse_created_by
 
