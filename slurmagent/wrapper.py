@@ -259,6 +259,8 @@ class Supervisor:
                 result = self.store.sync(self.opts.ckpt_dir, self.ident.restart_count, self.state_file,
                                          deadline_s=left, restored=self.baseline)
             except Exception as exc:  # noqa: BLE001 - any failure is one line; the job goes on
+                if not final and self.stop_sync.is_set():
+                    return False  # a periodic round the flush (or the job's end) stopped: no failure
                 self._sync_failed(exc, final)
                 return False
             if result.manifest is not None:
