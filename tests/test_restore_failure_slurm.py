@@ -48,7 +48,8 @@ def small_disk(c, node: str, size: str = "1m"):
     """`size` of tmpfs at the job's checkpoint path, seen by node `node`'s jobs only (mounted in its
     slurmd's mount namespace)."""
     (c.node_dir(node) / "ckpt").mkdir(mode=0o700, exist_ok=True)
-    ns = ["nsenter", "-t", str(c.procs[node].pid), "-m", "--"]
+    # -r: the slurmd's root too (in the Debian 13 lane it runs in a chroot)
+    ns = ["nsenter", "-t", str(c.procs[node].pid), "-m", "-r", "--"]
     target = str(c.local_path / "ckpt")
     subprocess.run([*ns, "mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", target], check=True,
                    timeout=30)
