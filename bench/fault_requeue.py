@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from conftest import healthy_snapshot_dict  # the tests' replay snapshot (GPU 3 at 0000:48:00)
-    from slurmagent.decisionlog import read_records
+    from slurmagent.state.decisionlog import read_records
     from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 
     why = slurm_available()

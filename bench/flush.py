@@ -70,7 +70,7 @@ def child_main(argv: list[str]) -> int:
     """``flush.py --child sync|restore URL DIR STATE [k=v ...]``: one transfer, JSON result on stdout."""
     op, url, directory, state = argv[:4]
     tunables = dict(kv.split("=", 1) for kv in argv[4:])
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     store = GcsCheckpointStore(url, max_workers=int(tunables.pop("max_workers", 16)), warn=lambda m: None)
     for key, value in tunables.items():
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         emu.create_bucket(BUCKET)
         env = {**os.environ, "STORAGE_EMULATOR_HOST": emu.url, "PYTHONPATH": str(REPO)}
         os.environ["STORAGE_EMULATOR_HOST"] = emu.url
-        from slurmagent.gcp.storage import make_client
+        from slurmagent.checkpoint.gcs.bucket import make_client
 
         client = make_client()
         bucket = client.bucket(BUCKET)

@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict  # noqa: E402
 from fake_gcp import FakeGcp  # noqa: E402
 
-from slurmagent import reasons  # noqa: E402
+from slurmagent.core import reasons  # noqa: E402
 from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available  # noqa: E402
-from slurmagent.nodes import NodeInfo, node_from_kv, parse_kv  # noqa: E402
+from slurmagent.slurm.model import NodeInfo, node_from_kv, parse_kv  # noqa: E402
 
 ZONE = "us-central1-a"
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
@@ -156,7 +156,7 @@ def count(log: Path) -> int:
 def naive_repair(cluster, gcp: FakeGcp, bad: list[str], scontrol_log: Path, scontrol: Path) -> dict:
     """One node at a time: show node, instances.get, set reason, recreate ONE, poll its op."""
     from slurmagent.gcp.compute import Compute
-    from slurmagent.slurm import Slurm
+    from slurmagent.slurm.commands import Slurm
 
     before_s = count(scontrol_log)
     before_c = len(gcp.calls)

@@ -56,8 +56,8 @@ def write_shards(ckpt: Path, mib: int, shards: int, first: int) -> None:
 
 def in_job(args: argparse.Namespace) -> int:
     """Runs as the batch step: lay out the checkpoint on every node, time one flush."""
-    from slurmagent.allocation import allocation_store
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.run.multinode import allocation_store
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     env = dict(os.environ)
     nodes = int(env["SLURM_JOB_NUM_NODES"])

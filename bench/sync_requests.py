@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Requests per sync: what checking that a commit's blobs exist (slurmagent.gcp.verify) costs.
+"""Requests per sync: what checking that a commit's blobs exist (slurmagent.checkpoint.gcs.verify) costs.
 
     python bench/sync_requests.py [--big N] [--small N]
 
@@ -32,7 +32,8 @@ def main() -> None:
     try:
         emu.create_bucket("ckpt")
         os.environ["STORAGE_EMULATOR_HOST"] = emu.url
-        from slurmagent.gcp.storage import GcsCheckpointStore, make_client
+        from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+        from slurmagent.checkpoint.gcs.bucket import make_client
 
         root = Path(tempfile.mkdtemp())
         ckpt, state = root / "ckpt", root / "state.json"

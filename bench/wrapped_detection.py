@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from slurmagent.nodes import script_execs_wrapper  # noqa: E402
+from slurmagent.slurm.model import script_execs_wrapper  # noqa: E402
 
 # The detection before: one regex over the whole script (kept here as the baseline only).
 OLD_REGEX = re.compile(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from . import config as config_mod
+from .state import config as config_mod
 from .errors import SlurmagentError
 
 
@@ -42,8 +42,8 @@ def cli(ctx: click.Context, config_path: str | None, debug: bool) -> None:
 
 
 def _node_name(node: str | None) -> str:
-    from .host import node_name  # start-up speed
-    from .slurm import valid_node_name  # start-up speed
+    from .state.host import node_name  # start-up speed
+    from .slurm.commands import valid_node_name  # start-up speed
 
     name = node_name(node)
     if not valid_node_name(name):  # it names state paths and scontrol arguments
@@ -60,7 +60,7 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
     """Run the health checks and print findings (exit 0 healthy, 1 unhealthy)."""
     from dataclasses import replace
 
-    from .health import evaluate  # start-up speed
+    from .commands.health import evaluate  # start-up speed
 
     cfg = state.config()
     name = _node_name(node)
@@ -76,7 +76,7 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
         for f in report.findings:
             click.echo(f"  {f.severity.name:<5} {f.summary}")
         if not report.healthy:
-            from .reasons import reason_for  # start-up speed
+            from .core.reasons import reason_for  # start-up speed
 
             click.echo(f"  drain reason: {reason_for(report)}")
     sys.exit(0 if report.healthy else 1)
@@ -106,8 +106,8 @@ def os_error_line(exc: OSError) -> str:
 @click.pass_obj
 def snapshot(state: State, output: str | None) -> None:
     """Capture this node's GPU state in the replay format."""
-    from .nvml_deadline import read_snapshot_with_deadline  # start-up speed
-    from .fsutil import atomic_write_text  # start-up speed
+    from .gpu.nvml_deadline import read_snapshot_with_deadline  # start-up speed
+    from .state.fsutil import atomic_write_text  # start-up speed
 
     cfg = state.config()
     if output:  # before the GPU read: a bad path is said at once
@@ -146,8 +146,8 @@ def epilog(state: State) -> None:
 @click.pass_obj
 def release_held(state: State, job_id: str, deadline: float) -> None:
     """Internal: release a job Slurm requeued held after our prolog failed."""
-    from .actions import release_when_held  # start-up speed
-    from .slurm import Slurm  # start-up speed
+    from .actions.api import release_when_held  # start-up speed
+    from .slurm.commands import Slurm  # start-up speed
 
     if not job_id.replace("_", "").isdigit():
         raise click.BadParameter(f"not a job id: {job_id!r}")
@@ -159,7 +159,7 @@ def release_held(state: State, job_id: str, deadline: float) -> None:
 @click.pass_obj
 def doctor(state: State) -> None:
     """Check slurm.conf, config, NVML, state dir, metadata, Compute, bucket, clock; say what to fix."""
-    from .doctor import run_doctor  # start-up speed
+    from .commands.doctor import run_doctor  # start-up speed
 
     results = run_doctor(state.config_path)
     width = max(len(r.name) for r in results)
@@ -184,7 +184,7 @@ def doctor(state: State) -> None:
 @click.pass_obj
 def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, restore_scope, cmd) -> None:
     """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
-    from .runner import run_command  # start-up speed
+    from .run.main import run_command  # start-up speed
 
     for option, key, value in (("--grace", "checkpoint.grace_s", grace), ("--sync-interval", "checkpoint.sync_interval_s",
                                sync_interval), ("--max-requeues", "checkpoint.max_requeues", max_requeues)):
@@ -219,7 +219,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline, transfers,
                parallel_upload_mib, owner, private, fresh) -> None:
     """Internal: one node's part of a multi-node job's restore or sync (run by the wrapper via srun)."""
-    from .node_agent import node_agent_main  # start-up speed: only this hidden command needs it
+    from .run.node_agent import node_agent_main  # start-up speed: only this hidden command needs it
 
     sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,
                              generation=generation, scope=scope, deadline_s=deadline, env=os.environ,
@@ -245,7 +245,7 @@ class PassThrough(click.Command):
 @click.pass_obj
 def sbatch(state: State, args) -> None:
     """Submit CMD wrapped by `run`: slurmagent sbatch [sbatch opts] -- CMD ARGS..."""
-    from .runner import submit  # start-up speed
+    from .run.main import submit  # start-up speed
 
     sys.exit(submit(state.config(), list(args)))
 
@@ -258,7 +258,7 @@ def sbatch(state: State, args) -> None:
 @click.pass_obj
 def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> None:
     """Long-running: drain this node at once on a drain-class XID (NVML events, kernel log)."""
-    from .watch import run_watch  # start-up speed
+    from .commands.watch import run_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
     sys.exit(run_watch(cfg, _node_name(node), interval=interval, use_nvml=not no_nvml))
@@ -271,7 +271,7 @@ def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> Non
 @click.pass_obj
 def healthcheck(state: State, node: str | None, skip_recent: float | None) -> None:
     """For Slurm's HealthCheckProgram: check this node, drain on failure (0 healthy, 1 unhealthy)."""
-    from .healthcheck import run_healthcheck  # start-up speed
+    from .commands.healthcheck import run_healthcheck  # start-up speed
 
     code = run_healthcheck(_node_name(node), lambda: state.config(for_root_hook=os.geteuid() == 0),
                            skip_recent=skip_recent)
@@ -294,8 +294,8 @@ def demo(keep: bool) -> None:
 @click.pass_obj
 def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> None:
     """Repair nodes drained by slurmagent through their MIG (all of them when none named)."""
-    from .hostlist import expand  # start-up speed
-    from .repair import run_repair  # start-up speed
+    from .core.hostlist import expand  # start-up speed
+    from .commands.repair import run_repair  # start-up speed
 
     try:
         names = [n for expr in nodes for n in expand(expr)]
@@ -330,7 +330,7 @@ def _require_root_for_repair(cfg: config_mod.Config) -> None:
 @click.pass_obj
 def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> None:
     """At boot: resume this node if it is healthy and drained by slurmagent (exit 1: unhealthy)."""
-    from .repair import run_resume_if_healthy  # start-up speed
+    from .commands.repair import run_resume_if_healthy  # start-up speed
 
     sys.exit(run_resume_if_healthy(state.config(for_root_hook=os.geteuid() == 0), _node_name(node),
                                    out=sys.stdout, wait_s=wait_s))
@@ -345,8 +345,8 @@ def status(state: State, as_json: bool, job_id: str | None, remote: str | None) 
     """Nodes drained by slurmagent, repair state, breaker, journal backlog, expiry countdowns;
     with --job ID, that job's checkpoint."""
     if job_id is not None:
-        from .job_status import collect_job_status, format_job_status  # start-up speed
-        from .run_setup import JOB_ID_RE
+        from .commands.status import collect_job_status, format_job_status  # start-up speed
+        from .run.job import JOB_ID_RE
 
         bad = (f"--job {job_id!r}: not a Slurm job id (e.g. 77 or 77_3)" if not JOB_ID_RE.fullmatch(job_id) else
                f"--remote {remote!r}: not a gs://BUCKET/PREFIX" if remote is not None and not remote.startswith("gs://")
@@ -357,7 +357,7 @@ def status(state: State, as_json: bool, job_id: str | None, remote: str | None) 
         st = collect_job_status(state.config(), job_id, remote=remote)
         click.echo(json.dumps(st, indent=1, default=str) if as_json else format_job_status(st))
         return
-    from .status import collect_status, format_status  # start-up speed
+    from .commands.status import collect_status, format_status  # start-up speed
 
     st = collect_status(state.config())
     click.echo(json.dumps(st, indent=1, default=str) if as_json else format_status(st))
@@ -369,9 +369,9 @@ def status(state: State, as_json: bool, job_id: str | None, remote: str | None) 
 @click.pass_obj
 def journal_cmd(state: State, replay: bool, node: str | None) -> None:
     """Show (or replay) this node's journal of pending actions."""
-    from .action_handlers import Actions  # start-up speed
-    from .journal import Journal  # start-up speed
-    from .slurm import Slurm  # start-up speed
+    from .actions.executor import Actions  # start-up speed
+    from .state.journal import Journal  # start-up speed
+    from .slurm.commands import Slurm  # start-up speed
 
     cfg = state.config()
     name = _node_name(node)
@@ -394,9 +394,9 @@ def install(root_dir: str, dry_run: bool) -> None:
     """Install hook shims, systemd units and a config template (idempotent)."""
     from pathlib import Path
 
-    from .doctor import missing_slurm_conf_lines  # start-up speed
-    from .install import install as do_install  # start-up speed
-    from .slurm import slurm_conf_path  # start-up speed
+    from .commands.doctor import missing_slurm_conf_lines  # start-up speed
+    from .commands.install import install as do_install  # start-up speed
+    from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
     for step in do_install(root, dry_run=dry_run):
@@ -422,7 +422,7 @@ def install(root_dir: str, dry_run: bool) -> None:
 @click.pass_obj
 def expiry_watch(state: State, once: bool, node: str | None, interval: float) -> None:
     """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs."""
-    from .expiry import run_expiry_watch  # start-up speed
+    from .commands.expiry import run_expiry_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
     sys.exit(run_expiry_watch(cfg, _node_name(node), once=once, interval_s=interval))

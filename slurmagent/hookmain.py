@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from . import config as config_mod
-from .health import evaluate
-from .hooks import HookContext, run_hook
+from .state import config as config_mod
+from .commands.health import evaluate
+from .commands.hooks import HookContext, run_hook
 
 
 def hook_main(hook: str, config_path: str | None = None) -> int:

@@ -75,7 +75,7 @@ def resumed() -> bool:
 
 
 def _holds_checkpoint(path: Path) -> bool:
-    from .checkpoint import scan_checkpoint_dir  # start-up speed (a trainer pays only when it asks); the syncer's own rule
+    from .checkpoint.scan import scan_checkpoint_dir  # start-up speed (a trainer pays only when it asks); the syncer's own rule
 
     return bool(scan_checkpoint_dir(path))
 

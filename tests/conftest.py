@@ -12,7 +12,7 @@ import pytest
 
 from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures for every test module)
 from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
-from slurmagent.snapshot import NodeSnapshot
+from slurmagent.core.snapshot import NodeSnapshot
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -82,7 +82,7 @@ class SlurmEnv:
         write_json(self.snapshot_path(node), data)
 
     def decisions(self, node: str) -> list[dict]:
-        from slurmagent.decisionlog import read_records
+        from slurmagent.state.decisionlog import read_records
 
         return read_records(self.state_dir(node) / "hooks.log")
 

@@ -13,10 +13,12 @@ import threading
 
 import pytest
 
-from slurmagent.agent_channel import FRAME_TAG, frame_lines, read_frames
-from slurmagent.agent_step import Rounds
-from slurmagent.allocation import Allocation, AllocationStore, NodeReport, SrunLauncher
-from slurmagent.checkpoint import CheckpointError, Manifest
+from slurmagent.run.channel import FRAME_TAG, frame_lines, read_frames
+from slurmagent.run.agent_step import Rounds
+from slurmagent.run.multinode import Allocation, AllocationStore, SrunLauncher
+from slurmagent.run.reports import NodeReport
+from slurmagent.checkpoint.errors import CheckpointError
+from slurmagent.checkpoint.manifest import Manifest
 
 
 def big_report(index: int, files: int = 2000) -> NodeReport:

@@ -18,21 +18,21 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from slurmagent.allocation import (
+from slurmagent.run.multinode import (
     AGENT_STEP_NAME,
     Allocation,
     AllocationError,
     AllocationStore,
-    NodeReport,
     SrunLauncher,
     allocation_store,
-    merge_reports,
-    select_for_node,
 )
-from slurmagent.agent_channel import frame_lines, read_frames
-from slurmagent.checkpoint_cut import QuietCut, unit_of, unit_signatures
-from slurmagent.node_agent import agent_restore, agent_sync, set_aside_uncommitted
-from slurmagent.checkpoint import CheckpointError, Manifest, ManifestError, RestoreError, StorageUnavailableError
+from slurmagent.run.reports import NodeReport, merge_reports, select_for_node
+from slurmagent.run.channel import frame_lines, read_frames
+from slurmagent.checkpoint.cut import QuietCut, unit_of, unit_signatures
+from slurmagent.run.node_agent import agent_restore, agent_sync
+from slurmagent.run.uncommitted import set_aside_uncommitted
+from slurmagent.checkpoint.errors import CheckpointError, ManifestError, RestoreError, StorageUnavailableError
+from slurmagent.checkpoint.manifest import Manifest
 
 SHA = {c: c * 64 for c in "abcdef"}
 
@@ -402,7 +402,7 @@ class Nodes:
     `before_agent(i)` runs just before node i's agent (a trainer writing meanwhile)."""
 
     def __init__(self, root: Path, n: int, remote: str, fail: dict[int, str] | None = None):
-        from slurmagent.gcp.storage import GcsCheckpointStore
+        from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
         self.dirs = [root / f"node{i}" / "ckpt" for i in range(n)]
         self.remote = remote
@@ -457,7 +457,7 @@ def remote(gcs_emulator, monkeypatch, request):
 
 
 def job_store(nodes: Nodes, scope: str = "all") -> tuple[AllocationStore, io.StringIO]:
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     err = io.StringIO()
     return AllocationStore(Allocation("1", len(nodes.dirs)), GcsCheckpointStore(nodes.remote), nodes, scope=scope,
@@ -620,8 +620,8 @@ def test_node_agents_move_files_with_the_tunables_the_wrapper_hands_them(gcs_emu
     """`[checkpoint] parallel_upload_mib` reaches every node of a multi-node job: the batch step
     passes its store's tunables to `slurmagent node-agent`, which does not read the config."""
     from gcs_fault_proxy import GcsFaultProxy
-    from slurmagent.config import load
-    from slurmagent.runner import node_agent_options
+    from slurmagent.state.config import load
+    from slurmagent.run.main import node_agent_options
 
     config = tmp_path / "c.toml"
     config.write_text(f"[checkpoint]\ntransfers = 4\nparallel_upload_mib = {parallel_upload_mib}\n")

@@ -28,23 +28,29 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slow_proxy import SlowProxy  # noqa: E402
 
-from slurmagent import checkpoint as ck  # noqa: E402
-from slurmagent import checkpoint_hash  # noqa: E402
-from slurmagent.checkpoint import (  # noqa: E402
-    Manifest,
+from slurmagent.checkpoint.errors import CheckpointError  # noqa: E402
+from slurmagent.checkpoint.hash_cache import LocalState  # noqa: E402
+from slurmagent.checkpoint.hashing import PyCrc32c, crc32c_combine, hash_file  # noqa: E402
+from slurmagent.checkpoint.manifest import no_progress_after  # noqa: E402
+from slurmagent.checkpoint.remote import CheckpointLag, checkpoint_lag  # noqa: E402
+from slurmagent.checkpoint.scan import LocalFile, RESERVED_PREFIX, parent_dirs  # noqa: E402
+from slurmagent.checkpoint import hashing as checkpoint_hash  # noqa: E402
+# noqa: E402
+from slurmagent.checkpoint.manifest import Manifest, entry_content_id
+from slurmagent.checkpoint.errors import (
     ManifestError,
     RemoteURLError,
     RestoreError,
     StaleAttemptError,
     StorageUnavailableError,
     SyncDeadlineError,
-    entry_content_id,
-    is_in_progress_name,
-    parse_remote,
-    scan_checkpoint_dir,
 )
+from slurmagent.checkpoint.scan import is_in_progress_name, scan_checkpoint_dir
+from slurmagent.checkpoint.remote import parse_remote
 from slurmagent.errors import SlurmagentError  # noqa: E402
-from slurmagent.gcp.storage import GcsCheckpointStore, make_client  # noqa: E402
+# noqa: E402
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+from slurmagent.checkpoint.gcs.bucket import make_client
 from slurmagent.devtools.localgcs import GcsEmulator  # noqa: E402
 
 KiB = 1024
@@ -256,12 +262,12 @@ def test_hash_is_blake3_and_gcs_crc32c_in_one_read(tmp_path):
     data = os.urandom(3 * MiB + 17)
     (tmp_path / "f").write_bytes(data)
     for keep in (0, 8 * MiB):  # streamed through a buffer, or kept in memory
-        d, _, kept = ck.hash_file(str(tmp_path / "f"), keep_bytes=keep, want_sha256=True)
+        d, _, kept = hash_file(str(tmp_path / "f"), keep_bytes=keep, want_sha256=True)
         assert d.blake3 == blake3.blake3(data).hexdigest()
         assert d.sha256 == hashlib.sha256(data).hexdigest()
         assert d.size == len(data) and (kept == data if keep else kept is None)
     (tmp_path / "h").write_bytes(b"hello")
-    assert ck.hash_file(str(tmp_path / "h"))[0].crc32c == "mnG7TA=="  # GCS's crc32c of b"hello"
+    assert hash_file(str(tmp_path / "h"))[0].crc32c == "mnG7TA=="  # GCS's crc32c of b"hello"
 
 
 def test_hash_cache_never_rehashes_unchanged_files(tmp_path, monkeypatch):
@@ -270,33 +276,33 @@ def test_hash_cache_never_rehashes_unchanged_files(tmp_path, monkeypatch):
     real = checkpoint_hash.hash_file
     monkeypatch.setattr(checkpoint_hash, "hash_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
     state_path = tmp_path / "state.json"
-    s1 = ck.LocalState(state_path, tmp_path / "c")
+    s1 = LocalState(state_path, tmp_path / "c")
     d1 = [s1.digest(f) for f in scan_checkpoint_dir(tmp_path / "c")]
     s1.save()
     assert len(calls) == 2
-    s2 = ck.LocalState(state_path, tmp_path / "c")
+    s2 = LocalState(state_path, tmp_path / "c")
     assert [s2.digest(f) for f in scan_checkpoint_dir(tmp_path / "c")] == d1
     assert len(calls) == 2
     # a fresh file (mtime within the racy window) is hashed but not cached
     (tmp_path / "c" / "a").write_bytes(b"HELLO")
     s2.digest(scan_checkpoint_dir(tmp_path / "c")[0])
     s2.save()
-    assert "a" not in ck.LocalState(state_path, tmp_path / "c").files
+    assert "a" not in LocalState(state_path, tmp_path / "c").files
 
 
 def test_state_file_must_be_outside_ckpt_dir(tmp_path):
-    with pytest.raises(ck.CheckpointError, match="outside"):
-        ck.LocalState(tmp_path / "ckpt" / "state.json", tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="outside"):
+        LocalState(tmp_path / "ckpt" / "state.json", tmp_path / "ckpt")
 
 
 def test_corrupt_state_file_is_only_a_cache(tmp_path):
     (tmp_path / "state.json").write_text("{not json")
-    s = ck.LocalState(tmp_path / "state.json", tmp_path / "c")
+    s = LocalState(tmp_path / "state.json", tmp_path / "c")
     assert s.files == {}
 
 
 def test_py_crc32c_matches_known_vector():
-    c = ck.PyCrc32c()
+    c = PyCrc32c()
     c.update(b"123456789")
     assert c.digest().hex() == "e3069283"
 
@@ -307,7 +313,7 @@ def test_crc32c_combine_of_two_parts_is_the_crc32c_of_the_whole(data, cut):
     import google_crc32c
 
     a, b = data[:cut], data[cut:]
-    whole = ck.crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b))
+    whole = crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b))
     assert whole == google_crc32c.value(data)
 
 
@@ -315,7 +321,7 @@ def test_crc32c_combine_of_two_parts_is_the_crc32c_of_the_whole(data, cut):
 
 _relpaths = st.lists(
     st.text(alphabet="abcxyz019_-.\\ ", min_size=1, max_size=8).filter(
-        lambda s: s not in (".", "..") and not s.startswith(ck.RESERVED_PREFIX)
+        lambda s: s not in (".", "..") and not s.startswith(RESERVED_PREFIX)
     ),
     min_size=1,
     max_size=3,
@@ -332,7 +338,7 @@ _entries = st.one_of(
 @given(attempt=st.integers(min_value=0, max_value=10**6), files=st.dictionaries(_relpaths, _entries, max_size=5))
 def test_manifest_json_round_trip(attempt, files):
     names = set(files)
-    files = {rel: e for rel, e in files.items() if not any(p in names for p in ck.parent_dirs(rel))}
+    files = {rel: e for rel, e in files.items() if not any(p in names for p in parent_dirs(rel))}
     m = Manifest(attempt=attempt, files=files)
     assert Manifest.from_json(m.to_json()) == m
 
@@ -383,9 +389,9 @@ def test_progress_is_judged_by_content_not_by_where_the_bytes_are_stored():
     restored = Manifest(attempt=1, files={"a": {**ENTRY, "pack": "b" * 64, "offset": 0}}, no_progress=2)
     same_elsewhere = {"a": {**ENTRY}}  # the same content, now in its own blob
     changed = {"a": {**ENTRY, "blake3": "c" * 64}}
-    assert ck.no_progress_after(restored, same_elsewhere) == 3
-    assert ck.no_progress_after(restored, changed) == 0
-    assert ck.no_progress_after(None, changed) == 0
+    assert no_progress_after(restored, same_elsewhere) == 3
+    assert no_progress_after(restored, changed) == 0
+    assert no_progress_after(None, changed) == 0
     doc = {**GOOD, "node_count": 2, "writers": {"a": [1, 0]}, "no_progress": 3, "files": {"a": ENTRY}}
     m = Manifest.from_json(json.dumps(doc))
     assert (m.node_count, m.writers, m.no_progress) == (2, {"a": [0, 1]}, 3)
@@ -395,15 +401,15 @@ def test_progress_is_judged_by_content_not_by_where_the_bytes_are_stored():
 def test_lag_is_the_age_of_what_the_bucket_does_not_hold_yet():
     now = 1_000_000.0
     local = [
-        ck.LocalFile("a", "/x/a", 1, int((now - 100) * 1e9)),
-        ck.LocalFile("b", "/x/b", 2, int((now - 30) * 1e9)),
-        ck.LocalFile("c", "/x/c", 4, int((now - 5) * 1e9)),
+        LocalFile("a", "/x/a", 1, int((now - 100) * 1e9)),
+        LocalFile("b", "/x/b", 2, int((now - 30) * 1e9)),
+        LocalFile("c", "/x/c", 4, int((now - 5) * 1e9)),
     ]
     committed = {"a": (1, int((now - 100) * 1e9)), "b": (2, int((now - 300) * 1e9))}
-    lag = ck.checkpoint_lag(local, committed, now)
+    lag = checkpoint_lag(local, committed, now)
     assert (lag.files, lag.bytes) == (2, 6)
     assert lag.seconds == pytest.approx(30) and lag.newest_seconds == pytest.approx(5)
-    assert ck.checkpoint_lag(local[:1], committed, now) == ck.CheckpointLag(0.0, 0.0, 0, 0)
+    assert checkpoint_lag(local[:1], committed, now) == CheckpointLag(0.0, 0.0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -432,7 +438,7 @@ def test_bad_remote_url_is_a_clear_error(url):
 
 def test_importing_storage_module_does_not_import_google():
     code = (
-        "import sys, slurmagent.gcp.storage, slurmagent.checkpoint; "
+        "import sys, slurmagent.checkpoint.gcs.store, slurmagent.checkpoint; "
         "print('google.cloud.storage' in sys.modules, 'blake3' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -1084,7 +1090,7 @@ def _api_error(code):
 def test_transient_classification(exc, transient):
     import requests
 
-    from slurmagent.gcp.storage import is_transient
+    from slurmagent.checkpoint.gcs.transfer import is_transient
 
     if exc == "requests-connection":
         exc = requests.exceptions.ConnectionError("refused")
@@ -1096,7 +1102,7 @@ def test_transient_classification(exc, transient):
 
 
 def test_call_retries_transient_errors_then_succeeds():
-    from slurmagent.gcp.transfer import Deadline
+    from slurmagent.checkpoint.gcs.transfer import Deadline
 
     s = GcsCheckpointStore("gs://ckpt/p", client=object(), timeout_s=7)
     seen = []
@@ -1112,7 +1118,7 @@ def test_call_retries_transient_errors_then_succeeds():
 
 
 def test_call_does_not_retry_permanent_errors():
-    from slurmagent.gcp.transfer import Deadline
+    from slurmagent.checkpoint.gcs.transfer import Deadline
 
     s = GcsCheckpointStore("gs://ckpt/p", client=object())
     seen = []
@@ -1128,7 +1134,7 @@ def test_call_does_not_retry_permanent_errors():
 
 def test_a_big_file_is_restored_as_a_few_large_slices_that_cover_it_once():
     """Few and large, as gcloud's sliced downloads: many small ranges lose on the disk and the CPU."""
-    from slurmagent.gcp.restore import slices
+    from slurmagent.checkpoint.gcs.restore import slices
 
     tunables = GcsCheckpointStore("gs://ckpt/job1").settings()
     one_gib = slices(1024 * MiB, tunables)

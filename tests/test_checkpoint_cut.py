@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, wait_for
-from slurmagent.checkpoint import Manifest
-from slurmagent.checkpoint_cut import unit_of, unit_signatures
-from slurmagent.cut_store import QuietCutStore
-from slurmagent.run_setup import JobIdentity, RunOptions
-from slurmagent.wrapper import Supervisor
+from slurmagent.checkpoint.manifest import Manifest
+from slurmagent.checkpoint.cut import unit_of, unit_signatures
+from slurmagent.run.cut_store import QuietCutStore
+from slurmagent.run.job import JobIdentity, RunOptions
+from slurmagent.run.supervisor import Supervisor
 
 HF_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json")  # trainer_state.json last
 
@@ -75,7 +75,7 @@ def emu(gcs_emulator, monkeypatch):
 
 
 def test_a_folder_being_filled_is_held_back_and_its_previous_version_stays(emu, tmp_path):
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     d, state = tmp_path / "ck", tmp_path / "state.json"
     inner = GcsCheckpointStore("gs://ckpt/held")
@@ -185,7 +185,7 @@ def test_hf_style_trainer_killed_hard_at_ten_random_moments_always_restores_whol
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURMAGENT_RESUMED"):
         env.pop(key, None)
     rng = random.Random(22)
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     store = GcsCheckpointStore("gs://ckpt/hf/hf-task-0")
     committed_steps = set()
@@ -221,8 +221,8 @@ def test_hf_style_trainer_killed_hard_at_ten_random_moments_always_restores_whol
 def test_a_held_back_units_committed_blob_that_is_gone_is_never_committed_again(emu, tmp_path):
     """A single-node commit keeps a held-back unit's previous entries: their blobs must still be in
     the bucket (an age rule on blobs/ may have deleted one), else nothing is committed that round."""
-    from slurmagent.checkpoint import CheckpointError
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.errors import CheckpointError
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     d, state = tmp_path / "ck", tmp_path / "state.json"
     inner = GcsCheckpointStore("gs://ckpt/gone")

@@ -11,10 +11,12 @@ from pathlib import Path
 
 from conftest import REPO
 from test_checkpoint import KiB, MiB, dirs, emu, object_of, raw_bucket, read_tree, store, write_tree  # noqa: F401
-from slurmagent import checkpoint_hash
-from slurmagent.checkpoint import LocalChangedError, Manifest
-from slurmagent.gcp.storage import GcsCheckpointStore, make_client
-from slurmagent.node_agent import agent_sync
+from slurmagent.checkpoint import hashing as checkpoint_hash
+from slurmagent.checkpoint.errors import LocalChangedError
+from slurmagent.checkpoint.manifest import Manifest
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+from slurmagent.checkpoint.gcs.bucket import make_client
+from slurmagent.run.node_agent import agent_sync
 
 
 def counting_client():

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from conftest import healthy_snapshot_dict, xid_snapshot_dict
-from slurmagent.checks import RULE_ORDER, Limits, Report, Severity, run_checks, timeout_report
-from slurmagent.reasons import reason_for
-from slurmagent.snapshot import GpuState, NodeSnapshot
+from slurmagent.core.checks import RULE_ORDER, Limits, Report, Severity, run_checks, timeout_report
+from slurmagent.core.reasons import reason_for
+from slurmagent.core.snapshot import GpuState, NodeSnapshot
 
 REASON_CHARS = re.compile(r"^[A-Za-z0-9 _.,:;/()@+#%-]*$")
 DRAIN_XIDS = [48, 62, 64, 74, 79, 95, 109, 119, 120]

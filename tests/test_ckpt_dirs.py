@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from slurmagent.child_process import RequeueHold
-from slurmagent.gcp.storage import GcsCheckpointStore
-from slurmagent.node_agent import agent_restore
-from slurmagent.run_setup import DirRecord
+from slurmagent.run.child import RequeueHold
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+from slurmagent.run.node_agent import agent_restore
+from slurmagent.run.job import DirRecord
 from test_wrapper_hardening import CLOUD_RUN, NOBODY, as_user, run_cli, shared_tmp  # noqa: F401 - fixture
 from test_wrapper_requeue import attempt
 

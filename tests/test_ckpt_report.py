@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
-from slurmagent.checkpoint import Manifest
-from slurmagent.ckpt_report import CheckpointReport, read_record, record_path
-from slurmagent.gcp.storage import GcsCheckpointStore
-from slurmagent.run_setup import JobIdentity, RunOptions
-from slurmagent.wrapper import Supervisor
+from slurmagent.checkpoint.manifest import Manifest
+from slurmagent.checkpoint.report import CheckpointReport, read_record, record_path
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+from slurmagent.run.job import JobIdentity, RunOptions
+from slurmagent.run.supervisor import Supervisor
 
 
 class Clock:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from slurmagent import config as config_mod
-from slurmagent.config import Config, ConfigError, check_safe_permissions, load, parse, reference_markdown
+from slurmagent.state import config as config_mod
+from slurmagent.state.config import Config, check_safe_permissions, load, parse, reference_markdown
+from slurmagent.errors import ConfigError
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from slurmagent.decisionlog import MAX_LINE_BYTES, DecisionLog, read_records
+from slurmagent.state.decisionlog import MAX_LINE_BYTES, DecisionLog, read_records
 
 
 def test_a_short_record_is_written_as_is(tmp_path):

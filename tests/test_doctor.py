@@ -228,7 +228,7 @@ def test_unsafe_config_file_fails_with_fix(gcp, emu, tmp_path, capsys, how):
 
 @pytest.mark.parametrize("offset,word", [(30.0, "ahead of"), (-30.0, "behind")])
 def test_clock_off_by_more_than_2_s_fails(gcp, emu, tmp_path, offset, word):
-    from slurmagent.doctor import run_doctor
+    from slurmagent.commands.doctor import run_doctor
 
     cfg = make_config(tmp_path, compute_endpoint=gcp.url)
     clock = next(r for r in run_doctor(str(cfg), clock=lambda: time.time() + offset) if r.name == "clock")
@@ -237,7 +237,7 @@ def test_clock_off_by_more_than_2_s_fails(gcp, emu, tmp_path, offset, word):
 
 
 def test_external_checks_are_bounded_even_when_one_never_returns():
-    from slurmagent.doctor import Result, run_bounded
+    from slurmagent.commands.doctor import Result, run_bounded
 
     start = time.monotonic()
     rows = run_bounded([("fast", "fix-a", lambda: Result("fast", True, "fine")),

@@ -15,9 +15,9 @@ import pytest
 
 from conftest import REPO, healthy_snapshot_dict, hook_shim, wait_for, write_json, xid_snapshot_dict
 from fake_gcp import FakeGcp
-from slurmagent import reasons
+from slurmagent.core import reasons
 from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
-from slurmagent.nodes import node_from_kv
+from slurmagent.slurm.model import node_from_kv
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -22,19 +22,21 @@ import pytest
 from conftest import REPO, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
 from fakes.slurm import FakeSlurm
-from slurmagent import expiry, expiry_state, host, reasons
-from slurmagent.config import parse
-from slurmagent.decisionlog import DecisionLog, read_records
+from slurmagent.commands import expiry
+from slurmagent.state import expiry_state, host
+from slurmagent.core import reasons
+from slurmagent.state.config import parse
+from slurmagent.state.decisionlog import DecisionLog, read_records
 from slurmagent.errors import ExpiryError
-from slurmagent.expiry import ExpiryWatch, flush_jobs
+from slurmagent.commands.expiry import ExpiryWatch, flush_jobs
 from slurmagent.gcp import metadata
 from slurmagent.gcp.compute import SchedulingInfo, read_scheduling, scheduling_from_instance
 from slurmagent.gcp.events import EventWatcher, Events
-from slurmagent.hooks import HookContext, prolog_guard
-from slurmagent.nodes import script_execs_wrapper
-from slurmagent.reasons import expiry_reason, is_expiry_reason
-from slurmagent.timefmt import fmt_time, from_epoch, parse_time, parse_time_limit
-from slurmagent.slurm import Slurm
+from slurmagent.commands.hooks import HookContext, prolog_guard
+from slurmagent.slurm.model import script_execs_wrapper
+from slurmagent.core.reasons import expiry_reason, is_expiry_reason
+from slurmagent.core.timefmt import fmt_time, from_epoch, parse_time, parse_time_limit
+from slurmagent.slurm.commands import Slurm
 
 NODE = "n1"
 ZONE = "us-central1-a"
@@ -416,7 +418,7 @@ def test_slurm_down_is_an_error_line_not_a_crash(tmp_path):
 
 
 def test_state_file_is_what_wrapper_and_status_read(tmp_path):
-    from slurmagent.expiry_state import termination_time
+    from slurmagent.state.expiry_state import termination_time
 
     watch(tmp_path, slurm_with(), T0 + 3 * 3600).check(Events())
     path = tmp_path / "state" / NODE / "expiry.json"

@@ -1,13 +1,13 @@
-"""The expiry watch's decision for one check (policy.decide_expiry), without any I/O:
+"""The expiry watch's decision for one check (expiry_policy.decide_expiry), without any I/O:
 what it knows now (state, API answer, notices, clock) in, the steps to take out."""
 
 from __future__ import annotations
 
 import pytest
 
-from slurmagent import policy
+from slurmagent.policy import expiry as expiry_policy
 from slurmagent.gcp.events import Events
-from slurmagent.timefmt import fmt_time, from_epoch
+from slurmagent.core.timefmt import fmt_time, from_epoch
 
 T0 = 1_800_000_000.0
 BOOT = "boot-a"
@@ -20,8 +20,8 @@ def api(termination: float | None, model: str = "FLEX_START", checked: float = T
 
 def decide(termination: float | None = None, *, old: dict | None = None, events: Events | None = None, now: float = T0,
            override: float | None = None, lookup_failed: bool = False, max_time: float | None = None,
-           drain_lead_s: float = 1800.0, flush_lead_s: float = 120.0) -> policy.ExpiryDecision:
-    return policy.decide_expiry(
+           drain_lead_s: float = 1800.0, flush_lead_s: float = 120.0) -> expiry_policy.ExpiryDecision:
+    return expiry_policy.decide_expiry(
         now=now, node="n1", boot_id=BOOT, old=old or {}, events=events, lookup_failed=lookup_failed,
         override=from_epoch(override) if override else None, api=api(termination) if override is None else None,
         drain_lead_s=drain_lead_s, flush_lead_s=flush_lead_s,
@@ -49,7 +49,7 @@ def test_inside_the_drain_lead_drains_with_the_flex_reason_then_flushes_at_its_l
 
 
 def test_a_standard_vm_with_max_run_duration_says_vm_expiry():
-    d = policy.decide_expiry(now=T0, node="n1", boot_id=BOOT, old={}, override=None, api=api(T0 + 60, "STANDARD"),
+    d = expiry_policy.decide_expiry(now=T0, node="n1", boot_id=BOOT, old={}, override=None, api=api(T0 + 60, "STANDARD"),
                              events=None, lookup_failed=False, drain_lead_s=1800, flush_lead_s=120)
     assert d.drain_reason.startswith("slurmagent: expiry: VM expiry at")
 
@@ -86,7 +86,7 @@ def test_a_notice_that_passed_releases_our_drain_only_after_the_grace():
     old = our_drain("slurmagent: maintenance: x", notice=notice)
     held = decide(None, old=old, events=Events(), now=T0 + 120)
     assert held.release is None and held.state["notice"] == notice and held.drain_reason  # still in force
-    passed = decide(None, old=old, events=Events(), now=T0 + 60 + policy.NOTICE_GRACE_S + 1)
+    passed = decide(None, old=old, events=Events(), now=T0 + 60 + expiry_policy.NOTICE_GRACE_S + 1)
     assert passed.release.startswith("the maintenance notice of") and "notice" not in passed.state
     assert decide(None, old=old, events=Events(error="down"), now=T0 + 3600).release is None  # cannot tell: hold
 
@@ -111,13 +111,13 @@ def test_state_of_an_earlier_boot_is_discarded():
 
 def test_cached_api_answer_freshness():
     cached = api(T0 + 86400, checked=T0)
-    assert policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1")
-    assert not policy.api_answer_fresh(cached, T0 + 2 * 3600, 3600.0, "n1")
-    assert not policy.api_answer_fresh(None, T0, 3600.0, "n1")
+    assert expiry_policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1")
+    assert not expiry_policy.api_answer_fresh(cached, T0 + 2 * 3600, 3600.0, "n1")
+    assert not expiry_policy.api_answer_fresh(None, T0, 3600.0, "n1")
     outlived = api(T0 + 100, checked=T0)  # the VM lives on past the time it was given
-    assert policy.api_answer_fresh(outlived, T0 + 200, 3600.0, "n1")
-    assert not policy.api_answer_fresh(outlived, T0 + 100 + policy.STALE_RECHECK_S + 1, 3600.0, "n1")
-    assert 0.9 <= policy.refresh_jitter("n1") <= 1.1 and policy.refresh_jitter("n1") == policy.refresh_jitter("n1")
+    assert expiry_policy.api_answer_fresh(outlived, T0 + 200, 3600.0, "n1")
+    assert not expiry_policy.api_answer_fresh(outlived, T0 + 100 + expiry_policy.STALE_RECHECK_S + 1, 3600.0, "n1")
+    assert 0.9 <= expiry_policy.refresh_jitter("n1") <= 1.1 and expiry_policy.refresh_jitter("n1") == expiry_policy.refresh_jitter("n1")
 
 
 
@@ -134,11 +134,11 @@ def gpu_api(window: float | None = None, on_host_maintenance: str = "TERMINATE",
 
 
 def decide_m(api_answer: dict, *, events: Events | None = None, old: dict | None = None, now: float = T0):
-    return policy.decide_expiry(now=now, node="n1", boot_id=BOOT, old=old or {}, override=None, api=api_answer,
+    return expiry_policy.decide_expiry(now=now, node="n1", boot_id=BOOT, old=old or {}, override=None, api=api_answer,
                                 events=events, lookup_failed=False, drain_lead_s=1800.0, flush_lead_s=120.0)
 
 
-def step(d: policy.ExpiryDecision, **flags) -> dict:
+def step(d: expiry_policy.ExpiryDecision, **flags) -> dict:
     """The state the watch writes after carrying out d (drained when asked, flushed when asked)."""
     st = dict(d.state)
     if d.drain_reason:
@@ -146,7 +146,7 @@ def step(d: policy.ExpiryDecision, **flags) -> dict:
     if d.flush_cause:
         st.update(flushed=True)
     if d.release:
-        for k in policy.EXPIRY_DRAIN_KEYS:
+        for k in expiry_policy.EXPIRY_DRAIN_KEYS:
             st.pop(k, None)
     return {**st, **flags}
 
@@ -199,9 +199,9 @@ def test_preemption_is_thirty_seconds_whatever_the_vm():
 
 def test_the_api_is_read_again_when_the_event_changes_or_a_window_is_near():
     cached = gpu_api(checked=T0)
-    assert policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1")
-    assert not policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1", event_changed=True)
+    assert expiry_policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1")
+    assert not expiry_policy.api_answer_fresh(cached, T0 + 60, 3600.0, "n1", event_changed=True)
     near = gpu_api(window=T0 + 3000, checked=T0)
-    assert policy.api_answer_fresh(near, T0 + 200, 3600.0, "n1", window_soon_s=3600.0)
-    assert not policy.api_answer_fresh(near, T0 + policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=3600.0)
-    assert policy.api_answer_fresh(near, T0 + policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=1000.0)
+    assert expiry_policy.api_answer_fresh(near, T0 + 200, 3600.0, "n1", window_soon_s=3600.0)
+    assert not expiry_policy.api_answer_fresh(near, T0 + expiry_policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=3600.0)
+    assert expiry_policy.api_answer_fresh(near, T0 + expiry_policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=1000.0)

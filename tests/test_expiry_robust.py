@@ -18,12 +18,14 @@ import pytest
 from conftest import REPO, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
 from fakes.slurm import FakeSlurm
-from slurmagent import expiry, expiry_state, host, policy
-from slurmagent.config import parse
-from slurmagent.expiry import ExpiryWatch
+from slurmagent.commands import expiry
+from slurmagent.state import expiry_state, host
+from slurmagent.policy import expiry as expiry_policy
+from slurmagent.state.config import parse
+from slurmagent.commands.expiry import ExpiryWatch
 from slurmagent.gcp import metadata
 from slurmagent.gcp.events import Events
-from slurmagent.slurm import Slurm
+from slurmagent.slurm.commands import Slurm
 
 NODE = "n1"
 ZONE = "us-central1-a"
@@ -162,7 +164,7 @@ def test_a_termination_time_just_past_still_flushes(tmp_path):
 def test_the_reader_ignores_a_stale_time_past_the_watchs_own_grace(tmp_path, capsys):
     state = tmp_path / "expiry.json"
     state.write_text(json.dumps({"termination_time": iso(T0), "boot_id": BOOT}))
-    assert expiry_state.STALE_AFTER_S == policy.NOTICE_GRACE_S
+    assert expiry_state.STALE_AFTER_S == expiry_policy.NOTICE_GRACE_S
     at_margin = T0 + expiry_state.STALE_AFTER_S
     assert expiry_state.termination_time((state,), BOOT, now=at_margin).timestamp() == T0
     assert expiry_state.termination_time((state,), BOOT, now=at_margin + 1) is None

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
 from fake_gcp_expiry import FakeGcpExpiry
-from slurmagent.host import boot_id as current_boot_id
+from slurmagent.state.host import boot_id as current_boot_id
 from slurmagent.gcp import metadata
 
 pytestmark = pytest.mark.slurm
@@ -234,10 +234,10 @@ def test_gpu_vm_hour_notice_drains_at_the_lead_flushes_only_at_the_flush_lead(en
     """A GPU VM whose metadata says TERMINATE_ON_HOST_MAINTENANCE with a window 60 min away, the
     watch on a compressed clock: drained at T - drain lead with the wrapped job still training,
     not flushed until T - flush lead; then flushed, requeued, and running again elsewhere."""
-    from slurmagent.config import load
-    from slurmagent.expiry import ExpiryWatch
+    from slurmagent.state.config import load
+    from slurmagent.commands.expiry import ExpiryWatch
     from slurmagent.gcp.events import probe_events
-    from slurmagent.slurm import Slurm
+    from slurmagent.slurm.commands import Slurm
 
     c = env.cluster
     monkeypatch.setenv("SLURM_CONF", str(c.conf))

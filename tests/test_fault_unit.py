@@ -10,17 +10,19 @@ import pytest
 
 from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict
 from fakes.slurm import FakeSlurm
-from slurmagent import action_handlers, metrics, policy
-from slurmagent.eviction import FaultEviction
-from slurmagent.checks import Finding, Severity, xid_finding
-from slurmagent.config import parse
-from slurmagent.decisionlog import DecisionLog, read_records
-from slurmagent.healthcheck import run_healthcheck
-from slurmagent.journal import Journal
-from slurmagent.nodes import FAULT_FLUSH_SIGNAL, JobInfo, running_jobs_from_text
-from slurmagent.nvml import XidEvent
-from slurmagent.slurm import Slurm
-from slurmagent.watch import Watcher
+from slurmagent.actions import executor as action_handlers
+from slurmagent.state import metrics
+from slurmagent.policy import eviction as eviction_policy
+from slurmagent.actions.eviction import FaultEviction
+from slurmagent.core.checks import Finding, Severity, xid_finding
+from slurmagent.state.config import parse
+from slurmagent.state.decisionlog import DecisionLog, read_records
+from slurmagent.commands.healthcheck import run_healthcheck
+from slurmagent.state.journal import Journal
+from slurmagent.slurm.model import FAULT_FLUSH_SIGNAL, JobInfo, running_jobs_from_text
+from slurmagent.gpu.nvml import XidEvent
+from slurmagent.slurm.commands import Slurm
+from slurmagent.commands.watch import Watcher
 from test_hooks_unit import XID79, Harness as HookHarness
 
 WRAPPED = "#!/bin/sh\nexec /usr/bin/python3 -m slurmagent.entry run \"$@\"\n"
@@ -56,21 +58,21 @@ def drain(rule: str, observed=None) -> Finding:
     (Finding("gpu-lost", Severity.WARN, 0, "x", True), False),
 ])
 def test_which_findings_make_running_jobs_leave(finding, evicts):
-    assert policy.evicts_jobs([finding]) is evicts
+    assert eviction_policy.evicts_jobs([finding]) is evicts
 
 
 def test_decide_requeue_once_per_restart_count():
     def job(state="RUNNING", restarts=0, requeue=True):
         return JobInfo("7", state, restarts=restarts, requeue=requeue)
 
-    assert policy.decide_fault_requeue(job(), 0, cancel=True) == "requeue"
-    assert policy.decide_fault_requeue(job(restarts=1), 0, cancel=True) == "already requeued"
-    assert policy.decide_fault_requeue(job(restarts=1), 1, cancel=True) == "requeue"  # a new fault, a new life
-    assert policy.decide_fault_requeue(job("PENDING", 1), 0, cancel=True) == "already requeued"
-    assert policy.decide_fault_requeue(job("COMPLETED"), 0, cancel=True) == "job COMPLETED"
-    assert policy.decide_fault_requeue(job(requeue=False), 0, cancel=True) == "cancel"
-    assert policy.decide_fault_requeue(job(requeue=False), 0, cancel=False) == "not requeueable"
-    assert policy.decide_fault_requeue(None, 0, cancel=True) == "job gone"
+    assert eviction_policy.decide_fault_requeue(job(), 0, cancel=True) == "requeue"
+    assert eviction_policy.decide_fault_requeue(job(restarts=1), 0, cancel=True) == "already requeued"
+    assert eviction_policy.decide_fault_requeue(job(restarts=1), 1, cancel=True) == "requeue"  # a new fault, a new life
+    assert eviction_policy.decide_fault_requeue(job("PENDING", 1), 0, cancel=True) == "already requeued"
+    assert eviction_policy.decide_fault_requeue(job("COMPLETED"), 0, cancel=True) == "job COMPLETED"
+    assert eviction_policy.decide_fault_requeue(job(requeue=False), 0, cancel=True) == "cancel"
+    assert eviction_policy.decide_fault_requeue(job(requeue=False), 0, cancel=False) == "not requeueable"
+    assert eviction_policy.decide_fault_requeue(None, 0, cancel=True) == "job gone"
 
 
 def test_running_jobs_parse_squeue_format():

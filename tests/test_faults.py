@@ -29,15 +29,18 @@ from fakes.slurm import FakeSlurm
 from fake_gcp import FakeGcp
 from test_hostile import DRAIN_N1, XID79, Node
 
-from slurmagent import host, kernlog, policy, reasons, repair_policy
-from slurmagent.config import parse
+from slurmagent.state import host
+from slurmagent.gpu import kernlog
+from slurmagent.policy import breaker as breaker_policy, repair as repair_policy
+from slurmagent.core import reasons
+from slurmagent.state.config import parse
 from slurmagent.gcp import metadata
 from slurmagent.gcp.compute import Compute
-from slurmagent.journal import Journal
-from slurmagent.action_handlers import Actions
-from slurmagent.nodes import node_from_kv
-from slurmagent.repair import run_repair
-from slurmagent.slurm import Slurm
+from slurmagent.state.journal import Journal
+from slurmagent.actions.executor import Actions
+from slurmagent.slurm.model import node_from_kv
+from slurmagent.commands.repair import run_repair
+from slurmagent.slurm.commands import Slurm
 
 ZONE = "us-central1-a"
 RECREATE = "instanceGroupManagers.recreateInstances"
@@ -371,7 +374,7 @@ def test_breaker_and_repair_plan_with_marks_from_the_future():
              node_from_kv({"NodeName": "n2", "State": "IDLE+DRAIN",
                                "Reason": f"{reasons.repairing_reason(XID79)} [root@{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(future))}]"}),
              node_from_kv({"NodeName": "n3", "State": "IDLE"}), node_from_kv({"NodeName": "n4", "State": "IDLE"})]
-    b = policy.breaker(nodes, 0.25, now=time.time())
+    b = breaker_policy.breaker(nodes, 0.25, now=time.time())
     assert b.suppressed == ("n1",) and b.open
     plan = repair_policy.plan_repair(nodes, [], force=True, breaker_state=b, now=time.time())
     assert plan.todo == [] and plan.skipped["n2"].startswith("repair already requested")

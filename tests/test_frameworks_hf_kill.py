@@ -85,7 +85,7 @@ def not_whole(files: dict, expected: set[str], local: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_hf_trainer_killed_hard_at_ten_random_moments_restores_whole_folders_and_resumes(emu, tmp_path):
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     config = tmp_path / "c.toml"
     config.write_text(f'state_dir = "{tmp_path}/state"\n[checkpoint]\nremote = "gs://ckpt/hf"\n')

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cluster_config_text, healthy_snapshot_dict, wait_for, write_json, xid_snapshot_dict
-from slurmagent.decisionlog import read_records
-from slurmagent.healthcheck import recent_decision
+from slurmagent.state.decisionlog import read_records
+from slurmagent.commands.healthcheck import recent_decision
 from slurmagent.devtools.localcluster import LocalSlurmCluster
 
 

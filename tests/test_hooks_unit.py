@@ -13,14 +13,14 @@ import pytest
 
 from conftest import REPO, healthy_snapshot_dict, write_json, xid_snapshot_dict
 from fakes.slurm import FakeSlurm
-from slurmagent import actions
-from slurmagent.checks import Report, run_checks
-from slurmagent.config import Config, parse
-from slurmagent.decisionlog import read_records
+from slurmagent.actions import api as actions
+from slurmagent.core.checks import Report, run_checks
+from slurmagent.state.config import Config, parse
+from slurmagent.state.decisionlog import read_records
 from slurmagent.errors import ConfigError
-from slurmagent.hooks import HookContext, run_hook
-from slurmagent.slurm import Slurm
-from slurmagent.snapshot import NodeSnapshot
+from slurmagent.commands.hooks import HookContext, run_hook
+from slurmagent.slurm.commands import Slurm
+from slurmagent.core.snapshot import NodeSnapshot
 
 XID79_REASON = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 

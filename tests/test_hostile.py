@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for, write_json, xid_snapshot_dict
-from slurmagent import host, kernlog
-from slurmagent.nodes import node_from_kv
+from slurmagent.state import host
+from slurmagent.gpu import kernlog
+from slurmagent.slurm.model import node_from_kv
 
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown, setpriv and the root-only checks")
@@ -487,7 +488,7 @@ def test_repair_refuses_a_hostlist_too_large_to_expand(node, expr, error):
 
 
 def test_hostlist_at_the_limit_still_expands():
-    from slurmagent import hostlist
+    from slurmagent.core import hostlist
 
     names = hostlist.expand("n[00001-65536]")
     assert len(names) == 65536 and names[0] == "n00001" and names[-1] == "n65536"

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cluster_config_text, wait_for
-from slurmagent.checkpoint import Manifest, ManifestError, StaleAttemptError
-from slurmagent.identity import decide, settle
-from slurmagent.run_setup import JobIdentity, WrapperError
+from slurmagent.checkpoint.manifest import Manifest
+from slurmagent.checkpoint.errors import ManifestError, StaleAttemptError
+from slurmagent.run.identity import decide, settle
+from slurmagent.run.job import JobIdentity, WrapperError
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 ENTRY = {"blake3": "a" * 64, "size": 1, "crc32c": "AAAAAA=="}
@@ -108,7 +109,7 @@ def emu(gcs_emulator, monkeypatch):
 
 
 def store(prefix: str, owner: str | None = None):
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     s = GcsCheckpointStore(f"gs://ckpt/{prefix}", timeout_s=5)
     s.owner = owner

@@ -12,9 +12,9 @@ import tomllib
 import pytest
 
 from conftest import REPO
-from slurmagent.config import Config, parse
-from slurmagent.doctor import missing_slurm_conf_lines
-from slurmagent.install import config_template, install
+from slurmagent.state.config import Config, parse
+from slurmagent.commands.doctor import missing_slurm_conf_lines
+from slurmagent.commands.install import config_template, install
 
 
 def cli(*args: str, env=None) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from slurmagent.journal import Journal, Retry, StopReplay
+from slurmagent.state.journal import Journal, Retry, StopReplay
 
 
 def test_add_is_durable_and_done_moves_it(tmp_path):

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurmagent import host, kernlog
-from slurmagent.kernel_xid import KernelXid, map_to_gpus, normalize_pci, parse_line, parse_lines, parse_text
-from slurmagent.kernlog import (
+from slurmagent.state import host
+from slurmagent.gpu import kernlog
+from slurmagent.core.kernel_xid import KernelXid, map_to_gpus, normalize_pci, parse_line, parse_lines, parse_text
+from slurmagent.gpu.kernlog import (
     Cursor,
     DmesgSource,
     FileSource,
@@ -28,8 +29,8 @@ from slurmagent.kernlog import (
     read_new,
     read_since,
 )
-from slurmagent.snapshot import GpuState
-from slurmagent.xid import lookup
+from slurmagent.core.snapshot import GpuState
+from slurmagent.core.xid import lookup
 
 DATA = Path(__file__).parent / "data" / "kernlog"
 BOOT = "7d710ba7-7aa8-4e1f-ae8e-1191e923ee32"
@@ -551,7 +552,7 @@ def test_nothing_runs_at_import() -> None:
         "import subprocess, builtins\n"
         "def boom(*a, **k): raise AssertionError('ran at import')\n"
         "subprocess.run = subprocess.Popen = boom\n"
-        "import slurmagent.kernlog, slurmagent.xid\n"
+        "import slurmagent.gpu.kernlog, slurmagent.core.xid\n"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)

@@ -1,8 +1,11 @@
 """The package's floors stay as they are built (DESIGN.md, section Layout), read from `ast`:
 
 * an import goes to the same layer or a lower one, never up (the face may import anything);
-* a runtime imports no other runtime except `health` (the modules of one runtime, as the
-  `run`/`sbatch` group in RUNTIME_GROUPS, import each other);
+* a module's layer is its folder's (FOLDER_LAYERS) unless MODULE_LAYERS names it; a folder's
+  front (`__init__.py`) holds a docstring only, so a module imports the module it needs;
+* a runtime imports no other runtime except `commands/health` (the modules of `run/` are one
+  runtime and import each other; each module of `commands/` is one);
+* at most 8 modules at the top, 16 in a folder, ~500 lines in a module;
 * no import circle, function-local imports included;
 * no module imports (or reaches through an imported module) a `_private` name of another;
 * a function-local import of a slurmagent module carries a comment saying it is for start-up
@@ -25,27 +28,25 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slurmagent"
 
 PURE, STATE, ADAPTERS, ACTIONS, RUNTIMES, FACE = range(6)
 LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "face"]
-LAYERS = {
-    PURE: ["snapshot", "checks", "xid", "reasons", "nodes", "policy", "repair_policy", "kernel_xid", "hostlist", "timefmt", "errors",
-           "agent_channel"],
-    STATE: ["fsutil", "config", "journal", "metrics", "decisionlog", "expiry_state", "repair_state", "host",
-            "checkpoint", "checkpoint_errors", "checkpoint_names", "checkpoint_hash", "checkpoint_cache",
-            "checkpoint_manifest", "private_dirs", "checkpoint_cut", "ckpt_report"],
-    ADAPTERS: ["nvml", "nvml_deadline", "kernlog", "kernlog_changes", "slurm", "gcp.metadata", "gcp.events", "gcp.compute",
-               "gcp.storage", "gcp.transfer", "gcp.bucket", "gcp.manifest_store", "gcp.sync_run", "gcp.upload", "gcp.packs",
-               "gcp.sync", "gcp.restore", "gcp.verify"],
-    ACTIONS: ["actions", "action_handlers", "eviction"],
-    RUNTIMES: ["health", "hooks", "healthcheck", "watch", "expiry", "repair", "status", "wrapper", "run_setup",
-               "child_process", "own_requeue", "runner", "allocation", "agent_step", "node_agent", "uncommitted", "cut_store", "identity",
-               "restore_failure", "trainer", "doctor", "install", "job_status"],
-    FACE: ["cli", "entry", "hookmain"],
+# A folder's modules share its layer unless named in MODULE_LAYERS (a folder may hold two layers:
+# `slurm/model` is core, `slurm/commands` an adapter). A folder missing here names every module.
+FOLDER_LAYERS = {
+    "core": PURE, "policy": PURE,
+    "state": STATE, "checkpoint": STATE,
+    "checkpoint.gcs": ADAPTERS, "gpu": ADAPTERS, "gcp": ADAPTERS,
+    "actions": ACTIONS,
+    "run": RUNTIMES, "commands": RUNTIMES,
 }
-PACKAGES = {"": PURE, "gcp": PURE}  # the package __init__ files: nothing in them
-RUNTIME_GROUPS = {"runner": "run", "wrapper": "run", "run_setup": "run", "child_process": "run",
-                  "allocation": "run", "agent_step": "run", "node_agent": "run", "uncommitted": "run", "own_requeue": "run",
-                  "cut_store": "run", "identity": "run", "restore_failure": "run",
-                  "status": "status", "job_status": "status"}  # one runtime in several modules
-SHARED_RUNTIMES = {"health"}
+MODULE_LAYERS = {
+    "errors": PURE, "slurm.model": PURE, "run.channel": PURE,
+    "run.reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
+    "slurm.commands": ADAPTERS,
+    "trainer": RUNTIMES,
+    "cli": FACE, "entry": FACE, "hookmain": FACE,
+}
+SHARED_RUNTIMES = {"commands.health"}
+ONE_RUNTIME_FOLDERS = ("run",)  # the modules of `slurmagent run` are one runtime; each command is its own
+MAX_TOP_MODULES, MAX_FOLDER_MODULES, MAX_LINES = 8, 16, 520
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness
 STARTUP_WORDS = ("start-up", "startup")
@@ -137,13 +138,25 @@ def _commented(lines: list[str], node: ast.stmt) -> bool:
     return any(w in c for c in comments for w in STARTUP_WORDS)
 
 
-def layer_of(mod: str) -> int | None:
-    if mod in PACKAGES:
-        return PACKAGES[mod]
-    for layer, names in LAYERS.items():
-        if mod in names:
-            return layer
+def layer_of(mod: str, packages: set[str] = frozenset()) -> int | None:
+    """A module's layer: named in MODULE_LAYERS, else its folder's (a folder front holds nothing: pure)."""
+    if mod in MODULE_LAYERS:
+        return MODULE_LAYERS[mod]
+    if mod == "" or mod in packages:
+        return PURE
+    parts = mod.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        folder = ".".join(parts[:cut])
+        if folder in FOLDER_LAYERS:
+            return FOLDER_LAYERS[folder]
     return None
+
+
+def runtime_of(mod: str) -> str:
+    for folder in ONE_RUNTIME_FOLDERS:
+        if mod.startswith(folder + "."):
+            return folder
+    return mod
 
 
 def cycles(modules: set[str], imports: list[Import]) -> list[list[str]]:
@@ -191,9 +204,14 @@ def violations(root: Path, pkg: str = "slurmagent") -> list[str]:
     modules, imports, private_uses = collect(root, pkg)
     out = [f"private name reached: {p}" for p in private_uses]
     product = {m for m in modules if not (m == DEVTOOLS or m.startswith(DEVTOOLS + "."))}
+    packages = {module_name(p, root) for p in root.rglob("__init__.py")}
     for m in sorted(product):
-        if layer_of(m) is None:
-            out.append(f"{m}: in no layer (add it to DESIGN.md's table and to LAYERS here)")
+        if layer_of(m, packages) is None:
+            out.append(f"{m}: in no layer (add its folder to DESIGN.md's table and FOLDER_LAYERS here)")
+    for init in sorted(p for p in root.rglob("__init__.py") if p.parent != root):  # the package's own: __version__
+        body = ast.parse(init.read_text()).body
+        if body[1:] or (body and not (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant))):
+            out.append(f"{module_name(init, root) or pkg}: a folder's front holds a docstring only (import the module itself)")
     for imp in imports:
         where = f"{imp.source}:{imp.line}"
         if imp.source not in product:
@@ -208,13 +226,12 @@ def violations(root: Path, pkg: str = "slurmagent") -> list[str]:
         if imp.function is not None and not imp.commented:
             out.append(f"{where}: function-local import of {imp.target} in {imp.function}() without a comment "
                        "saying it is for start-up speed")
-        src, dst = layer_of(imp.source), layer_of(imp.target)
+        src, dst = layer_of(imp.source, packages), layer_of(imp.target, packages)
         if src is None or dst is None or src == FACE:
             continue
         if dst > src:
             out.append(f"{where}: upward import of {imp.target} ({LAYER_NAMES[dst]}) from {LAYER_NAMES[src]}")
-        elif src == dst == RUNTIMES and imp.target not in SHARED_RUNTIMES and \
-                RUNTIME_GROUPS.get(imp.source, imp.source) != RUNTIME_GROUPS.get(imp.target, imp.target):
+        elif src == dst == RUNTIMES and imp.target not in SHARED_RUNTIMES and runtime_of(imp.source) != runtime_of(imp.target):
             out.append(f"{where}: runtime {imp.source} imports runtime {imp.target} (only health is shared)")
     for comp in cycles(product, imports):
         out.append(f"import circle: {' -> '.join(comp)}")
@@ -225,10 +242,25 @@ def test_the_package_keeps_its_layers():
     assert violations(PACKAGE) == []
 
 
-def test_every_layer_module_exists():
+def test_every_named_folder_and_module_exists():
     modules = {module_name(p, PACKAGE) for p in PACKAGE.rglob("*.py")}
-    named = {m for names in LAYERS.values() for m in names}
-    assert named <= modules, named - modules
+    assert set(MODULE_LAYERS) <= modules, set(MODULE_LAYERS) - modules
+    assert set(FOLDER_LAYERS) <= modules, set(FOLDER_LAYERS) - modules  # a folder's __init__ names it
+
+
+def test_the_tree_stays_small_enough_to_read():
+    """At most 8 modules at the top, 16 in a folder, ~500 lines in a module (DESIGN.md, Layout)."""
+    too_big = []
+    for folder in [PACKAGE, *(p.parent for p in PACKAGE.rglob("__init__.py"))]:
+        mods = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        limit = MAX_TOP_MODULES if folder == PACKAGE else MAX_FOLDER_MODULES
+        if len(mods) > limit:
+            too_big.append(f"{folder.relative_to(PACKAGE.parent)}: {len(mods)} modules (at most {limit})")
+    for p in PACKAGE.rglob("*.py"):
+        n = len(p.read_text().splitlines())
+        if n > MAX_LINES:
+            too_big.append(f"{p.relative_to(PACKAGE.parent)}: {n} lines (at most ~500)")
+    assert too_big == []
 
 
 # --- the checker on synthetic packages ----------------------------------------------------
@@ -244,47 +276,58 @@ def package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_checker_sees_an_upward_import(tmp_path):
-    root = package(tmp_path, {"reasons.py": "from .slurm import Slurm\n", "slurm.py": ""})
-    assert any("upward import of slurm (adapters) from pure core" in v for v in violations(root))
+    root = package(tmp_path, {"core/__init__.py": "", "core/reasons.py": "from ..slurm.commands import Slurm\n",
+                              "slurm/__init__.py": "", "slurm/commands.py": ""})
+    assert any("upward import of slurm.commands (adapters) from pure core" in v for v in violations(root))
 
 
 def test_checker_sees_a_circle_hidden_in_a_function(tmp_path):
     root = package(tmp_path, {
-        "hooks.py": "from . import actions\n",
-        "actions.py": "def f():\n    from .hooks import x  # start-up speed\n",
+        "commands/__init__.py": "", "commands/hooks.py": "from ..actions import api\n",
+        "actions/__init__.py": "", "actions/api.py": "def f():\n    from ..commands.hooks import x  # start-up speed\n",
     })
     found = violations(root)
-    assert "import circle: actions -> hooks" in found
-    assert any("upward import of hooks (runtimes) from actions" in v for v in found)
+    assert "import circle: actions.api -> commands.hooks" in found
+    assert any("upward import of commands.hooks (runtimes) from actions" in v for v in found)
 
 
 def test_checker_sees_runtime_to_runtime_and_private_names(tmp_path):
     root = package(tmp_path, {
-        "expiry.py": "from .hooks import _spawn\nfrom . import health\n",
-        "hooks.py": "", "health.py": "",
-        "watch.py": "from . import kernlog\nkernlog._cursor()\n", "kernlog.py": "",
+        "commands/__init__.py": "",
+        "commands/expiry.py": "from .hooks import _spawn\nfrom . import health\n",
+        "commands/hooks.py": "", "commands/health.py": "",
+        "commands/watch.py": "from ..gpu import kernlog\nkernlog._cursor()\n",
+        "gpu/__init__.py": "", "gpu/kernlog.py": "",
+        "run/__init__.py": "", "run/main.py": "from .supervisor import Supervisor\n", "run/supervisor.py": "",
     })
     found = violations(root)
-    assert any("runtime expiry imports runtime hooks" in v for v in found)
-    assert not any("runtime expiry imports runtime health" in v for v in found)
-    assert any("imports private _spawn from hooks" in v for v in found)
+    assert any("runtime commands.expiry imports runtime commands.hooks" in v for v in found)
+    assert not any("imports runtime commands.health" in v for v in found)
+    assert not any("runtime run.main" in v for v in found)  # one runtime in one folder
+    assert any("imports private _spawn from commands.hooks" in v for v in found)
     assert any("kernlog._cursor" in v for v in found)
+
+
+def test_checker_wants_empty_fronts(tmp_path):
+    root = package(tmp_path, {"core/__init__.py": '"""Pure."""\nfrom .xid import catalog\n', "core/xid.py": ""})
+    assert "core: a folder's front holds a docstring only (import the module itself)" in violations(root)
 
 
 def test_checker_wants_a_reason_for_a_local_import_and_keeps_the_harness_out(tmp_path):
     root = package(tmp_path, {
         "cli.py": "def demo():\n    from .devtools import demo  # start-up speed\n"
                   "def check():\n    from .devtools import demo  # start-up speed\n",
-        "repair.py": "def run():\n    from . import actions\n", "actions.py": "",
+        "commands/__init__.py": "", "commands/repair.py": "def run():\n    from ..actions import api\n",
+        "actions/__init__.py": "", "actions/api.py": "",
         "devtools/__init__.py": "", "devtools/demo.py": "from ..cli import demo\n",
         "mystery.py": "",
     })
     found = violations(root)
-    assert any("repair:2: function-local import of actions in run()" in v for v in found)
+    assert any("commands.repair:2: function-local import of actions.api in run()" in v for v in found)
     assert any("cli:4: imports the dev harness" in v for v in found)
     assert not any("cli:2:" in v for v in found)
     assert not any(v.startswith("devtools") for v in found)
-    assert "mystery: in no layer (add it to DESIGN.md's table and to LAYERS here)" in found
+    assert "mystery: in no layer (add its folder to DESIGN.md's table and FOLDER_LAYERS here)" in found
 
 
 @pytest.mark.parametrize("line,ok", [
@@ -293,20 +336,57 @@ def test_checker_wants_a_reason_for_a_local_import_and_keeps_the_harness_out(tmp
     ("    from . import actions  # avoids a circle\n", False),
 ])
 def test_checker_reads_the_comment(tmp_path, line, ok):
-    root = package(tmp_path, {"hooks.py": f"def f():\n{line}", "actions.py": ""})
+    root = package(tmp_path, {"commands/__init__.py": "", "commands/hooks.py": f"def f():\n{line.replace('from . import actions', 'from ..actions import api')}",
+                              "actions/__init__.py": "", "actions/api.py": ""})
     assert (not any("without a comment" in v for v in violations(root))) is ok
 
 
-def test_readme_layout_matches_the_tree():
-    """README's "Code layout" table names every module of its layer, and nothing else."""
-    import re
+LAYOUT_PAGE = PACKAGE.parent / "docs" / "dev" / "layout.md"
+LAYOUT_START, LAYOUT_END = "<!-- layout:start -->", "<!-- layout:end -->"
 
-    text = (PACKAGE.parent / "README.md").read_text()
-    section = text.split("## Code layout", 1)[1].split("\n## ", 1)[0]
-    rows = {row.split("|")[1].strip(): row.split("|")[2] for row in section.splitlines()
-            if row.startswith("| ") and not row.startswith("| layer")}
-    for layer, names in LAYERS.items():
-        named = {n.replace("/", ".") for n in re.findall(r"`([a-z_/]+)`", rows[LAYER_NAMES[layer]])}
-        assert named == set(names), (LAYER_NAMES[layer], named ^ set(names))
-    devtools = {module_name(p, PACKAGE) for p in (PACKAGE / DEVTOOLS).glob("*.py") if p.name != "__init__.py"}
-    assert all(f"`{m.split('.')[-1]}`" in section for m in devtools)
+
+def first_line(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    line = " ".join(doc.split("\n\n", 1)[0].split())
+    return line if len(line) <= 110 else line[:107].rsplit(" ", 1)[0] + " ..."
+
+
+def layout_tree() -> str:
+    """The package tree with each module's layer and the first sentence of its docstring."""
+    packages = {module_name(p, PACKAGE) for p in PACKAGE.rglob("__init__.py")}
+    rows = ["slurmagent/"]
+
+    def walk(folder: Path, depth: int) -> None:
+        pad = "  " * depth
+        for p in sorted(folder.glob("*.py")):
+            if p.name == "__init__.py":
+                continue
+            mod = module_name(p, PACKAGE)
+            layer = "dev harness" if mod.startswith(DEVTOOLS + ".") else LAYER_NAMES[layer_of(mod, packages)]
+            rows.append(f"{pad}{p.name:<{24 - len(pad)}} {layer:<11}  {first_line(p)}")
+        for sub in sorted(d for d in folder.iterdir() if (d / "__init__.py").exists()):
+            rows.append(f"{pad}{sub.name + '/':<{24 - len(pad)}} {'':<11}  {first_line(sub / '__init__.py')}")
+            walk(sub, depth + 1)
+
+    walk(PACKAGE, 1)
+    return "```\n" + "\n".join(r.rstrip() for r in rows) + "\n```"
+
+
+def layout_block(text: str) -> str:
+    assert LAYOUT_START in text and LAYOUT_END in text, f"{LAYOUT_PAGE} has no {LAYOUT_START} block"
+    return text.split(LAYOUT_START, 1)[1].split(LAYOUT_END, 1)[0].strip()
+
+
+def test_the_layout_page_shows_the_tree():
+    """docs/dev/layout.md shows every module in its folder with its layer (rewrite: --write)."""
+    assert layout_block(LAYOUT_PAGE.read_text()) == layout_tree(), \
+        f"{LAYOUT_PAGE} is stale: run python tests/test_layers.py --write"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--write" in sys.argv:
+        text = LAYOUT_PAGE.read_text()
+        old = layout_block(text)
+        LAYOUT_PAGE.write_text(text.replace(old, layout_tree(), 1))

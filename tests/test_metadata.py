@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from fake_gcp import FakeGcp
-from slurmagent.config import parse
+from slurmagent.state.config import parse
 from slurmagent.gcp import metadata
 from slurmagent.gcp.metadata import MetadataError, MigRef, parse_created_by
 
@@ -102,7 +102,7 @@ def test_identity_off_gcp_in_a_fresh_process_is_one_line(tmp_path, monkeypatch):
     port = closed.getsockname()[1]
     closed.close()  # connection refused
     env = {"GCE_METADATA_HOST": f"127.0.0.1:{port}", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    code = ("import sys; from slurmagent.gcp import metadata; from slurmagent.config import parse\n"
+    code = ("import sys; from slurmagent.gcp import metadata; from slurmagent.state.config import parse\n"
             "try:\n    metadata.identity(parse({}))\nexcept metadata.MetadataError as e:\n    print(e); sys.exit(1)\n")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
     assert proc.returncode == 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import multiprocessing
 
 from conftest import xid_snapshot_dict, healthy_snapshot_dict
-from slurmagent.checks import run_checks
-from slurmagent.metrics import Metrics, read_values
-from slurmagent.snapshot import NodeSnapshot
+from slurmagent.core.checks import run_checks
+from slurmagent.state.metrics import Metrics, read_values
+from slurmagent.core.snapshot import NodeSnapshot
 
 
 def report(d):

@@ -17,7 +17,7 @@ from conftest import REPO, SlurmEnv, cluster_config_text, healthy_snapshot_dict,
 from gcs_fault_proxy import GcsFaultProxy
 from test_fault_slurm import evictions, land_on, restarts
 from test_watch import WatchProcess, append, drained, nvrm
-from slurmagent import config as config_mod
+from slurmagent.state import config as config_mod
 from slurmagent.devtools.localcluster import LocalSlurmCluster, free_ports, slurm_available
 
 RANKS = str(Path(__file__).with_name("toy_ranks.py"))
@@ -208,8 +208,8 @@ def test_a_node_whose_upload_fails_at_the_flush_leaves_the_previous_checkpoint_a
         cl, emu, tmp_path, monkeypatch):
     """The flush comes from a maintenance notice on the second node only: its expiry watch
     signals the batch step (on the first node), which flushes the whole job."""
-    from slurmagent.expiry import flush_jobs
-    from slurmagent.slurm import Slurm
+    from slurmagent.commands.expiry import flush_jobs
+    from slurmagent.slurm.commands import Slurm
 
     (tmp_path / "ledger").mkdir()
     # A periodic commit is a consistent cut: it needs the checkpoint left alone for one whole sync
@@ -579,7 +579,7 @@ def test_a_two_node_job_never_resumes_an_earlier_jobs_checkpoint_under_its_id_an
     """Issue 21 item 7: the id was an earlier job's (a controller redeployed with fresh state); its
     checkpoint, of a later attempt than any of ours, is under jobs/<id>. The batch step decides
     once; the nodes start fresh, the job commits and its requeue resumes its own checkpoint."""
-    from slurmagent.gcp.storage import GcsCheckpointStore
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     (tmp_path / "ledger").mkdir()
     job = submit(cl, tmp_path, emu.url, [], [sys.executable, RANKS, "300", str(tmp_path / "ledger"), "0.05"],

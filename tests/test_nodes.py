@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from slurmagent.nodes import node_from_kv, parse_kv
+from slurmagent.slurm.model import node_from_kv, parse_kv
 
 STAMPS = [
     # (Reason field as scontrol prints it, reason today by node_from_kv, by node_view, stamp parsed)

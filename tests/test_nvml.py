@@ -1,4 +1,4 @@
-"""slurmagent.nvml against a fake pynvml that raises the real pynvml error classes."""
+"""slurmagent.gpu.nvml against a fake pynvml that raises the real pynvml error classes."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 import pynvml
 import pytest
 
-from slurmagent import nvml as reader
-from slurmagent import nvml_deadline as deadline
+from slurmagent.gpu import nvml as reader
+from slurmagent.gpu import nvml_deadline as deadline
 from slurmagent.errors import NvmlTimeout, SlurmagentError
-from slurmagent.snapshot import NodeSnapshot
+from slurmagent.core.snapshot import NodeSnapshot
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -311,7 +311,7 @@ def test_no_permission_is_unmeasured_and_other_errors_are_logged(caplog: pytest.
         def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
 
-    with caplog.at_level(logging.WARNING, logger="slurmagent.nvml"):
+    with caplog.at_level(logging.WARNING, logger="slurmagent.gpu.nvml"):
         g = reader.read_snapshot(Fake([FakeGpu()]), hostname="n1").gpus[0]
     assert g.power_w is None and g.temperature_c is None and not g.lost
     assert "NVML_ERROR_UNKNOWN" in caplog.text and "nvmlDeviceGetTemperature" in caplog.text
@@ -569,7 +569,7 @@ def test_large_snapshot_passes_the_pipe(forked: list[int]) -> None:
 
 def test_importing_the_module_does_not_import_pynvml() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import slurmagent.nvml, slurmagent.nvml_deadline, sys; print('pynvml' in sys.modules)"],
+        [sys.executable, "-c", "import slurmagent.gpu.nvml, slurmagent.gpu.nvml_deadline, sys; print('pynvml' in sys.modules)"],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,

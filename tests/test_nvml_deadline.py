@@ -12,7 +12,7 @@ import pytest
 
 from fakes import nvml_readers
 from slurmagent.errors import NvmlTimeout
-from slurmagent.nvml_deadline import NVML_READ_CRASHED, ThreadSafeReader
+from slurmagent.gpu.nvml_deadline import NVML_READ_CRASHED, ThreadSafeReader
 
 
 @pytest.fixture

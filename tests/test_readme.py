@@ -13,7 +13,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def generated() -> dict[str, str]:
-    from slurmagent import config, xid
+    from slurmagent.state import config
+    from slurmagent.core import xid
 
     return {"xid-table": xid.table_markdown(), "config-table": config.reference_markdown()}
 

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import REPO, cluster_config_text, healthy_snapshot_dict, wait_for, xid_snapshot_dict
 from fake_gcp import FakeGcp
-from slurmagent import reasons
-from slurmagent.nodes import node_from_kv
+from slurmagent.core import reasons
+from slurmagent.slurm.model import node_from_kv
 
 pytestmark = pytest.mark.slurm
 

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import pytest
 
 from conftest import REPO, cluster_config_text, healthy_snapshot_dict, hook_shim, wait_for, write_json
-from slurmagent.nodes import node_from_kv, parse_kv
+from slurmagent.slurm.model import node_from_kv, parse_kv
 from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 
 pytestmark = pytest.mark.slurm
@@ -250,7 +250,7 @@ def test_a_flex_cohort_expiring_together_is_drained_whole_and_counts_nothing(eig
 
 
 def read_decisions(root, node):
-    from slurmagent.decisionlog import read_records
+    from slurmagent.state.decisionlog import read_records
 
     return read_records(root / "state" / node / "hooks.log")
 

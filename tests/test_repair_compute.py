@@ -141,7 +141,7 @@ def test_report_faulty_request(fake):
 
 
 def test_healthy_prolog_path_imports_no_google_module(tmp_path):
-    code = ("import sys, slurmagent.hooks, slurmagent.hookmain, slurmagent.repair, slurmagent.journal, "
+    code = ("import sys, slurmagent.commands.hooks, slurmagent.hookmain, slurmagent.commands.repair, slurmagent.state.journal, "
             "slurmagent.policy, slurmagent.gcp.compute, slurmagent.gcp.metadata\n"
             "bad = [m for m in sys.modules if m.startswith('google')]\nprint(bad)\nsys.exit(1 if bad else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -11,11 +11,12 @@ import pytest
 
 from fake_gcp import FakeGcp
 from fakes.slurm import FakeSlurm
-from slurmagent import actions, reasons
-from slurmagent.config import parse
-from slurmagent.journal import Journal
-from slurmagent.repair import run_repair
-from slurmagent.slurm import Slurm
+from slurmagent.actions import api as actions
+from slurmagent.core import reasons
+from slurmagent.state.config import parse
+from slurmagent.state.journal import Journal
+from slurmagent.commands.repair import run_repair
+from slurmagent.slurm.commands import Slurm
 
 ZONE, ZONE_B = "us-central1-a", "us-central1-b"
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"

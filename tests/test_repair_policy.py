@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from slurmagent import policy, reasons, repair_policy
-from slurmagent.checks import Finding, Severity
-from slurmagent.nodes import NodeInfo, node_from_kv, parse_comment, parse_kv
-from slurmagent.timefmt import parse_slurm_time
+from slurmagent.policy import breaker as breaker_policy, drain as drain_policy, repair as repair_policy
+from slurmagent.core import reasons
+from slurmagent.core.checks import Finding, Severity
+from slurmagent.slurm.model import NodeInfo, node_from_kv, parse_comment, parse_kv
+from slurmagent.core.timefmt import parse_slurm_time
 
 T0 = 1_800_000_000.0
 
@@ -25,7 +26,7 @@ def cluster(n, **special):
 @pytest.mark.parametrize("total,fraction,allowed", [(8, 0.25, 2), (3, 0.25, 1), (16, 0.25, 4), (10, 0.1, 1),
                                                     (0, 0.25, 0), (10, 1.0, 10), (7, 0.5, 3), (20, 0.0, 1)])
 def test_allowed_drained(total, fraction, allowed):
-    assert policy.allowed_drained(total, fraction) == allowed
+    assert breaker_policy.allowed_drained(total, fraction) == allowed
 
 
 def test_node_parses_reason_time_and_comment():
@@ -68,25 +69,25 @@ def test_blocks_job_only_when_gpus_unusable():
     xid79 = Finding("xid", Severity.DRAIN, 3, "fallen off the bus", 79)
     slow = Finding("hw-slowdown", Severity.DRAIN, 0, "power brake", ["hw_power_brake_slowdown"])
     warn = Finding("gpu-count", Severity.WARN, None, "x", 7)
-    assert policy.blocks_job([lost]) and policy.blocks_job([slow, xid79])
-    assert not policy.blocks_job([slow]) and not policy.blocks_job([warn])
+    assert drain_policy.blocks_job([lost]) and drain_policy.blocks_job([slow, xid79])
+    assert not drain_policy.blocks_job([slow]) and not drain_policy.blocks_job([warn])
 
 
 def test_decide_drain():
     ours = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
     nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", ours, T0), n2=view("n2", "IDLE+DRAIN", "admin: PSU", T0),
                     n3=view("n3", "DOWN", "Not responding", T0), n4=view("n4", "IDLE+DRAIN", "Prolog error", T0))
-    assert policy.decide_drain(nodes, "n1", ours, 0.25) == "already-drained"
-    assert policy.decide_drain(nodes, "n1", "slurmagent: gpu-lost: gpu 1", 0.25) == "update-reason"
-    assert policy.decide_drain(nodes, "n2", ours, 0.25) == "kept-admin-drain"
-    assert policy.decide_drain(nodes, "n3", ours, 0.25) == "kept-admin-drain"
-    assert policy.decide_drain(nodes, "n4", ours, 0.25) == "kept-admin-drain"
-    assert policy.decide_drain(nodes, "n4", ours, 0.25, takeover_reasons=("Prolog error",)) == "drain"
-    assert policy.decide_drain(nodes, "n5", ours, 0.25) == "drain"  # 1 of 2 used
-    assert policy.decide_drain(nodes, "n9", ours, 0.25) == "no-such-node"
+    assert drain_policy.decide_drain(nodes, "n1", ours, 0.25) == "already-drained"
+    assert drain_policy.decide_drain(nodes, "n1", "slurmagent: gpu-lost: gpu 1", 0.25) == "update-reason"
+    assert drain_policy.decide_drain(nodes, "n2", ours, 0.25) == "kept-admin-drain"
+    assert drain_policy.decide_drain(nodes, "n3", ours, 0.25) == "kept-admin-drain"
+    assert drain_policy.decide_drain(nodes, "n4", ours, 0.25) == "kept-admin-drain"
+    assert drain_policy.decide_drain(nodes, "n4", ours, 0.25, takeover_reasons=("Prolog error",)) == "drain"
+    assert drain_policy.decide_drain(nodes, "n5", ours, 0.25) == "drain"  # 1 of 2 used
+    assert drain_policy.decide_drain(nodes, "n9", ours, 0.25) == "no-such-node"
     full = [*nodes[:4], view("n5", "IDLE+DRAIN", ours, T0), *nodes[5:]]
-    assert policy.decide_drain(full, "n6", ours, 0.25) == "suppress"
-    assert policy.decide_drain(full, "n6", ours, 1.0) == "drain"  # breaker off
+    assert drain_policy.decide_drain(full, "n6", ours, 0.25) == "suppress"
+    assert drain_policy.decide_drain(full, "n6", ours, 1.0) == "drain"  # breaker off
 
 
 def simulate_burst(n_nodes, racers, fraction, rng, established=()):
@@ -97,14 +98,14 @@ def simulate_burst(n_nodes, racers, fraction, rng, established=()):
         base[name] = view(name, "IDLE+DRAIN", "slurmagent: xid 48 on gpu 0", T0 - 600)
     # first look: every racer sees only the established drains (they all start together)
     start = list(base.values())
-    movers = [r for r in racers if policy.decide_drain(start, r, "slurmagent: hw-slowdown: gpu 0", fraction) == "drain"]
+    movers = [r for r in racers if drain_policy.decide_drain(start, r, "slurmagent: hw-slowdown: gpu 0", fraction) == "drain"]
     applied = {r: T0 + rng.choice([0, 0, 0, 1]) for r in movers}  # the second slurmctld applied each drain in
     kept = []
     for r in movers:
         visible = {m for m, s in applied.items() if s <= applied[r] or rng.random() < 0.5}
         nodes = [view(name, "IDLE+DRAIN", "slurmagent: hw-slowdown: gpu 0", applied[name]) if name in visible
                  else node for name, node in base.items()]
-        if policy.keeps_drain(nodes, r, fraction):
+        if breaker_policy.keeps_drain(nodes, r, fraction):
             kept.append(r)
     return kept
 
@@ -130,11 +131,11 @@ def test_breaker_state():
                     n3=view("n3", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")),
                     n4=view("n4", "IDLE+DRAIN", "Prolog error", T0, comment=reasons.suppressed_comment(T0, "gpu-lost")),
                     n5=view("n5", comment=reasons.suppressed_comment(T0 - 2 * 86400, "old")))
-    b = policy.breaker(nodes, 0.25, now=T0 + 10)
+    b = breaker_policy.breaker(nodes, 0.25, now=T0 + 10)
     assert b.drained == ("n1", "n2") and b.suppressed == ("n3", "n4") and b.open and b.full
     assert "OPEN" in b.describe() and "n3, n4" in b.describe()
     calm = nodes[:2] + [view(f"n{i}") for i in (3, 4, 5)] + nodes[5:]
-    assert not policy.breaker(calm, 0.25, now=T0).open and policy.breaker(calm, 0.25, now=T0).full
+    assert not breaker_policy.breaker(calm, 0.25, now=T0).open and breaker_policy.breaker(calm, 0.25, now=T0).full
 
 
 def test_plan_repair():
@@ -143,7 +144,7 @@ def test_plan_repair():
              view("n3", "IDLE+DRAIN", reasons.repairing_reason(ours), T0), view("n4", "MIXED+DRAIN", ours, T0),
              view("n5", "IDLE+DRAIN", "slurmagent: expiry: terminates soon", T0), view("n6", "IDLE"),
              view("n7", "IDLE+DRAIN", ours, T0), *[view(f"n{i}") for i in range(8, 30)]]
-    b = policy.breaker(nodes, 0.25, now=T0)
+    b = breaker_policy.breaker(nodes, 0.25, now=T0)
     plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0 + 60,
                               history={"n7": [T0 - 100, T0 - 50, T0 - 10]})
     assert plan.todo == ["n1"]
@@ -163,7 +164,7 @@ def test_plan_repair_with_open_breaker():
     nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", ours, T0), n2=view("n2", "IDLE+DRAIN", ours, T0),
                     n3=view("n3", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")),
                     n4=view("n4", comment=reasons.suppressed_comment(T0, "hw-slowdown: gpu 0")))
-    b = policy.breaker(nodes, 0.25, now=T0)
+    b = breaker_policy.breaker(nodes, 0.25, now=T0)
     plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0)
     assert plan.todo == [] and plan.suppressed == ["n1", "n2"]
     forced = repair_policy.plan_repair(nodes, ["n3"], force=True, breaker_state=b, now=T0)
@@ -179,29 +180,29 @@ def test_planned_drains_do_not_count_for_the_breaker():
     ours = "slurmagent: hw-slowdown: gpu 0"
     cohort = {f"n{i}": view(f"n{i}", "IDLE+DRAIN", FLEX, T0) for i in range(1, 5)}  # 4 of 8 expire together
     nodes = cluster(8, **cohort)
-    b = policy.breaker(nodes, 0.25, T0)
+    b = breaker_policy.breaker(nodes, 0.25, T0)
     assert b.drained == () and not b.open and not b.full
-    assert policy.decide_drain(nodes, "n5", ours, 0.25) == "drain"  # both fault slots still free
+    assert drain_policy.decide_drain(nodes, "n5", ours, 0.25) == "drain"  # both fault slots still free
     nodes = cluster(8, **cohort, n5=view("n5", "IDLE+DRAIN", ours, T0), n6=view("n6", "IDLE+DRAIN", ours, T0))
-    assert policy.breaker(nodes, 0.25, T0).drained == ("n5", "n6")
-    assert policy.decide_drain(nodes, "n7", ours, 0.25) == "suppress"
-    assert policy.keeps_drain(nodes, "n6", 0.25)
+    assert breaker_policy.breaker(nodes, 0.25, T0).drained == ("n5", "n6")
+    assert drain_policy.decide_drain(nodes, "n7", ours, 0.25) == "suppress"
+    assert breaker_policy.keeps_drain(nodes, "n6", 0.25)
     # a fault on a node already drained ahead of its end counts from then on: held back when full
-    assert policy.decide_drain(nodes, "n1", ours, 0.25) == "suppress"
-    assert policy.decide_drain(cluster(8, n1=view("n1", "IDLE+DRAIN", FLEX, T0)), "n1", ours, 0.25) == "update-reason"
+    assert drain_policy.decide_drain(nodes, "n1", ours, 0.25) == "suppress"
+    assert drain_policy.decide_drain(cluster(8, n1=view("n1", "IDLE+DRAIN", FLEX, T0)), "n1", ours, 0.25) == "update-reason"
 
 
 def test_decide_planned_drain():
     fault = view("n1", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3 (fallen off the bus)", T0)
-    assert policy.decide_planned_drain(fault, FLEX) == "kept-slurmagent-drain"  # repair owns it
-    assert policy.decide_planned_drain(view("n1", "IDLE+DRAIN", "admin: PSU", T0), FLEX) == "kept-admin-drain"
-    assert policy.decide_planned_drain(view("n1", "DOWN", "Not responding", T0), FLEX) == "kept-admin-drain"
-    assert policy.decide_planned_drain(view("n1", "IDLE+DRAIN", FLEX, T0), FLEX) == "already-drained"
-    assert policy.decide_planned_drain(view("n1", "IDLE+DRAIN", FLEX.replace("10:00", "11:00"), T0), FLEX) == "drain"
-    assert policy.decide_planned_drain(view("n1"), FLEX) == "drain"
-    assert policy.decide_planned_drain(None, FLEX) == "no-such-node"
+    assert drain_policy.decide_planned_drain(fault, FLEX) == "kept-slurmagent-drain"  # repair owns it
+    assert drain_policy.decide_planned_drain(view("n1", "IDLE+DRAIN", "admin: PSU", T0), FLEX) == "kept-admin-drain"
+    assert drain_policy.decide_planned_drain(view("n1", "DOWN", "Not responding", T0), FLEX) == "kept-admin-drain"
+    assert drain_policy.decide_planned_drain(view("n1", "IDLE+DRAIN", FLEX, T0), FLEX) == "already-drained"
+    assert drain_policy.decide_planned_drain(view("n1", "IDLE+DRAIN", FLEX.replace("10:00", "11:00"), T0), FLEX) == "drain"
+    assert drain_policy.decide_planned_drain(view("n1"), FLEX) == "drain"
+    assert drain_policy.decide_planned_drain(None, FLEX) == "no-such-node"
     # however many of a cohort are drained already, the next one is too (no breaker here)
-    assert all(policy.decide_planned_drain(n, FLEX) == "drain" for n in cluster(8))
+    assert all(drain_policy.decide_planned_drain(n, FLEX) == "drain" for n in cluster(8))
 
 
 # --- repair requests ---------------------------------------------------------------------------
@@ -324,15 +325,15 @@ def test_opt_out_by_feature_or_config_list():
     line = "NodeName=n1 State=IDLE AvailableFeatures=h100,slurmagent_off ActiveFeatures=h100,slurmagent_off Reason=(null)"
     n1 = node_from_kv(parse_kv(line))
     assert n1.features == {"h100", "slurmagent_off"} and n1.opted_out
-    assert policy.opted_out(n1, "n1", ()) == "node feature slurmagent_off"
+    assert drain_policy.opted_out(n1, "n1", ()) == "node feature slurmagent_off"
     plain = node_from_kv(parse_kv("NodeName=n2 State=IDLE AvailableFeatures=(null) ActiveFeatures=(null)"))
-    assert plain.features == frozenset() and policy.opted_out(plain, "n2", ()) == ""
-    assert policy.opted_out(plain, "n2", ("n[1-3]",)) == "[repair] exclude_nodes"
-    assert policy.opted_out(None, "n9", ("n1", "n9")) == "[repair] exclude_nodes"
+    assert plain.features == frozenset() and drain_policy.opted_out(plain, "n2", ()) == ""
+    assert drain_policy.opted_out(plain, "n2", ("n[1-3]",)) == "[repair] exclude_nodes"
+    assert drain_policy.opted_out(None, "n9", ("n1", "n9")) == "[repair] exclude_nodes"
 
 
 def test_a_busy_dynamic_node_is_powered_down_asap_a_busy_static_one_waits():
-    b = policy.breaker([], 1.0)
+    b = breaker_policy.breaker([], 1.0)
     nodes = [view("c1", "MIXED+CLOUD+DRAIN", "slurmagent: xid 79 on gpu 3"),
              view("n1", "MIXED+DRAIN", "slurmagent: xid 79 on gpu 3")]
     plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="auto")

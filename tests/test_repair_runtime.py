@@ -7,13 +7,13 @@ import io
 import json
 
 from fakes.slurm import FakeSlurm
-from slurmagent import reasons
-from slurmagent.config import parse
-from slurmagent.journal import Journal
-from slurmagent.action_handlers import Actions
-from slurmagent.repair import run_repair
-from slurmagent.status import collect_status, format_status
-from slurmagent.slurm import Slurm
+from slurmagent.core import reasons
+from slurmagent.state.config import parse
+from slurmagent.state.journal import Journal
+from slurmagent.actions.executor import Actions
+from slurmagent.commands.repair import run_repair
+from slurmagent.commands.status import collect_status, format_status
+from slurmagent.slurm.commands import Slurm
 
 XID79 = "slurmagent: xid 79 on gpu 3 (fallen off the bus)"
 
@@ -97,8 +97,8 @@ def test_status_while_slurmctld_is_down_shows_the_backlog(tmp_path):
 
 
 def test_fault_drain_lets_the_job_run_only_when_suppressed_and_gpus_usable(tmp_path):
-    from slurmagent.actions import drain_fault
-    from slurmagent.checks import Finding, Severity
+    from slurmagent.actions.api import drain_fault
+    from slurmagent.core.checks import Finding, Severity
 
     sc = FakeSlurm.cluster(4)
     sc.nodes["n1"].update(State="IDLE+DRAIN", Reason=XID79)  # the one allowed drain is taken

@@ -14,12 +14,12 @@ import pytest
 
 from conftest import REPO
 from test_checkpoint import KiB, MiB, dirs, emu, read_tree, store, write_tree  # noqa: F401
-from slurmagent.checkpoint import Manifest
-from slurmagent.checkpoint_errors import NodeDiskError
-from slurmagent.gcp.storage import GcsCheckpointStore
-from slurmagent.restore_failure import no_progress_streak
-from slurmagent.run_setup import JobIdentity, RunOptions
-from slurmagent.wrapper import EXIT_FLUSHED, EXIT_REQUEUE_REFUSED, Supervisor
+from slurmagent.checkpoint.manifest import Manifest
+from slurmagent.checkpoint.errors import NodeDiskError
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+from slurmagent.run.restore_failure import no_progress_streak
+from slurmagent.run.job import JobIdentity, RunOptions
+from slurmagent.run.supervisor import EXIT_FLUSHED, EXIT_REQUEUE_REFUSED, Supervisor
 
 
 # --------------------------------------------------------------- staging: old + new never both on disk
@@ -149,7 +149,7 @@ def test_the_no_progress_streak_of_an_attempt_that_could_not_restore():
 
 def test_a_node_disk_error_of_the_agents_names_their_nodes():
     exc = NodeDiskError("restore failed on n3 (node index 1): ...", nodes=["n3"])
-    from slurmagent.restore_failure import failed_nodes
+    from slurmagent.run.restore_failure import failed_nodes
 
     assert failed_nodes(exc, {"SLURMD_NODENAME": "n1"}) == ["n3"]
     assert failed_nodes(OSError(28, "No space left on device"), {"SLURMD_NODENAME": "n1"}) == ["n1"]
@@ -160,7 +160,7 @@ def test_exclude_nodes_keeps_the_nodes_a_job_already_excludes():
     import subprocess as sp
 
     from slurmagent.errors import SlurmError
-    from slurmagent.slurm import Slurm
+    from slurmagent.slurm.commands import Slurm
 
     calls = []
 
@@ -178,7 +178,7 @@ def test_exclude_nodes_keeps_the_nodes_a_job_already_excludes():
 
 def test_the_exclusion_is_tried_again_while_slurm_refuses_it_for_a_moment():
     from slurmagent.errors import SlurmError
-    from slurmagent.restore_failure import exclude_with_retries
+    from slurmagent.run.restore_failure import exclude_with_retries
 
     answers = [SlurmError("scontrol update JobId=77: failed"), SlurmError("failed"), ["n1"]]
 
@@ -200,9 +200,9 @@ def test_an_explicit_ckpt_dir_this_node_cannot_hold_is_left_to_the_restore_under
     """A file where `--ckpt-dir` should be is this node's problem: a Slurm job gets as far as the
     restore (which requeues it without the node); a plain run is refused in one line. A refusal of
     another user's directory stays a refusal either way (tests/test_ckpt_dirs.py)."""
-    from slurmagent.config import Config
-    from slurmagent.run_setup import WrapperError
-    from slurmagent.runner import build_options
+    from slurmagent.state.config import Config
+    from slurmagent.run.job import WrapperError
+    from slurmagent.run.main import build_options
 
     bad = tmp_path / "ckpt"
     bad.write_text("not a directory")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, healthy_snapshot_dict, wait_for
-from slurmagent import host
+from slurmagent.state import host
 from test_hostile import DRAIN_N1, Node, needs_root
 
 NOBODY = 65534
@@ -142,7 +142,8 @@ while time.monotonic() < end:
 def test_a_config_flipped_between_check_and_read_is_never_used(node, open_dir):
     """`nobody` flips its entry in a sticky directory between its own config and a symlink to
     root's: what root checks and what root reads are the same open file, so never the user's."""
-    from slurmagent.config import ConfigError, load
+    from slurmagent.errors import ConfigError
+    from slurmagent.state.config import load
 
     safe = trusted_config(node, open_dir / "etc")
     evil = node.write_config(node.tmp / "evil.toml", scontrol=evil_scontrol(node)).read_text()
@@ -202,8 +203,8 @@ print("4242")
 
 
 def test_the_generated_batch_script_never_imports_slurmagent_from_the_cwd(node):
-    from slurmagent.config import load
-    from slurmagent.runner import submit
+    from slurmagent.state.config import load
+    from slurmagent.run.main import submit
 
     sbatch, copy = node.tmp / "bin" / "sbatch", node.tmp / "batch.sh"
     sbatch.write_text(FAKE_SBATCH.format(python=sys.executable, copy=str(copy)))
@@ -308,7 +309,8 @@ def test_a_forged_decision_log_does_not_make_healthcheck_skip_an_xid79_node(node
 @pytest.mark.parametrize("how", PLANTED)
 def test_state_files_a_user_could_have_written_are_ignored_by_root(node, open_dir, how, capsys):
     """Every reader of the state dir: repair state, the breaker's mark, the kernel-log cursor, metrics."""
-    from slurmagent import kernlog, metrics, repair_state
+    from slurmagent.gpu import kernlog
+    from slurmagent.state import metrics, repair_state
 
     text = {"repair-state.json": json.dumps({"history": {"n9": [time.time()] * 5}}),
             repair_state.SUPPRESSED_MARKER: f"{time.time():.3f}\n",
@@ -346,8 +348,8 @@ def test_lock_files_a_user_pointed_elsewhere_create_nothing_and_the_verdict_stan
 
 
 def test_the_expiry_copy_for_wrappers_is_per_node_by_default():
-    from slurmagent import expiry_state
-    from slurmagent.config import Config
+    from slurmagent.state import expiry_state
+    from slurmagent.state.config import Config
 
     # two slurmd on one host never read each other's termination time (their state_dir has a %n too)
     assert expiry_state.run_file(Config(), "n1") == Path("/run/slurmagent/n1/expiry.json")
@@ -357,9 +359,9 @@ def test_the_expiry_copy_for_wrappers_is_per_node_by_default():
 
 
 def test_the_wrapper_reads_its_own_nodes_expiry_state():
-    from slurmagent.config import Config
-    from slurmagent.runner import build_options
-    from slurmagent.run_setup import JobIdentity
+    from slurmagent.state.config import Config
+    from slurmagent.run.main import build_options
+    from slurmagent.run.job import JobIdentity
 
     env = {"SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"}
     opts = build_options(Config(), ["true"], env, JobIdentity.from_env(env))
@@ -409,7 +411,7 @@ HOSTILE_TEXT = {
 
 @pytest.mark.parametrize("where", list(HOSTILE_TEXT))
 def test_a_jobs_free_text_never_passes_for_its_fields(where):
-    from slurmagent.slurm import Slurm
+    from slurmagent.slurm.commands import Slurm
 
     answers = SlurmAnswers(HOSTILE_TEXT[where])
     job = Slurm(runner=answers).job("42")
@@ -420,7 +422,7 @@ def test_a_jobs_free_text_never_passes_for_its_fields(where):
 
 
 def test_an_honest_job_record_is_read_in_one_call():
-    from slurmagent.slurm import Slurm
+    from slurmagent.slurm.commands import Slurm
 
     answers = SlurmAnswers(job_answer(name="lr=0.1 bs=64", comment="resume from step=100"))
     job = Slurm(runner=answers).job("42")
@@ -430,14 +432,14 @@ def test_an_honest_job_record_is_read_in_one_call():
 
 
 def test_an_ambiguous_record_that_squeue_cannot_settle_reads_as_unknown():
-    from slurmagent.slurm import Slurm
+    from slurmagent.slurm.commands import Slurm
 
     job = Slurm(runner=SlurmAnswers(HOSTILE_TEXT["comment"], squeue_out="")).job("42")
     assert job.ambiguous and job.state == "" and job.time_limit == "" and not job.held
 
 
 def test_the_comment_of_a_node_or_job_keeps_its_imitated_fields_as_text():
-    from slurmagent.nodes import node_from_kv, parse_kv
+    from slurmagent.slurm.model import node_from_kv, parse_kv
 
     kv = parse_kv(job_answer(comment=f"x {FORGED}").strip())
     assert kv["JobState"] == "RUNNING" and kv["TimeLimit"] == "02:00:00" and kv["Comment"] == f"x {FORGED}"
@@ -483,7 +485,7 @@ def test_wrapped_detection_on_a_4mb_adversarial_script(tail, wrapped):
     ("exec slurmagent\nrun\n", False),
 ])
 def test_wrapped_detection_cases(script, wrapped):
-    from slurmagent.nodes import script_execs_wrapper
+    from slurmagent.slurm.model import script_execs_wrapper
 
     assert script_execs_wrapper(script) is wrapped
 

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes.slurm import FakeSlurm
-from slurmagent import hostlist
+from slurmagent.core import hostlist
 from slurmagent.errors import SlurmError
-from slurmagent.nodes import job_from_kv, node_from_kv, parse_kv
-from slurmagent.reasons import MAX_REASON, clean_reason, make_reason
-from slurmagent.slurm import Slurm, expected_gpus_for, gpu_count_from_gres
+from slurmagent.slurm.model import job_from_kv, node_from_kv, parse_kv
+from slurmagent.core.reasons import MAX_REASON, clean_reason, make_reason
+from slurmagent.slurm.commands import Slurm, expected_gpus_for, gpu_count_from_gres
 
 # --- hostlist -----------------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ def test_job_invalid_id_is_none() -> None:
 
 
 def test_run_argv_real_timeout() -> None:
-    from slurmagent.slurm import run_argv
+    from slurmagent.slurm.commands import run_argv
 
     with pytest.raises(SlurmError, match="timed out"):
         run_argv(["sleep", "5"], timeout=0.2)

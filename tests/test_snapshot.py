@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict
-from slurmagent import snapshot as snapshot_mod
-from slurmagent.checks import run_checks
+from slurmagent.core import snapshot as snapshot_mod
+from slurmagent.core.checks import run_checks
 from slurmagent.errors import SnapshotError
-from slurmagent.fsutil import atomic_write_text
-from slurmagent.snapshot import GpuState, NodeSnapshot, load
+from slurmagent.state.fsutil import atomic_write_text
+from slurmagent.core.snapshot import GpuState, NodeSnapshot, load
 
 
 def save(snapshot: NodeSnapshot, path) -> None:

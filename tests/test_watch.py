@@ -22,14 +22,14 @@ import pytest
 from conftest import REPO, healthy_snapshot_dict, wait_for, write_json
 from fakes import nvml_readers
 from fakes.slurm import FakeSlurm
-from slurmagent import kernlog
-from slurmagent.config import parse
-from slurmagent.decisionlog import read_records
-from slurmagent.slurm import Slurm
-from slurmagent.host import sd_notify, watchdog_interval
-from slurmagent.nvml import NvmlXidEvents
-from slurmagent.nvml_deadline import ThreadSafeReader
-from slurmagent.watch import Watcher
+from slurmagent.gpu import kernlog
+from slurmagent.state.config import parse
+from slurmagent.state.decisionlog import read_records
+from slurmagent.slurm.commands import Slurm
+from slurmagent.state.host import sd_notify, watchdog_interval
+from slurmagent.gpu.nvml import NvmlXidEvents
+from slurmagent.gpu.nvml_deadline import ThreadSafeReader
+from slurmagent.commands.watch import Watcher
 
 GPU3_PCI = "0000:48:00"  # healthy_gpu(3): 00000000:48:00.0
 

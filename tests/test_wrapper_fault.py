@@ -12,10 +12,10 @@ import threading
 from pathlib import Path
 
 from conftest import REPO, wait_for
-from slurmagent import child_process, wrapper
-from slurmagent.nodes import FAULT_FLUSH_SIGNAL
-from slurmagent.run_setup import JobIdentity, RunOptions
-from slurmagent.wrapper import EXIT_FLUSHED, Supervisor
+from slurmagent.run import child as child_process, supervisor as wrapper
+from slurmagent.slurm.model import FAULT_FLUSH_SIGNAL
+from slurmagent.run.job import JobIdentity, RunOptions
+from slurmagent.run.supervisor import EXIT_FLUSHED, Supervisor
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 REAL_POPEN = subprocess.Popen

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, wait_for
-from slurmagent.checkpoint import entry_content_id
-from slurmagent.gcp.storage import GcsCheckpointStore
-from slurmagent.metrics import Metrics, read_values
-from slurmagent.run_setup import JobIdentity, RunOptions, WrapperError, default_ckpt_dir, make_private_dir
-from slurmagent.wrapper import EXIT_FLUSHED, Supervisor
+from slurmagent.checkpoint.manifest import entry_content_id
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+from slurmagent.state.metrics import Metrics, read_values
+from slurmagent.run.job import JobIdentity, RunOptions, WrapperError, default_ckpt_dir, make_private_dir
+from slurmagent.run.supervisor import EXIT_FLUSHED, Supervisor
 from test_wrapper_requeue import Requeues, attempt
 
 NOBODY = 65534
@@ -178,7 +178,7 @@ def test_after_a_failed_final_sync_the_same_node_keeps_the_newer_local_files(emu
 
 def test_the_sync_after_a_restore_neither_reads_nor_sends_the_restored_files(emu, tmp_path, monkeypatch):
     """A restore of hundreds of GB would otherwise be read back whole by the first sync after it."""
-    from slurmagent import checkpoint_hash
+    from slurmagent.checkpoint import hashing as checkpoint_hash
 
     attempt(tmp_path, 0, "A")
     hashed: list[str] = []

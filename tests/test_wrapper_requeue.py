@@ -19,10 +19,10 @@ import pytest
 
 from conftest import REPO, wait_for
 from slurmagent.errors import SlurmError
-from slurmagent.gcp.storage import GcsCheckpointStore
-from slurmagent.child_process import RequeueHold
-from slurmagent.run_setup import JobIdentity, RunOptions
-from slurmagent.wrapper import EXIT_FLUSHED, EXIT_REQUEUE_REFUSED, Supervisor
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+from slurmagent.run.child import RequeueHold
+from slurmagent.run.job import JobIdentity, RunOptions
+from slurmagent.run.supervisor import EXIT_FLUSHED, EXIT_REQUEUE_REFUSED, Supervisor
 
 # A trainer in sh: writes CONTENT as its checkpoint, says READY, checkpoints again on SIGUSR1.
 SH_TRAINER = 'trap "exit 0" USR1; [ -n "$1" ] && printf "%s" "$1" > "$SLURMAGENT_CKPT_DIR/state"; : > "$2"; ' \

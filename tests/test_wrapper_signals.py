@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from slurmagent.child_process import EXIT_CHILD_SIGNALLED, RequeueHold, death_signal
+from slurmagent.run.child import EXIT_CHILD_SIGNALLED, RequeueHold, death_signal
 from slurmagent.errors import SlurmError
-from slurmagent.nodes import JobInfo
-from slurmagent.own_requeue import RequeueVerb, requeue_own_job
-from slurmagent.run_setup import JobIdentity, RunOptions
-from slurmagent.slurm import retry_with_backoff
-from slurmagent.wrapper import EXIT_FLUSHED, EXIT_REQUEUE_REFUSED, Supervisor
+from slurmagent.slurm.model import JobInfo
+from slurmagent.run.requeue import RequeueVerb, requeue_own_job
+from slurmagent.run.job import JobIdentity, RunOptions
+from slurmagent.slurm.commands import retry_with_backoff
+from slurmagent.run.supervisor import EXIT_FLUSHED, EXIT_REQUEUE_REFUSED, Supervisor
 
 
 class Requeues(list):

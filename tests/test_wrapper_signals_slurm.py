@@ -161,4 +161,3 @@ def test_the_jobs_own_requeuehold_of_itself_and_another_is_held_and_replayed_onc
 def held_special_exit(job: dict) -> bool:
     """`requeuehold State=SpecialExit` done: SPECIAL_EXIT (22.05), or PENDING held on another version."""
     return job["JobState"] == "SPECIAL_EXIT" or (job["JobState"] == "PENDING" and "held" in job["Reason"].lower())
-    c.run(["scancel", job_id, other])

@@ -14,12 +14,12 @@ import pytest
 from conftest import REPO, wait_for
 from fakes.slurm import FakeSlurm
 from slurmagent import trainer
-from slurmagent.config import parse
-from slurmagent.runner import build_options, submit, warn_if_not_requeueable
-from slurmagent.slurm import Slurm
-from slurmagent.expiry_state import termination_time
-from slurmagent.run_setup import JobIdentity, WrapperError, parse_signal
-from slurmagent.wrapper import Supervisor
+from slurmagent.state.config import parse
+from slurmagent.run.main import build_options, submit, warn_if_not_requeueable
+from slurmagent.slurm.commands import Slurm
+from slurmagent.state.expiry_state import termination_time
+from slurmagent.run.job import JobIdentity, WrapperError, parse_signal
+from slurmagent.run.supervisor import Supervisor
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 
@@ -168,9 +168,9 @@ def test_trainer_helper_flag_and_atomic_write(tmp_path, monkeypatch):
 
 
 def test_checkpoint_tunables_from_the_config_reach_the_wrapper_store(tmp_path):
-    from slurmagent.config import Config, load
-    from slurmagent.gcp.storage import GcsCheckpointStore
-    from slurmagent.runner import store_tunables
+    from slurmagent.state.config import Config, load
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+    from slurmagent.run.main import store_tunables
 
     default = GcsCheckpointStore("gs://ckpt/p", **store_tunables(Config())).settings()
     assert (default.max_workers, default.parallel_upload_threshold) == (16, None)

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from slurmagent import xid
-from slurmagent.xid import CATALOG, XidAction, XidInfo, classify, lookup, table_markdown
+from slurmagent.core import xid
+from slurmagent.core.xid import CATALOG, XidAction, XidInfo, classify, lookup, table_markdown
 
 REQUIRED = [8, 13, 31, 32, 38, 43, 44, 45, 48, 56, 57, 58, 61, 62, 63, 64, 68, 69, 74, 79,
             92, 94, 95, 109, 110, 119, 120, 121, 122, 123, 124, 140, 143, *range(144, 151), 154]

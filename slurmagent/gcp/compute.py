@@ -42,8 +42,8 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from ..errors import ExpiryError, SlurmagentError
-from ..repair_policy import VmFacts
-from ..timefmt import fmt_time, parse_time, usable_time
+from ..policy.repair import VmFacts
+from ..core.timefmt import fmt_time, parse_time, usable_time
 from . import metadata
 from .metadata import MigRef, parse_created_by
 

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from ..reasons import TERMINATE_ON_HOST_MAINTENANCE as TERMINATE
+from ..core.reasons import TERMINATE_ON_HOST_MAINTENANCE as TERMINATE
 from . import metadata
 from .metadata import MetadataError
 

@@ -15,7 +15,7 @@ import subprocess
 import time
 from typing import Any
 
-from slurmagent import hostlist
+from slurmagent.core import hostlist
 from slurmagent.errors import SlurmError
 
 UNREACHABLE = "Unable to contact slurm controller (connect failure)"

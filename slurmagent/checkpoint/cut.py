@@ -1,0 +1,228 @@
+"""What a periodic commit may take: units, and quiet for a whole round (one node or many).
+
+A trainer writes a checkpoint file by file (the Hugging Face Trainer fills `checkpoint-N/`
+in place and writes `trainer_state.json` last; DCP writes its shards, then `.metadata`),
+and a sync may look at the directory at any moment. So while the trainer runs, a commit
+takes the directory unit by unit, and a unit only once it has been **quiet for a whole
+round**: every node's view of it (names, sizes, mtimes, ctimes, inodes of everything in it,
+names still being written included) is the same as in the previous round. The content a
+round uploaded was hashed between those two looks, so it is the unit as it was, whole, at
+one instant between the rounds -- the same instant on every node (a round starts only after
+the previous one ended on every node), and no node's clock is ever compared with another's.
+A unit that is not quiet keeps its previously committed version (or stays out); after
+`SAY_AFTER_ROUNDS` rounds in a row it is said once, until it is taken again. The final sync,
+after the trainer exited, takes everything as it is.
+
+**Units** follow how frameworks write:
+
+* a *step folder* -- a folder whose name ends in a number after `-`, `_`, `=` or a step word
+  (step, iter, epoch, ckpt, checkpoint), optionally followed by one extension
+  (`checkpoint-500`, `step_300`, `step-20`, `global_step100`, `iter_0000100`,
+  `epoch=3-step=10.ckpt/`; not `gpt2`, `qwen2.5`) -- is one unit with everything below it;
+  the outermost one on a path wins, so HF's `checkpoint-N/pytorch_model_fsdp_0/` goes with
+  its `trainer_state.json`.
+  Loggers' run folders (`version_N`: Lightning, TensorBoard) are not step folders: they hold
+  logs beside checkpoints;
+* any other file's unit is the folder it is directly in: the files of one folder go
+  together (DCP saved straight into a folder: its `.metadata` with the shards beside it),
+  the top level ("") included. So Lightning's `version_0/metrics.csv`, rewritten every
+  step, never holds back `version_0/checkpoints/`.
+
+A folder named like a step that is not one checkpoint (`run_2/...`) only makes its
+unit coarse: it is committed when everything under it is quiet, and said when held back.
+
+**Rotation** (`Rotations`): a step folder one of its writer nodes removed entirely leaves
+the checkpoint whole, whatever other nodes still hold of it: trainers rotate old checkpoints
+on global rank 0 only, while the other nodes keep their own ranks' files of them (HF's
+`rng_state_1.pth`) and every restored copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .manifest import entry_content_id
+from .scan import is_reserved_name
+
+SAY_AFTER_ROUNDS = 3  # a unit held back this many rounds in a row is said (once per streak)
+
+_STEP_FOLDER = re.compile(r"(.*[-_=]|.*(step|iter|epoch|ckpt|checkpoint))\d+(\.[A-Za-z][A-Za-z0-9]*)?", re.IGNORECASE)
+_LOGGER_RUN = re.compile(r"version_\d+")
+
+
+def is_step_folder(name: str) -> bool:
+    """A folder that is one checkpoint with everything in it (see module doc)."""
+    return _STEP_FOLDER.fullmatch(name) is not None and _LOGGER_RUN.fullmatch(name) is None
+
+
+def unit_of(relpath: str) -> str:
+    """The unit a file belongs to: its outermost step folder, else the folder it is in ("": the top level)."""
+    folders = relpath.split("/")[:-1]
+    for i, name in enumerate(folders):
+        if is_step_folder(name):
+            return "/".join(folders[: i + 1])
+    return "/".join(folders)
+
+
+def is_step_unit(unit: str) -> bool:
+    """A unit that is a step folder (one checkpoint), not the files of a plain folder."""
+    return bool(unit) and is_step_folder(unit.rsplit("/", 1)[-1])
+
+
+def committed_part(before: dict[str, list[int]], committed: dict[str, list[int]],
+                   held_back) -> dict[str, list[int]]:
+    """The files as a commit holds them: the scan taken before the sync, except the units the
+    commit held back (`unit_of`), which keep what was committed before."""
+    held = set(held_back)
+    if not held:
+        return before
+    out = {rel: st for rel, st in before.items() if unit_of(rel) not in held}
+    out.update({rel: st for rel, st in committed.items() if unit_of(rel) in held})
+    return out
+
+
+def unit_signatures(ckpt_dir: str | os.PathLike) -> dict[str, str]:
+    """Unit -> digest of how it looks on disk now (the only function here that reads the disk).
+
+    Everything counts, names still being written too (`x.tmp` in `checkpoint-N/` holds it
+    back), slurmagent's own working names excepted; nothing is read, only stat'ed."""
+    root = os.fspath(ckpt_dir)
+    seen: dict[str, list] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not is_reserved_name(d)]
+        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        for name in dirnames:
+            rel = prefix + name
+            if os.path.islink(os.path.join(dirpath, name)):
+                filenames.append(name)  # a link to a folder is an entry, never followed
+                continue
+            seen.setdefault(unit_of(rel + "/-"), []).append([rel + "/"])
+        for name in filenames:
+            if is_reserved_name(name):
+                continue
+            rel = prefix + name
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            seen.setdefault(unit_of(rel), []).append([rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    return {unit: hashlib.sha256(json.dumps(sorted(items)).encode()).hexdigest()[:32] for unit, items in seen.items()}
+
+
+def content_of(entry: Mapping) -> str:
+    """What makes two manifest entries the same file: its content (or link target)."""
+    return entry_content_id(dict(entry))
+
+
+@dataclass
+class Cut:
+    files: dict[str, dict]
+    writers: dict[str, list[int]]
+    held_back: list[str] = field(default_factory=list)  # units whose new content this commit leaves out
+    messages: list[str] = field(default_factory=list)  # for the job's stderr
+
+
+class QuietCut:
+    """The rounds so far (what each node's units looked like last round, held-back streaks)."""
+
+    def __init__(self, say_after: int = SAY_AFTER_ROUNDS):
+        self.say_after = say_after
+        self.last: dict[int, dict[str, str]] | None = None  # node index -> unit -> signature
+        self.streaks: dict[str, int] = {}
+
+    def take(self, files: Mapping[str, dict], writers: Mapping[str, list[int]],
+             signatures: Mapping[int, Mapping[str, str]], *, previous_files: Mapping[str, dict] | None,
+             previous_writers: Mapping[str, list[int]] | None = None, running: bool = True,
+             node_names: Mapping[int, str] | None = None) -> Cut:
+        """The files of this round's commit. `files`/`writers`: everything every node holds now
+        (merged); `signatures`: node index -> `unit_signatures` taken after this round's upload;
+        `previous_*`: the last commit (what a unit not quiet keeps); `running`: False for the
+        final sync (everything as it is)."""
+        last, self.last = self.last, {i: dict(s) for i, s in signatures.items()}
+        if not running:
+            self.streaks.clear()
+            return Cut(dict(files), {r: list(w) for r, w in writers.items() if r in files})
+        before = dict(previous_files or {})
+        before_writers = dict(previous_writers or {})
+        now_by_unit: dict[str, dict[str, dict]] = {}
+        for rel, e in files.items():
+            now_by_unit.setdefault(unit_of(rel), {})[rel] = e
+        before_by_unit: dict[str, dict[str, dict]] = {}
+        for rel, e in before.items():
+            before_by_unit.setdefault(unit_of(rel), {})[rel] = e
+        cut = Cut({}, {})
+        for unit in sorted(now_by_unit.keys() | before_by_unit.keys()):
+            now, was = now_by_unit.get(unit, {}), before_by_unit.get(unit, {})
+            moved = [i for i, sig in signatures.items()
+                     if last is None or i not in last or last[i].get(unit) != sig.get(unit)]
+            take, source = (now, writers) if not moved else (was, before_writers)
+            cut.files.update(take)
+            cut.writers.update({rel: list(source[rel]) for rel in take if rel in source})
+            differs = _contents(now) != _contents(was)
+            if moved and differs:
+                cut.held_back.append(unit)
+                streak = self.streaks[unit] = self.streaks.get(unit, 0) + 1
+                if streak == self.say_after:
+                    where = ""
+                    if node_names is not None:
+                        where = " on " + ", ".join(node_names.get(i, f"node index {i}") for i in sorted(moved))
+                    cut.messages.append(
+                        f"checkpoint unit {unit or '(top-level files)'} held back for {streak} rounds: it changed in "
+                        f"every round{where}; its last committed version stays until it is quiet for a whole round")
+            else:
+                self.streaks.pop(unit, None)
+        return cut
+
+
+def _contents(files: Mapping[str, dict]) -> dict[str, str]:
+    return {rel: content_of(e) for rel, e in files.items()}
+
+
+class Rotations:
+    """Step folders a writer node removed whole: they leave the checkpoint whole (22.4).
+
+    A node *wrote* a unit when the last commit names it a writer of one of its files (a
+    restored, unchanged copy makes no writer: `merge_reports`) or a round of this job saw it
+    write one (a folder rotated before any commit took it). When such a node holds none of
+    the unit any more, its other nodes' files go too, and stay out while that node holds
+    none of it (a new save of the same step brings it back under the normal rules). A
+    writer that is not in this job (fewer nodes after a requeue) decides nothing; a failed
+    round commits nothing and is never looked at. Other units keep the per-file rule."""
+
+    def __init__(self) -> None:
+        self.writers: dict[str, set[int]] = {}  # step folder -> nodes seen writing it in this job's rounds
+        self.gone: dict[str, set[int]] = {}  # step folder -> the writer nodes that removed it
+
+    def drop(self, held: Mapping[int, Iterable[str]], writers: Mapping[str, Iterable[int]],
+             committed_writers: Mapping[str, Iterable[int]]) -> set[str]:
+        """The step folders to leave out of this round. `held`: node index -> the files it
+        holds now (every node of the round); `writers`: this round's merged writers;
+        `committed_writers`: file -> writer nodes of the last commit."""
+        units_held = {i: {unit_of(rel) for rel in rels} for i, rels in held.items()}
+        anywhere = set().union(*units_held.values()) if units_held else set()
+        wrote: dict[str, set[int]] = {}
+        for source in (committed_writers, writers):
+            for rel, nodes in source.items():
+                unit = unit_of(rel)
+                if is_step_unit(unit):
+                    wrote.setdefault(unit, set()).update(nodes)
+        for unit, nodes in wrote.items():
+            if unit in anywhere:
+                self.writers.setdefault(unit, set()).update(nodes)
+        for unit in list(self.writers):
+            removers = {i for i in self.writers[unit] if i in units_held and unit not in units_held[i]}
+            if unit not in anywhere:  # gone from every node: nothing to leave out, nothing to remember
+                self.writers.pop(unit)
+                self.gone.pop(unit, None)
+            elif removers:
+                self.gone.setdefault(unit, set()).update(removers)
+        for unit in list(self.gone):  # a remover holding it again: a new save, normal rules
+            if any(unit in units_held.get(i, ()) for i in self.gone[unit]):
+                self.gone.pop(unit)
+        return set(self.gone)

@@ -1,0 +1,1 @@
+"""The checkpoint store's bucket side on Cloud Storage."""

@@ -1,0 +1,1 @@
+"""One runtime per command: health, hooks, healthcheck, watch, expiry, repair, status, doctor, install."""

@@ -1,0 +1,347 @@
+"""`slurmagent doctor`: each check is a pass/fail line with the fix, never an exception.
+
+Local checks (config, slurm.conf, NVML, state dir) run first. The external ones (metadata
+server, Compute permission, bucket, clock) then run side by side in daemon threads with
+one shared deadline: every request has its own timeout, and a check that still has not
+answered at the deadline is a failed line ("no answer within N s"), so one hung endpoint
+neither hides the other lines nor holds the command past `EXTERNAL_DEADLINE_S`.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..state import config as config_mod
+from ..errors import SlurmagentError
+from ..state.fsutil import untrusted_reason
+from ..checkpoint.remote import parse_remote
+from ..gcp import metadata
+from ..gcp.compute import Compute, ComputeError
+from .health import expected_gpus, read_snapshot
+from ..state.host import node_name
+from ..slurm.commands import conf_value, read_conf_lines, slurm_conf_path, valid_node_name
+
+METADATA_TIMEOUT_S = 2.0  # one metadata request (capped by [expiry] metadata_timeout_s)
+CALL_TIMEOUT_S = 4.0  # one Compute / Cloud Storage / clock request
+EXTERNAL_DEADLINE_S = 7.0  # all external checks together
+MAX_CLOCK_SKEW_S = 2.0
+DEFAULT_COMPUTE_ENDPOINT = "https://compute.googleapis.com"
+
+FIX_METADATA = "run on a GCE VM or set [gcp] project/zone"
+FIX_COMPUTE = ("grant this VM's service account compute.instances.get and "
+               "compute.instanceGroupManagers.update (e.g. roles/compute.instanceAdmin.v1)")
+FIX_BUCKET_IAM = "grant this VM's service account roles/storage.objectUser on the bucket"
+FIX_CLOCK = "enable NTP (chrony/systemd-timesyncd; on GCE: server metadata.google.internal)"
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    skipped: bool = False  # not applicable here (e.g. no bucket configured): never a failure
+
+    @property
+    def mark(self) -> str:
+        return "skip" if self.skipped else ("ok" if self.ok else "FAIL")
+
+
+def _skip(name: str, detail: str) -> Result:
+    return Result(name, True, detail, skipped=True)
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    lines = str(text).strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def slurm_conf_results(conf: Path) -> list[Result]:
+    """The slurm.conf lines slurmagent's hooks rely on (see hooks/slurm.conf.example)."""
+    lines = read_conf_lines(conf)
+    if not lines:
+        return [Result("slurm.conf", False, f"cannot read {conf}", "set SLURM_CONF or [slurm] conf")]
+    out = []
+    for key in ("Prolog", "Epilog"):
+        value = conf_value(lines, key) or ""
+        ok = "slurmagent" in value
+        out.append(Result(f"slurm.conf {key}", ok, value or "not set",
+                          f"{key}=/etc/slurmagent/hooks/{key.lower()}"))
+    flags = (conf_value(lines, "PrologFlags") or "").lower().split(",")
+    out.append(Result("slurm.conf PrologFlags", "alloc" in flags, ",".join(f for f in flags if f) or "not set",
+                      "PrologFlags=Alloc (check the node when the job is allocated, before it starts)"))
+    params = (conf_value(lines, "SchedulerParameters") or "").split(",")
+    out.append(Result("slurm.conf nohold_on_prolog_fail", "nohold_on_prolog_fail" in params,
+                      "set" if "nohold_on_prolog_fail" in params else "missing: jobs would be requeued HELD",
+                      "add nohold_on_prolog_fail to SchedulerParameters"))
+    timeout = conf_value(lines, "PrologEpilogTimeout")
+    out.append(Result("slurm.conf PrologEpilogTimeout", bool(timeout), timeout or "not set (hooks may hang forever)",
+                      "PrologEpilogTimeout=120"))
+    return out
+
+
+def missing_slurm_conf_lines(conf: Path) -> list[str]:
+    """What `install` says slurm.conf still needs."""
+    return [f"{r.name}: {r.fix}" for r in slurm_conf_results(conf) if not r.ok and r.fix]
+
+
+def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.time,
+               external_deadline_s: float = EXTERNAL_DEADLINE_S) -> list[Result]:
+    results: list[Result] = []
+    path, _ = config_mod.config_path(config_path)
+    try:
+        cfg = config_mod.load(config_path, for_root_hook=True)
+        results.append(Result("config", True, f"{cfg.source} valid, root-owned, not writable by others"))
+    except SlurmagentError as exc:
+        fix = (f"chown root:root {path} and chmod go-w it and every directory above it"
+               if "refused" in str(exc) else f"fix {path} (see README, Configuration)")
+        results.append(Result("config", False, str(exc), fix))
+        try:
+            cfg = config_mod.load(config_path)
+        except SlurmagentError:
+            cfg = config_mod.Config()
+    results.extend(slurm_conf_results(slurm_conf_path(cfg.slurm.conf)))
+    node = node_name()
+    if not valid_node_name(node):  # it names state paths
+        node = node_name(None, {})  # the host name
+    results.append(_gpu_result(cfg, node))
+    results.append(_state_dir_result(cfg.state_path(node)))
+    results.extend(external_results(cfg, clock=clock, deadline_s=external_deadline_s))
+    return results
+
+
+def _gpu_result(cfg: config_mod.Config, node: str) -> Result:
+    try:
+        snap = read_snapshot(cfg, node)
+    except SlurmagentError as exc:
+        return Result("GPUs", False, str(exc), "check the NVIDIA driver (nvidia-smi) or [health] snapshot")
+    if snap.nvml_error:
+        return Result("GPUs", False, f"NVML cannot start: {snap.nvml_error}", "install/load the NVIDIA driver")
+    expected = expected_gpus(cfg, node)
+    ok = expected is None or len(snap.gpus) >= expected
+    detail = f"{len(snap.gpus)} GPU(s) seen" + (f", {expected} expected" if expected is not None else "")
+    return Result("GPUs", ok, detail, "set Gres=gpu:N for this node or [health] expected_gpus")
+
+
+def _state_dir_result(state_dir: Path) -> Result:
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=state_dir, prefix=".doctor."):
+            pass
+    except OSError as exc:
+        return Result("state dir", False, f"{state_dir}: {exc.strerror}", f"mkdir -p {state_dir} (as root)")
+    why = untrusted_reason(state_dir)  # root ignores every file in it: expiry, journal, cursor, decision log
+    if why:
+        return Result("state dir", False, f"{why}: root would ignore the files in {state_dir}",
+                      f"rm -r {state_dir} and let root create it, or set state_dir to a path under a root-only "
+                      "directory (a `%n` path in a world-writable directory can be created by any user first)")
+    return Result("state dir", True, f"{state_dir} writable, only by root")
+
+
+# --- external checks: bounded, side by side ------------------------------------------------
+
+
+def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = time.time,
+                     deadline_s: float = EXTERNAL_DEADLINE_S) -> list[Result]:
+    md_timeout = max(0.1, min(float(cfg.expiry.metadata_timeout_s) or METADATA_TIMEOUT_S, METADATA_TIMEOUT_S))
+    checks: list[tuple[str, str, Callable[[], Result]]] = [
+        ("metadata server", FIX_METADATA, lambda: _metadata_result(cfg, md_timeout)),
+        ("compute permission", FIX_COMPUTE, lambda: _compute_result(cfg, md_timeout, deadline_s)),
+        ("checkpoint bucket", "check [checkpoint] remote and the network path to Cloud Storage",
+         lambda: _bucket_result(cfg)),
+        ("clock", FIX_CLOCK, lambda: _clock_result(cfg, md_timeout, clock)),
+    ]
+    return run_bounded(checks, deadline_s)
+
+
+def run_bounded(checks: list[tuple[str, str, Callable[[], Result]]], deadline_s: float) -> list[Result]:
+    """Run each check in a daemon thread; whatever has not answered by the deadline fails."""
+    slots: list[Result | None] = [None] * len(checks)
+
+    def target(i: int, name: str, fix: str, fn: Callable[[], Result]) -> None:
+        try:
+            slots[i] = fn()
+        except Exception as exc:  # noqa: BLE001 - a doctor line, never a traceback
+            slots[i] = Result(name, False, _one_line(f"{type(exc).__name__}: {exc}"), fix)
+
+    threads = []
+    for i, (name, fix, fn) in enumerate(checks):
+        t = threading.Thread(target=target, args=(i, name, fix, fn), name=f"doctor-{name}", daemon=True)
+        t.start()
+        threads.append(t)
+    end = time.monotonic() + deadline_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return [slot if slot is not None else Result(name, False, f"no answer within {deadline_s:g} s", fix)
+            for slot, (name, fix, _) in zip(slots, checks)]
+
+
+def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:
+    name = "metadata server"
+    host = metadata.metadata_host()
+    try:
+        project = metadata.get("project/project-id", timeout_s)
+        zone = metadata.last_segment(metadata.get("instance/zone", timeout_s) or "")
+        instance = metadata.get("instance/name", timeout_s, optional=True)
+    except SlurmagentError as exc:
+        if cfg.gcp.project and cfg.gcp.zone:
+            return Result(name, True, f"{host} not reachable; using [gcp] project {cfg.gcp.project!r} and zone "
+                                      f"{cfg.gcp.zone!r} from the config ({_one_line(exc, 120)})")
+        return Result(name, False, _one_line(exc), FIX_METADATA)
+    return Result(name, True, f"{host}: project {project}, zone {zone}, instance {instance or '?'}")
+
+
+def _compute_result(cfg: config_mod.Config, md_timeout: float, deadline_s: float) -> Result:
+    name = "compute permission"
+
+    def lookup(path: str) -> str:
+        try:
+            return metadata.get(path, md_timeout, optional=True) or ""
+        except SlurmagentError:
+            return ""
+
+    project = cfg.gcp.project or lookup("project/project-id")
+    zone = cfg.gcp.zone or metadata.last_segment(lookup("instance/zone"))
+    instance = lookup("instance/name")
+    if not (project and zone and instance):
+        missing = ", ".join(k for k, v in (("project", project), ("zone", zone), ("instance name", instance)) if not v)
+        return _skip(name, f"not checked: {missing} unknown (the metadata server did not say)")
+    compute = Compute(project, cfg.gcp.compute_endpoint, call_timeout_s=CALL_TIMEOUT_S,
+                      deadline_s=max(1.0, deadline_s - md_timeout), retries=1, backoff_s=0.5)
+    try:
+        mig = compute.instance_mig(zone, instance)
+    except ComputeError as exc:
+        fix = FIX_COMPUTE if exc.status in (401, 403) else (
+            f"check [gcp] project/zone: no VM {instance!r} in {project}/{zone}" if exc.status == 404 else
+            "check the network path to the Compute API ([gcp] compute_endpoint)")
+        return Result(name, False, f"instances.get {instance}: {_one_line(exc)}", fix)
+    where = f"in MIG {mig}" if mig else "NOT in a managed instance group: `repair` cannot recreate it"
+    return Result(name, True, f"instances.get {project}/{zone}/{instance} allowed; {where}")
+
+
+def _bucket_result(cfg: config_mod.Config) -> Result:
+    name = "checkpoint bucket"
+    remote = cfg.checkpoint.remote
+    if not remote:
+        return _skip(name, "not configured ([checkpoint] remote is empty)")
+    from ..checkpoint.gcs.bucket import make_client  # the storage client only for this check: start-up speed
+
+    try:
+        bucket_name, prefix = parse_remote(remote)
+    except SlurmagentError as exc:
+        return Result(name, False, _one_line(exc), "set [checkpoint] remote = \"gs://BUCKET/PREFIX\"")
+    obj = f"{prefix}/" if prefix else ""
+    obj += f".slurmagent-doctor/{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    payload = f"slurmagent doctor {time.time():.3f}\n".encode()
+    step = "connecting"
+    try:
+        client = make_client()
+        blob = client.bucket(bucket_name).blob(obj)
+        step = "write"
+        blob.upload_from_string(payload, content_type="text/plain", if_generation_match=0,
+                                timeout=CALL_TIMEOUT_S, retry=None)
+        step = "read"
+        got = client.bucket(bucket_name).blob(obj).download_as_bytes(timeout=CALL_TIMEOUT_S, retry=None)
+        step = "delete"
+        blob.delete(timeout=CALL_TIMEOUT_S, retry=None)
+    except SlurmagentError as exc:  # no credentials
+        return Result(name, False, _one_line(exc), "run on a VM with a service account or set "
+                                                   "GOOGLE_APPLICATION_CREDENTIALS")
+    except Exception as exc:  # noqa: BLE001
+        code = getattr(exc, "code", None)
+        if code == 404 and step == "write":
+            return Result(name, False, f"bucket gs://{bucket_name} does not exist (remote {remote})",
+                          f"create it (gcloud storage buckets create gs://{bucket_name}) or fix [checkpoint] remote")
+        if code in (401, 403):
+            return Result(name, False, f"{step} of gs://{bucket_name}/{obj} refused: HTTP {code}", FIX_BUCKET_IAM)
+        return Result(name, False, f"{step} of gs://{bucket_name}/{obj} failed: {_one_line(f'{type(exc).__name__}: {exc}', 200)}",
+                      "check the network path to Cloud Storage (STORAGE_EMULATOR_HOST for an emulator)")
+    if got != payload:
+        return Result(name, False, f"gs://{bucket_name}/{obj} read back {len(got)} bytes that differ from the "
+                                   f"{len(payload)} written", "check the bucket (object versioning, a proxy)")
+    return Result(name, True, f"wrote, read and deleted a small object under {remote}")
+
+
+def _clock_result(cfg: config_mod.Config, md_timeout: float, clock: Callable[[], float]) -> Result:
+    """Local time against the `Date` header of the metadata server, else of the Compute
+    endpoint; `timedatectl show -p NTPSynchronized` when neither answers."""
+    name = "clock"
+    sources = [(f"the metadata server {metadata.metadata_host()}",
+                f"http://{metadata.metadata_host()}/computeMetadata/v1/", {"Metadata-Flavor": "Google"}, md_timeout,
+                True)]
+    endpoint = (cfg.gcp.compute_endpoint or DEFAULT_COMPUTE_ENDPOINT).rstrip("/")
+    if "://" not in endpoint:
+        endpoint = f"https://{endpoint}"
+    sources.append((f"the Compute endpoint {endpoint}", f"{endpoint}/", {}, CALL_TIMEOUT_S, False))
+    tried = []
+    for what, url, headers, timeout, flavored in sources:
+        try:
+            skew, rtt = http_date_skew(url, headers, timeout, clock, require_flavor=flavored)
+        except (OSError, ValueError) as exc:
+            tried.append(f"{what}: {_one_line(getattr(exc, 'reason', exc), 80)}")
+            continue
+        margin = MAX_CLOCK_SKEW_S + rtt / 2
+        if abs(skew) > margin:
+            ahead = "ahead of" if skew > 0 else "behind"
+            return Result(name, False, f"local clock {abs(skew):.1f} s {ahead} {what} (limit {MAX_CLOCK_SKEW_S:g} s)",
+                          FIX_CLOCK)
+        return Result(name, True, f"within {MAX_CLOCK_SKEW_S:g} s of {what} (off by {skew:+.1f} s)")
+    synced = _ntp_synchronized()
+    if synced is True:
+        return Result(name, True, "timedatectl: NTP synchronized (no HTTP time source answered)")
+    if synced is False:
+        return Result(name, False, "timedatectl: NTP not synchronized", FIX_CLOCK)
+    return _skip(name, "cannot tell: " + "; ".join(tried) + "; timedatectl unavailable")
+
+
+def http_date_skew(url: str, headers: dict[str, str], timeout: float, clock: Callable[[], float] = time.time,
+                   *, require_flavor: bool = False) -> tuple[float, float]:
+    """(local - server seconds, round trip) from one response's `Date` header (1 s resolution,
+    truncated, so the server's time is taken as the middle of its second). `require_flavor`:
+    only a real metadata server (`Metadata-Flavor: Google`) counts, not a proxy answering for it."""
+    req = urllib.request.Request(url, headers=headers)
+    t0 = clock()
+    m0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - http(s) URL from config
+            answer = resp.headers
+    except urllib.error.HTTPError as exc:  # any HTTP answer carries a Date
+        answer = exc.headers
+    rtt = time.monotonic() - m0
+    if require_flavor and (answer is None or answer.get("Metadata-Flavor") != "Google"):
+        raise ValueError("answered without 'Metadata-Flavor: Google'")
+    date = answer.get("Date") if answer is not None else None
+    if not date:
+        raise ValueError("no Date header in the answer")
+    parsed = email.utils.parsedate_to_datetime(date)
+    server = parsed.timestamp() + 0.5
+    return t0 + rtt / 2 - server, rtt
+
+
+def _ntp_synchronized() -> bool | None:
+    exe = shutil.which("timedatectl")
+    if not exe:
+        return None
+    try:
+        proc = subprocess.run([exe, "show", "-p", "NTPSynchronized", "--value"], capture_output=True, text=True,
+                              timeout=CALL_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    value = proc.stdout.strip().lower()
+    if proc.returncode != 0 or value not in ("yes", "no"):
+        return None
+    return value == "yes"
+

@@ -1,0 +1,168 @@
+"""`slurmagent healthcheck`: Slurm's HealthCheckProgram, the check between jobs.
+
+slurmd runs it every HealthCheckInterval seconds (as root, with SLURMD_NODENAME set). It
+runs the same checks as the Prolog and drains the node on failure; it never resumes a node
+(resuming is `resume-if-healthy` and repair's business). When a Prolog/Epilog decision for
+this node was logged within the last `skip_recent_s` seconds the node was just checked:
+it exits 0 at once, without touching NVML.
+
+When the verdict leaves a GPU unusable under a running job (``eviction_policy.evicts_jobs``: GPU lost or
+missing, NVML down, an XID asking for a GPU reset or a node reboot) and our drain stands, the
+jobs running on the node leave it at once, as with `watch` (``eviction.FaultEviction``); the
+check then follows the flushed ones for at most `FOLLOW_MAX_S` (slurmd gives a health check
+a minute) before it requeues those still on the node.
+
+Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said loudly),
+1 unhealthy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, TextIO
+
+from ..actions import api as actions
+from ..state import metrics
+from ..policy import eviction as eviction_policy
+from ..core.checks import Report
+from ..state.config import Config
+from ..state.decisionlog import DecisionLog, path_for as decision_log_path
+from ..errors import SlurmagentError
+from ..actions.eviction import FaultEviction
+from ..state.fsutil import UntrustedFile, open_state_file
+from ..core.reasons import reason_for
+from ..slurm.commands import Slurm
+from ..core.timefmt import parse_log_time
+
+TAIL_BYTES = 64 * 1024
+RECENT_EVENTS = ("prolog", "epilog")
+CONCLUSIVE = ("healthy", "unhealthy")  # an internal error checked nothing: do not skip on it
+FOLLOW_MAX_S = 30.0  # the flushed jobs' deadline here: slurmd kills a health check after 60 s (check + drain first)
+
+HealthFn = Callable[[Config, str, bool], Report]
+
+
+def skip_recent_s(cfg: Config) -> float:
+    return cfg.health.healthcheck_skip_s
+
+
+def recent_decision(log_path: Path, node: str, within_s: float, now: float | None = None) -> dict | None:
+    """The newest conclusive prolog/epilog decision for `node` logged within `within_s`, if any.
+
+    Reads only the file's tail, and nothing at all when the file is older than the window."""
+    if within_s <= 0:
+        return None
+    now = time.time() if now is None else now
+    try:
+        fd = open_state_file(log_path)  # as root: a log a user could have forged never skips a check
+    except UntrustedFile as exc:
+        print(f"slurmagent healthcheck: not skipping on {log_path}: {exc.why()}", file=sys.stderr)
+        return None
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if now - st.st_mtime > within_s:
+            return None
+        tail = os.pread(fd, TAIL_BYTES, max(0, st.st_size - TAIL_BYTES))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    for raw in reversed(tail.splitlines()):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        when = parse_log_time(record.get("time"))
+        if when is None:
+            continue
+        if now - when > within_s:
+            return None  # lines are in time order: nothing newer further up
+        if (record.get("event") in RECENT_EVENTS and record.get("node") == node
+                and record.get("verdict") in CONCLUSIVE):
+            return record
+    return None
+
+
+def run_healthcheck(
+    node: str,
+    cfg_loader: Callable[[], Config],
+    health: HealthFn | None = None,
+    slurm_factory: Callable[[Config], Slurm] = Slurm.from_config,
+    *,
+    skip_recent: float | None = None,
+    stderr: TextIO = sys.stderr,
+) -> int:
+    started = time.monotonic()
+    cfg: Config | None = None
+    log = DecisionLog(None, use_syslog=True)
+    try:
+        cfg = cfg_loader()
+        log_path = decision_log_path(cfg, node)
+        log = DecisionLog(log_path, use_syslog=cfg.hooks.syslog)
+        log.started = started
+        window = skip_recent_s(cfg) if skip_recent is None else skip_recent
+        recent = recent_decision(log_path, node, window)
+        if recent is not None:
+            return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
+        if health is None:
+            from .health import evaluate as health  # NVML and the checks: only past the skip, for start-up speed
+        report = health(cfg, node, True)
+        if report.healthy:
+            warnings = [f.summary for f in report.findings]
+            log.write("healthcheck", node=node, verdict="healthy", action="none", warnings=warnings or None)
+            metrics.for_node(cfg, node).record_check(report)
+            return 0
+        reason = reason_for(report)
+        slurm = slurm_factory(cfg)
+        drain = actions.drain_fault(cfg, slurm, node, reason, report.findings, source="healthcheck")
+        action = drain.action
+        moved = None
+        if drain.drained and eviction_policy.evicts_jobs(report.findings):
+            moved = _evict(cfg, slurm, node, reason, log, started, stderr)
+        metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
+        worst = report.worst
+        log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
+                  observed=worst.observed, reason=reason, action=action, running_jobs=moved,
+                  findings=[f.summary for f in report.findings])
+        print(f"slurmagent healthcheck: node {node} unhealthy: {reason} ({action})", file=stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - say "slurmagent failed", never "GPU unhealthy"
+        return _internal_error(node, cfg, log, exc, slurm_factory, stderr)
+
+
+def _evict(cfg: Config, slurm: Slurm, node: str, reason: str, log: DecisionLog, fault_at: float,
+           stderr: TextIO) -> str:
+    """The running jobs leave the node (flushed ones followed for at most FOLLOW_MAX_S)."""
+    follow = min(float(cfg.watch.flush_deadline_s), FOLLOW_MAX_S)
+    if follow != float(cfg.watch.flush_deadline_s):
+        cfg = replace(cfg, watch=replace(cfg.watch, flush_deadline_s=follow))
+    eviction = FaultEviction(cfg, slurm, node, fault_at, source="healthcheck", reason=reason, log=log)
+    try:
+        leaves = eviction.wait() if eviction.start() else []
+    except SlurmagentError as exc:
+        print(f"slurmagent healthcheck: cannot make the running jobs leave {node}: {exc}", file=stderr)
+        return f"running jobs not moved: {exc}"
+    for leave in leaves:
+        print(f"slurmagent healthcheck: job {leave.job.job_id} on a failed GPU: {leave.action}", file=stderr)
+    return f"{len(leaves)} running job(s) off the node" if leaves else "no running jobs"
+
+
+def _internal_error(node, cfg, log, exc, slurm_factory, stderr) -> int:
+    what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+    on_error = cfg.hooks.on_internal_error if cfg else "open"
+    action, code = "none (fail open)", 0
+    if on_error == "closed":  # through the breaker, like every unplanned drain
+        blocked, action = actions.fail_closed(cfg, slurm_factory, node, what, source="healthcheck")
+        code = 1 if blocked else 0
+    log.write("healthcheck", node=node, verdict="internal-error", error=what, action=action)
+    print(f"slurmagent healthcheck: internal error (not a GPU fault): {what}; {action}", file=stderr)
+    return code

@@ -1,0 +1,237 @@
+"""Slurm Prolog/Epilog: check the node, drain it with a precise reason, keep the job PENDING.
+
+Decide first (the health report and the node's state), then act through `actions.py`. A
+failure of slurmagent itself is logged as `internal-error`, distinct from `unhealthy`,
+and handled by `[hooks] on_internal_error` (fail open by default; `closed` drains through
+the circuit breaker like any unplanned drain, so a bad rollout cannot drain the cluster).
+
+The healthy prolog path is the hot path: it imports no google library and no click, makes
+no slurmctld call, and reads at most the expiry state file and the journal directory. The
+modules it does not need are imported where they are used, for start-up speed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TextIO
+
+from ..state import expiry_state, metrics
+from ..core.checks import Report
+from ..state.config import Config
+from ..state.decisionlog import DecisionLog, path_for as decision_log_path
+from ..errors import SlurmagentError
+from ..state.host import node_name
+from ..core.reasons import reason_for
+from ..slurm.commands import JOB_ID, Slurm, valid_node_name
+from ..core.timefmt import fmt_time, human, parse_time_limit
+
+HealthFn = Callable[[Config, str, bool], Report]
+
+@dataclass(frozen=True)
+class HookContext:
+    hook: str  # "prolog" | "epilog" | "healthcheck"
+    node: str
+    job_id: str | None
+    job_exit_code: int | None = None
+    ignored: tuple[str, ...] = ()  # environment values refused as malformed (said on stderr)
+
+    @classmethod
+    def from_env(cls, hook: str, env: Mapping[str, str]) -> HookContext:
+        node = node_name(None, env)
+        ignored = []
+        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if job_id is not None and not JOB_ID.fullmatch(job_id):
+            # never handed to scontrol: `42,7` would requeue job 7 too
+            ignored.append(f"SLURM_JOB_ID {job_id!r}: not a job id")
+            job_id = None
+        code = env.get("SLURM_JOB_EXIT_CODE")
+        exit_code = int(code) if code and re.fullmatch(r"-?[0-9]{1,10}", code) else None
+        if code and exit_code is None:
+            ignored.append(f"SLURM_JOB_EXIT_CODE {code!r}: not a number")
+        return cls(hook=hook, node=node, job_id=job_id, job_exit_code=exit_code, ignored=tuple(ignored))
+
+
+def run_hook(
+    ctx: HookContext,
+    cfg_loader: Callable[[], Config],
+    health: HealthFn,
+    slurm_factory: Callable[[Config], Slurm] = Slurm.from_config,
+    stderr: TextIO = sys.stderr,
+) -> int:
+    """Entry point of `slurmagent prolog|epilog`; returns the hook's exit code."""
+    started = time.monotonic()
+    cfg: Config | None = None
+    log = DecisionLog(None, use_syslog=True)
+    try:
+        cfg = cfg_loader()
+        log = DecisionLog(None, use_syslog=cfg.hooks.syslog)
+        if not valid_node_name(ctx.node):  # before it names a path or reaches scontrol
+            raise SlurmagentError(f"SLURMD_NODENAME {ctx.node!r} is not a Slurm node name; refusing to act on it")
+        for note in ctx.ignored:
+            print(f"slurmagent {ctx.hook}: ignoring {note}", file=stderr)
+        log = DecisionLog(decision_log_path(cfg, ctx.node), use_syslog=cfg.hooks.syslog)
+        log.started = started
+        report = health(cfg, ctx.node, True)
+        if report.healthy:
+            return _healthy(ctx, cfg, report, slurm_factory, log, stderr)
+        return _unhealthy(ctx, cfg, report, slurm_factory, log, stderr)
+    except Exception as exc:  # noqa: BLE001 - a hook must never crash without a decision
+        return _internal_error(ctx, cfg, log, exc, slurm_factory, stderr)
+
+
+def _healthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Callable[[Config], Slurm],
+             log: DecisionLog, stderr: TextIO) -> int:
+    # A job whose time limit ends after the VM's termination is requeued off this node.
+    if ctx.hook == "prolog":
+        guard = prolog_guard(cfg, ctx, slurm_factory, log, stderr)
+        if guard is not None:
+            return guard
+    warnings = [f.summary for f in report.findings]
+    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", action="none", warnings=warnings or None)
+    metrics.for_node(cfg, ctx.node).record_check(report)
+    from ..state.journal import needs_attention  # stdlib only; imported here for start-up speed
+
+    if needs_attention(cfg.state_path(ctx.node)):  # replay a non-empty journal, clear a breaker mark
+        from ..actions import api as actions  # the replay path only, for start-up speed
+
+        actions.after_healthy_hook(cfg, ctx.node, slurm_factory)
+    return 0
+
+
+def _unhealthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Callable[[Config], Slurm],
+               log: DecisionLog, stderr: TextIO) -> int:
+    from ..actions import api as actions  # the unhealthy path only, for start-up speed
+
+    reason = reason_for(report)
+    slurm = slurm_factory(cfg)
+    try:
+        drain = actions.drain_fault(cfg, slurm, ctx.node, reason, report.findings, source=ctx.hook, job=ctx.job_id,
+                                    takeover_prolog_error=ctx.hook == "prolog")
+    except SlurmagentError as exc:
+        # The GPU verdict stands: a failing prolog still makes Slurm drain the node and requeue
+        # the job; failing open here would run the job on a known-bad GPU.
+        drain = actions.DrainOutcome(f"drain-failed: {exc}")
+    taken = [drain.action]
+    if ctx.hook == "prolog" and not drain.blocks_job:
+        code = 0  # breaker open, GPUs still usable: not drained, the job may run (logged loudly)
+    elif ctx.hook == "prolog":
+        if ctx.job_id:
+            taken += actions.release_held(cfg, ctx.node, ctx.job_id)
+        code = 1  # Slurm requeues the job (PENDING with nohold_on_prolog_fail) and keeps our reason
+    else:
+        code = 0
+        if ctx.hook == "epilog" and ctx.job_id and cfg.hooks.epilog_requeue_failed and ctx.job_exit_code:
+            try:
+                taken.append(actions.requeue_jobs(cfg, slurm, ctx.node, [ctx.job_id]))
+            except SlurmagentError as exc:
+                taken.append(f"requeue-failed: {exc}")
+    worst = report.worst
+    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
+              observed=worst.observed, reason=reason, action=",".join(taken),
+              findings=[f.summary for f in report.findings])
+    metrics.for_node(cfg, ctx.node).record_check(
+        report, drained_rule=worst.rule if drain.drained else None,
+        requeued=any(a.startswith("requeued") for a in taken))
+    print(f"slurmagent {ctx.hook}: node {ctx.node} unhealthy: {reason}", file=stderr)
+    return code
+
+
+def _internal_error(ctx, cfg, log, exc, slurm_factory, stderr) -> int:
+    """slurmagent itself failed: say so distinctly, then fail open or closed per config.
+
+    Fail closed is an unplanned drain like a fault: through the circuit breaker. When the
+    breaker holds it back, the prolog lets the job run (a failing prolog would make Slurm
+    drain the node anyway, and a bad rollout would drain the whole cluster)."""
+    what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+    on_error = cfg.hooks.on_internal_error if cfg else "open"
+    action = "none (fail open)"
+    code = 0
+    if on_error == "closed" and ctx.hook == "prolog" and not valid_node_name(ctx.node):
+        code = 1
+        action = "no drain: invalid node name (fail closed)"
+    elif on_error == "closed" and ctx.hook == "prolog":
+        from ..actions import api as actions  # the failure path only, for start-up speed
+
+        blocked, action = actions.fail_closed(cfg, slurm_factory, ctx.node, what, source=ctx.hook, job=ctx.job_id)
+        code = 1 if blocked else 0
+    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="internal-error", error=what, action=action)
+    print(f"slurmagent {ctx.hook}: internal error (not a GPU fault): {what}; {action}", file=stderr)
+    return code
+
+
+# --- the expiry prolog guard ---------------------------------------------------------------
+
+
+def prolog_guard(cfg: Config, ctx: HookContext, slurm_factory: Callable[[Config], Slurm], log: Any,
+                 stderr: TextIO) -> int | None:
+    """Keep a job that would outlive the VM off this node. None: let the job run; 1: requeue it.
+
+    When the expiry state has a termination time, a job whose time limit would end after
+    `termination - flush_lead_s` is kept off: the node is drained with the expiry reason
+    (planned: the breaker has no say) and the prolog exits 1, Slurm requeues the job PENDING
+    and it starts elsewhere. `requeue` does this for jobs that cannot flush (their batch script
+    does not exec the wrapper); `requeue-all` for every job; `warn` only logs; `off`.
+    Without a termination time this is one read of the state file: no scontrol, no google."""
+    mode = cfg.expiry.prolog_guard
+    if mode == "off" or not ctx.job_id:
+        return None
+    data = expiry_state.load(cfg, ctx.node)
+    if not data or not data.get("termination_time"):
+        return None
+    end = expiry_state.termination(data)  # None: left over from an earlier life of this VM
+    if end is None:
+        return None
+    # the guard's slow path only, for start-up speed
+    from ..actions import api as actions
+    from ..core import reasons
+
+    now = time.time()
+    slurm = slurm_factory(cfg)
+    try:
+        job = slurm.job(ctx.job_id)
+        limit_s = parse_time_limit(job.time_limit) if job is not None else None
+    except (SlurmagentError, ValueError) as exc:
+        log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", rule="expiry",
+                  action="expiry-guard-skipped", error=str(exc))
+        return None
+    if job is None:
+        return None
+    latest = end.timestamp() - float(cfg.expiry.flush_lead_s)
+    if limit_s is not None and now + limit_s <= latest:
+        return None
+    # a record whose own text imitates its fields has no time limit we may believe: the long case
+    limit = "unknown (the job's text imitates Slurm's fields)" if job.ambiguous else job.time_limit or "UNLIMITED"
+    detail = (f"job {ctx.job_id}: time limit {limit} ends after the VM's termination at {fmt_time(end)} "
+              f"(in {human(end.timestamp() - now)}, flush lead {float(cfg.expiry.flush_lead_s):g} s)")
+    if mode == "requeue" and _wrapped(slurm, ctx.job_id):
+        # it flushes at the lead and resumes elsewhere: cheaper than idling the node
+        log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", rule="expiry",
+                  action="none (wrapped: flushes at the lead)", detail=detail)
+        return None
+    if mode == "warn":
+        log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", rule="expiry", action="warned",
+                  detail=detail)
+        print(f"slurmagent {ctx.hook}: warning: {detail}", file=stderr)
+        return None
+    drain_reason = str(data.get("drain_reason", ""))
+    reason = drain_reason if reasons.is_planned(drain_reason) else reasons.expiry_reason(
+        end, "expiry", str((data.get("scheduling") or {}).get("provisioning_model", "")))
+    try:
+        action = actions.drain_planned(cfg, slurm, ctx.node, reason, source="prolog-guard")
+    except SlurmagentError as exc:
+        action = f"drain-failed: {exc}"  # exit 1 all the same: Slurm drains ("Prolog error") and requeues
+    taken = [action, "requeue", *actions.release_held(cfg, ctx.node, ctx.job_id)]
+    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="expiry", rule="expiry", reason=reason,
+              action=",".join(taken), detail=detail)
+    print(f"slurmagent {ctx.hook}: {detail}: requeued off {ctx.node} ({reason})", file=stderr)
+    return 1
+
+
+def _wrapped(slurm: Slurm, job_id: str) -> bool:
+    try:
+        return slurm.job_is_wrapped(job_id)
+    except SlurmagentError:
+        return False

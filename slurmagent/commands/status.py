@@ -1,0 +1,221 @@
+"""`slurmagent status`: nodes drained by slurmagent (or held back by the breaker), repair
+state, the breaker, journal backlog and expiry countdowns, as a table or JSON; and
+`slurmagent status --job ID`: a job's checkpoint as its owner sees it.
+
+Reads only: one `scontrol -o show node`, the journals and the expiry state files. For a job,
+the bucket's committed manifest is the truth and readable from anywhere (a login node sees no
+node-local checkpoint directory); the wrapper's status record (`checkpoint/report.py`), when this
+node holds it, adds the running attempt's view: its last sync, the lag, held-back units, and the
+remote the wrapper really uses (`--remote`, or the per-job default). The record is the job
+owner's file: it is shown and its remote is read, nothing is done on its word.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any, Callable, Mapping
+
+from ..checkpoint.report import age_s, human_bytes, manifest_summary, read_record, record_path
+
+from ..state import expiry_state
+from ..policy import breaker as breaker_policy
+from ..core import reasons
+from ..state.config import Config
+from ..errors import SlurmagentError, SlurmError
+from ..state.host import node_name
+from ..state.journal import Journal
+from ..state.repair_state import drained_at as load_drained_at
+from ..slurm.commands import Slurm
+from ..core.timefmt import human_short
+
+
+def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | None = None,
+                   clock: Callable[[], float] = time.time) -> dict[str, Any]:
+    slurm = slurm or Slurm.from_config(cfg)
+    local = node_name(local_node)
+    slurm_error = None
+    try:
+        nodes = slurm.nodes()
+    except SlurmError as exc:  # still worth showing: the journal backlog is what piles up then
+        nodes, slurm_error = [], str(exc)
+    now = clock()
+    fraction = float(cfg.repair.max_drained_fraction)
+    b = breaker_policy.breaker(nodes, fraction, now, float(cfg.repair.suppressed_ttl_s))
+    rows = []
+    drained_at = load_drained_at(cfg.state_path(local))
+    for n in nodes:
+        suppressed = n.name in b.suppressed
+        if not n.ours and not suppressed:
+            continue
+        if n.ours:
+            repair = "repairing" if n.repairing else ("waiting for jobs to end" if n.busy else "drained")
+            if not reasons.repairable(n.reason):
+                repair = "drained (not repaired)"
+            rule = reasons.rule_of(n.reason)
+            since = drained_at.get(n.name) if n.repairing and drained_at.get(n.name) else n.reason_time
+            detail = reasons.fault_text(n.reason)
+        else:
+            m = n.marks
+            # Slurm's reason only while it holds the node: 24.11 keeps it after a resume.
+            held = n.reason and (n.drained or n.down)
+            repair = "suppressed by breaker" + (f" (Slurm: {n.reason})" if held else "")
+            rule = reasons.rule_of(m.suppressed_summary)
+            since = m.suppressed_at
+            detail = m.suppressed_summary
+        rows.append({"node": n.name, "state": n.state, "rule": rule, "detail": detail, "since": since,
+                     "for_s": round(now - since) if since else None, "repair": repair,
+                     "repair_requested_s_ago": round(now - n.reason_time) if n.repairing and n.reason_time else None,
+                     "expiry": expiry_state.countdown(cfg, n.name, local, now)})
+    journals = []
+    names = sorted({n.name for n in nodes} | {local}) if "%n" in cfg.state_dir else [local]
+    for name in names:
+        s = Journal.for_config(cfg, name).summary()
+        if s["pending"] or name == local:
+            journals.append({"node": name, **s})
+    expiries = {}
+    for name in names:
+        e = expiry_state.countdown(cfg, name, local, now)
+        if e:
+            expiries[name] = e
+    return {"time": now, "slurm_error": slurm_error, "nodes": rows,
+            "breaker": {**b.to_dict(), "summary": b.describe() if not slurm_error else "unknown (Slurm unreachable)"},
+            "journal": {"pending": sum(j["pending"] for j in journals), "journals": journals},
+            "expiry": expiries}
+
+
+def format_status(st: dict[str, Any]) -> str:
+    lines = []
+    rows = st["nodes"]
+    if st.get("slurm_error"):
+        lines.append(f"slurm: cannot read the nodes: {st['slurm_error']}")
+    elif rows:
+        header = ("NODE", "STATE", "RULE", "SINCE", "REPAIR", "EXPIRY", "DETAIL")
+        table = [header]
+        for r in rows:
+            exp = r["expiry"]
+            table.append((r["node"], r["state"], r["rule"], human_short(r["for_s"]) + (" ago" if r["for_s"] is not None else ""),
+                          r["repair"] + (f" ({human_short(r['repair_requested_s_ago'])} ago)" if r["repair_requested_s_ago"] is not None else ""),
+                          ("in " + human_short(exp["in_s"]) if exp and exp["in_s"] is not None and exp["in_s"] >= 0
+                           else ("passed" if exp and exp["in_s"] is not None else "-")),
+                          r["detail"]))
+        widths = [max(len(str(row[i])) for row in table) for i in range(len(header) - 1)]
+        for row in table:
+            lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + str(row[-1]))
+    else:
+        lines.append("no node is drained by slurmagent")  # (or held back by the breaker)
+    lines.append(f"breaker: {st['breaker']['summary']}")
+    j = st["journal"]
+    if j["pending"]:
+        per = ", ".join(f"{x['node']}: {x['pending']} ({', '.join(x['pending_kinds'])}, oldest "
+                        f"{human_short(x['oldest_pending_age_s'])})" for x in j["journals"] if x["pending"])
+        lines.append(f"journal: {j['pending']} pending action(s) not yet applied: {per}")
+    else:
+        lines.append("journal: no pending actions")
+    for node, e in sorted(st["expiry"].items()):
+        when = e["in_s"]
+        lines.append(f"expiry: {node} terminates {e['termination_time']}"
+                     + (f" (in {human_short(when)})" if when is not None and when >= 0 else " (passed)" if when is not None else ""))
+    return "\n".join(lines)
+
+
+
+UID_RE = re.compile(r"\((\d+)\)$")  # scontrol's UserId=alice(1000)
+
+
+def job_owner_uid(raw: Mapping[str, str] | None) -> int | None:
+    m = UID_RE.search((raw or {}).get("UserId", ""))
+    return int(m.group(1)) if m else None
+
+
+def collect_job_status(cfg: Config, job_id: str, *, remote: str | None = None, slurm: Slurm | None = None,
+                       env: Mapping[str, str] | None = None, store_factory: Callable[[str], Any] | None = None,
+                       clock: Callable[[], float] = time.time) -> dict[str, Any]:
+    env = os.environ if env is None else env
+    slurm = slurm or Slurm.from_config(cfg)
+    st: dict[str, Any] = {"job": job_id, "time": clock(), "slurm": None, "slurm_error": None, "record": None,
+                          "remote": remote, "commit": None, "remote_error": None}
+    uid = os.geteuid()
+    try:
+        job = slurm.job(job_id)
+        if job is None:
+            st["slurm_error"] = f"no job {job_id} (finished long ago, or never existed)"
+        else:
+            st["slurm"] = {"state": job.state, "restarts": job.restarts, "nodes": job.node_list,
+                           "user": (job.raw or {}).get("UserId", "")}
+            uid = job_owner_uid(job.raw) if job_owner_uid(job.raw) is not None else uid
+    except SlurmagentError as exc:
+        st["slurm_error"] = str(exc)
+    record = read_record(record_path(env, uid, job_id))
+    if record is not None and str(record.get("job")) == job_id:
+        st["record"] = record
+    if not st["remote"]:
+        if st["record"] and isinstance(st["record"].get("remote"), str) and st["record"]["remote"].startswith("gs://"):
+            st["remote"] = st["record"]["remote"]
+        elif cfg.checkpoint.remote:
+            st["remote"] = cfg.checkpoint.remote.rstrip("/") + "/" + job_id  # the wrapper's default prefix
+    if st["remote"]:
+        try:
+            if store_factory is None:
+                from ..checkpoint.gcs.store import GcsCheckpointStore  # google only here: start-up speed
+
+                store_factory = GcsCheckpointStore
+            manifest = store_factory(st["remote"]).latest_manifest(deadline_s=30.0)
+            if manifest is not None:
+                st["commit"] = {**manifest_summary(manifest), "age_s": age_s(manifest.created, clock())}
+        except Exception as exc:  # noqa: BLE001 - one line, the rest is still worth showing
+            st["remote_error"] = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return st
+
+
+def format_job_status(st: dict[str, Any]) -> str:
+    lines = []
+    s = st["slurm"]
+    if s:
+        lines.append(f"job {st['job']}: {s['state']}, restarts {s['restarts']}, nodes {s['nodes'] or '-'}"
+                     + (f", user {s['user']}" if s["user"] else ""))
+    else:
+        lines.append(f"job {st['job']}: slurm: {st['slurm_error']}")
+    c = st["commit"]
+    if st["remote_error"]:
+        lines.append(f"checkpoint: cannot read {st['remote']}: {st['remote_error']}")
+    elif not st["remote"]:
+        lines.append("checkpoint: no [checkpoint] remote configured (pass --remote gs://BUCKET/PREFIX)")
+    elif c is None:
+        lines.append(f"checkpoint: nothing committed yet at {st['remote']}")
+    else:
+        age = f", {human_short(c['age_s'])} ago" if c.get("age_s") is not None else ""
+        streak = f", {c['no_progress']} attempt(s) in a row without progress" if c.get("no_progress") else ""
+        lines.append(f"checkpoint: {st['remote']}: last commit by attempt {c['attempt']} at {c['created']}{age}, "
+                     f"{c['files']} file(s), {human_bytes(c['bytes'])}"
+                     + (f" from {c['nodes']} nodes" if c.get("nodes", 1) > 1 else "") + streak)
+    r = st["record"]
+    if r:
+        lines.append(_record_line(r, st["time"]))
+    return "\n".join(lines)
+
+
+def _record_line(r: dict[str, Any], now: float) -> str:
+    """The running attempt's view, from its status record (the user's file: shown as text)."""
+    def num(v: Any) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    parts = [f"attempt {r.get('attempt')} on {r.get('node') or 'this node'}, {r.get('state')}"]
+    updated = num(r.get("updated"))
+    if updated is not None:
+        parts[0] += f" (updated {human_short(max(0.0, now - updated))} ago)"
+    restored = r.get("restored")
+    if isinstance(restored, dict):
+        parts.append(f"restored the commit of attempt {restored.get('attempt')}")
+    sync = r.get("last_sync")
+    if isinstance(sync, dict) and num(sync.get("seconds")) is not None:
+        parts.append(f"last sync took {num(sync['seconds']):.1f} s")
+    if num(r.get("lag_s")) is not None:
+        parts.append(f"lag {num(r['lag_s']):.0f} s")
+    held = r.get("held_back")
+    if isinstance(held, list) and held:
+        parts.append("held back: " + ", ".join(str(u) or "(top-level files)" for u in held[:10]))
+    if r.get("error"):
+        parts.append(f"last sync failed: {str(r['error'])[:200]}")
+    return "this node: " + "; ".join(parts)

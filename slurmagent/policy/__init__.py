@@ -1,0 +1,1 @@
+"""Pure decisions: the drain breaker, drain arbitration, eviction, expiry and repair."""

@@ -1,0 +1,1 @@
+"""`slurmagent run`: the job-step wrapper, single- and multi-node."""

@@ -1,0 +1,247 @@
+"""Wiring for `slurmagent run` and `slurmagent sbatch`: config + Slurm + storage -> Supervisor."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from ..checkpoint import report as ckpt_report
+from ..state import expiry_state
+from ..checkpoint.report import CheckpointReport
+from ..state.config import Config
+from .cut_store import QuietCutStore
+from ..errors import SlurmagentError
+from ..state.host import node_name, slurmagent_argv
+from ..slurm.commands import Slurm
+from .child import RequeueHold
+from .identity import SUBMISSION_ENV, new_owner
+from .requeue import RequeueVerb
+from .job import (
+    JobIdentity,
+    RunOptions,
+    WrapperError,
+    default_ckpt_dir,
+    dir_owner,
+    expand_node,
+    fresh_attempt,
+    explicit_ckpt_dir,
+    make_private_dir,
+    parse_signal,
+)
+from .supervisor import FLUSH_SIGNALS, Supervisor
+
+REPORT_INTERVAL_S = 600.0  # the checkpoint's state on the job's stderr at most this often (and on changes)
+
+def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
+                  ckpt_signal="USR1", grace=None, max_requeues=None, sync_interval=None) -> RunOptions:
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise WrapperError("nothing to run: slurmagent run [opts] -- CMD ARGS...")
+    ck = cfg.checkpoint
+    per_job_remote = remote is None and bool(ck.remote)
+    if per_job_remote:
+        remote = ck.remote.rstrip("/") + "/" + ident.name
+    for name, value in (("--grace", grace), ("--max-requeues", max_requeues), ("--sync-interval", sync_interval)):
+        if value is not None and value < 0:
+            raise WrapperError(f"{name} must not be negative")
+    node = node_name(None, env)  # this node's expiry state, never another slurmd's on the same host
+    return RunOptions(
+        cmd=cmd,
+        # explicit or default: owned by the user, writable by nobody else, created 0700
+        ckpt_dir=(explicit_ckpt_dir(Path(expand_node(ckpt_dir, env)), defer_unusable=ident.platform == "slurm")
+                  if ckpt_dir
+                  else make_private_dir(default_ckpt_dir(env, ident))),
+        remote=remote or "",
+        ckpt_signal=parse_signal(ckpt_signal),
+        grace_s=ck.grace_s if grace is None else grace,
+        max_requeues=ck.max_requeues if max_requeues is None else max_requeues,
+        sync_interval_s=ck.sync_interval_s if sync_interval is None else max(sync_interval, 0.5),
+        flush_lead_s=cfg.expiry.flush_lead_s,
+        expiry_files=expiry_state.files_for(cfg, node),
+        multi_node=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) > 1,
+        per_job_remote=per_job_remote,
+    )
+
+
+def store_tunables(cfg: Config) -> dict:
+    """The checkpoint store's keyword arguments from `[checkpoint]`."""
+    ck = cfg.checkpoint
+    return {"max_workers": ck.transfers, "parallel_upload_mib": ck.parallel_upload_mib}
+
+
+def node_agent_options(cfg: Config) -> list[str]:
+    """The same tunables for the node agents of a multi-node job (they do not read the config)."""
+    ck = cfg.checkpoint
+    return ["--transfers", str(ck.transfers), "--parallel-upload-mib", str(ck.parallel_upload_mib)]
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts) -> int:
+    # From here to our exit a flush signal is recorded, never the default action: one that
+    # comes before the supervisor starts is acted on by it; one after (Slurm signals the batch
+    # step again once requeued) is a no-op. A Python handler, unlike SIG_IGN, is reset to the
+    # default in the child by exec.
+    early: list[int] = []
+    for s in FLUSH_SIGNALS:
+        signal.signal(s, lambda signum, _frame: early.append(signum))
+    env = dict(os.environ)
+    ident = JobIdentity.from_env(env)
+    options = build_options(cfg, cmd, env, ident, **opts)
+    store = None
+    if options.remote:
+        from ..checkpoint.gcs.store import GcsCheckpointStore  # google only with a remote: start-up speed
+
+        store = GcsCheckpointStore(options.remote, **store_tunables(cfg))
+    slurm = Slurm.from_config(cfg) if ident.platform == "slurm" else None
+    hold = _requeue_hold(cfg, env, ident) if slurm is not None else None
+    # A multi-node job's batch step covers every node's --ckpt-dir through node agents; their
+    # restore also makes the hold's directory (on every node's PATH) private on every node.
+    from .multinode import allocation_store  # start-up speed: single-node runs never load it
+
+    restore_options = ["--owner", dir_owner(ident), *(["--fresh"] if fresh_attempt(ident) else []),
+                       *(["--private-dir", str(hold.dir)] if hold else [])]
+    try:
+        whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope,
+                                     agent_options=node_agent_options(cfg), restore_options=restore_options)
+    except BaseException:
+        if hold is not None:
+            hold.cleanup()
+        raise
+    metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
+    # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
+    job_store = whole_job or (QuietCutStore(store) if store is not None else None)
+    report = checkpoint_report(env, ident, options, store is not None)
+    sup = Supervisor(options, ident, job_store, _requeue_of(slurm) if slurm else None, env,
+                     hold=hold, metrics=metrics, report=report, read_job=slurm.job if slurm else None)
+    if job_store is not None:
+        job_store.trainer_running = sup.child_running
+    if slurm is not None:
+        sup.slurm_nodes = slurm  # a restore failing on a node's disk: requeued without it
+    try:
+        if slurm is not None:
+            warn_if_not_requeueable(sup, slurm, ident.job_id)
+        if store is None:
+            sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
+        sup.pending.extend(early)
+        outcome = sup.run()
+    finally:
+        if hold is not None:
+            hold.cleanup()
+    if metrics is not None:
+        _record_metrics(metrics, outcome)
+    if report is not None:
+        report.ended(outcome.summary)
+    sup.say(outcome.summary)
+    return outcome.exit_code
+
+
+def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool) -> CheckpointReport | None:
+    """The owner's view of the checkpoint (stderr lines, `status --job`); None without a bucket."""
+    if not remote:
+        return None
+    # by the id the user types (`status --job ID`); a Cloud Run task by its prefix name
+    record = ckpt_report.record_path(env, os.geteuid(), ident.job_id if ident.platform == "slurm" else ident.name)
+    try:
+        make_private_dir(record.parent)
+    except WrapperError:
+        record = None  # the stderr lines still come; `status --job` reads the bucket
+    return CheckpointReport(lambda line: print(f"slurmagent run: {line}", file=sys.stderr, flush=True),
+                            job=ident.job_id, attempt=ident.restart_count, remote=options.remote,
+                            ckpt_dir=str(options.ckpt_dir), node=env.get("SLURMD_NODENAME", ""), record=record,
+                            interval_s=REPORT_INTERVAL_S, behind_s=max(3 * options.sync_interval_s, 60.0))
+
+
+def _requeue_of(slurm: Slurm):
+    """The wrapper's requeue: `requeue`, or the `requeuehold` its job asked for (held)."""
+    def requeue(job: str, verb: RequeueVerb = RequeueVerb()) -> None:
+        slurm.requeue([job], hold=verb.hold, special_exit=verb.special_exit)
+    return requeue
+
+
+def _requeue_hold(cfg: Config, env, ident: JobIdentity) -> RequeueHold | None:
+    """Our `scontrol` first on the child's PATH, holding its requeue of its own job."""
+    real = shutil.which(cfg.slurm.scontrol, path=env.get("PATH"))
+    if real is None or not ident.aliases:
+        return None
+    return RequeueHold(ident.aliases, os.path.abspath(real))
+
+
+def _job_metrics(cfg: Config, node: str | None):
+    """The node's metrics when this (possibly unprivileged) job may write them, else None."""
+    from ..state import metrics  # only for a job that may write them: start-up speed
+
+    m = metrics.for_node(cfg, node)
+    return m if os.access(m.state_dir, os.W_OK) else None
+
+
+def _record_metrics(m, outcome) -> None:
+    """Flush duration and bytes synced."""
+    gauges = {("slurmagent_flush_seconds", ()): outcome.flush_seconds} if outcome.flushed else {}
+    add = {("slurmagent_bytes_synced_total", ()): outcome.bytes_synced}
+    if outcome.requeued:
+        add[("slurmagent_requeues_total", ())] = 1
+    m.update(set_=gauges, add=add)
+
+
+def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
+    try:
+        job = slurm.job(job_id)
+    except SlurmagentError as exc:
+        sup.say(f"cannot read job {job_id} from Slurm ({exc}); requeue may fail")
+        return
+    if job is not None and not job.ambiguous and not job.requeue:
+        sup.say(f"WARNING: job {job_id} is not requeueable (Requeue=0): submit with --requeue "
+                "(slurmagent sbatch does) or it will end instead of restarting")
+
+
+WRAPPER_SCRIPT = """#!/bin/sh
+# Written by `slurmagent sbatch`: the batch step IS the wrapper, so the end-of-time
+# signal (--signal=B:USR1@LEAD) and `scancel --batch` reach it. Arguments come from argv.
+# The submission id is the checkpoint's identity: the same at every requeue (Slurm keeps
+# this script), new for every submission, whatever --export says.
+{submission_env}={submission}
+export {submission_env}
+exec {slurmagent} run "$@"
+"""
+
+
+def submit(cfg: Config, args: list[str]) -> int:
+    """`slurmagent sbatch [sbatch opts] -- [run opts --] CMD ARGS`: wrap and submit.
+
+    The job's argv reaches the wrapper as the batch script's arguments, never through a
+    shell string, so quotes, `;` and `$()` in them stay plain data."""
+    if "--" not in args:
+        raise WrapperError("usage: slurmagent sbatch [sbatch options] -- CMD ARGS...")
+    split = args.index("--")
+    sbatch_opts, rest = args[:split], args[split + 1:]
+    cmd = rest[rest.index("--") + 1:] if "--" in rest else rest
+    run_args = rest if "--" in rest else ["--", *rest]
+    if not cmd:
+        raise WrapperError("nothing to run: slurmagent sbatch [sbatch options] -- CMD ARGS...")
+    extra = ["--requeue"]
+    if not any(o == "--signal" or o.startswith("--signal=") for o in sbatch_opts):
+        extra.append(f"--signal=B:{signal.Signals(signal.SIGUSR1).name[3:]}@{cfg.checkpoint.signal_lead_s}")
+    fd, script = tempfile.mkstemp(prefix="slurmagent-sbatch-", suffix=".sh")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(WRAPPER_SCRIPT.format(slurmagent=" ".join(shlex.quote(a) for a in slurmagent_argv()),
+                                           submission_env=SUBMISSION_ENV, submission=new_owner()))
+        os.chmod(script, 0o755)
+        proc = Slurm.from_config(cfg).sbatch([*sbatch_opts, *extra, script, *run_args])
+    finally:
+        os.unlink(script)
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    return proc.returncode

@@ -1,0 +1,136 @@
+"""The node agent of a multi-node job: one task per node (`slurmagent node-agent restore|sync`).
+
+It runs in an `srun --overlap` step of the job (see `allocation.py`) and works on this node's
+local checkpoint directory only: a restore makes it hold exactly the committed checkpoint
+(or this node's part), a sync uploads its blobs without committing. Each task sends one
+report (`allocation.NodeReport`) over the framed channel on stdout (`agent_channel`: short
+lines that srun never tears, whatever the report's size); the batch step merges them into
+one commit. The launcher runs it with `python -P` in `/`, so a module in the job's directory
+(`uuid.py`, `json.py`) never shadows one the agent imports.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Protocol, TextIO
+
+from .channel import write_frames
+from .reports import NodeReport, select_for_node
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.errors import RestoreError
+from ..checkpoint.hash_cache import state_file_for
+from ..checkpoint.cut import unit_signatures
+from ..checkpoint.errors import is_node_local
+from ..errors import SlurmagentError
+from ..state.private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
+from .job import DirRecord
+from .uncommitted import keep_own_files, moved_message, set_aside_uncommitted  # noqa: F401 - re-exported
+
+
+class BlobStore(Protocol):
+    """What the agent needs from the checkpoint store (slurmagent.checkpoint.gcs.store.GcsCheckpointStore)."""
+
+    def read_manifest(self, *, deadline_s: float = ...) -> tuple[Manifest | None, int]: ...
+
+    def restore_manifest(self, ckpt_dir, manifest: Manifest, *, deadline_s: float = ..., state_file=...) -> None: ...
+
+    def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ..., *, commit: bool = ...) -> Any: ...
+
+
+def prepare_dir(ckpt_dir: Path, private: Iterable[str] = ()) -> None:
+    """`D` on this node: created private (0700) when missing, refused when another user owns
+    it or can write it (so are the files beside it: `private_dirs.private_ckpt_dir`); and each
+    of `private` (the requeue hold on the batch node's PATH, which srun carries to every node)
+    created private here too, so that no other user can plant a program at that path."""
+    private_ckpt_dir(ckpt_dir)
+    for d in map(Path, private):
+        for path in (d.parent, d):  # the per-user parent too: another user's is refused
+            ensure_private_dir(path, what="private dir", hint="; remove it or set TMPDIR")
+
+
+def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: str, num_nodes: int,
+                  generation: int, scope: str, deadline_s: float, state_file: Path | None = None,
+                  owner: str = "", private: Iterable[str] = (), fresh: bool = False) -> NodeReport:
+    """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part),
+    every other file moved aside (none committed yet: all of them); `state_file`, the node's
+    hash cache, learns the restored files. No remote: `D` keeps only files the record beside it
+    says `owner` (this job) wrote."""
+    report = NodeReport(index=index, node=node, ok=False)
+    try:
+        prepare_dir(ckpt_dir, private)
+        if store is None:  # no remote: the directory is the only copy
+            moved = keep_own_files(ckpt_dir, DirRecord(ckpt_dir, owner, "", fresh))
+            if moved:
+                report.messages.append(moved_message(ckpt_dir, moved, "another job left"))
+            report.ok = True
+            return report
+        manifest, found = store.read_manifest(deadline_s=min(60.0, deadline_s))
+        if found != generation:
+            raise RestoreError(f"the committed checkpoint changed during the restore (generation {found}, "
+                               f"the job read {generation}); not resuming from a mix")
+        mine = select_for_node(manifest, index, num_nodes, scope) if manifest else Manifest(0)
+        moved = set_aside_uncommitted(ckpt_dir, mine.files)
+        if moved:
+            report.messages.append(moved_message(ckpt_dir, moved, "not in the committed checkpoint"))
+        if manifest is not None:
+            store.restore_manifest(ckpt_dir, mine, deadline_s=deadline_s, state_file=state_file)
+        report.generation = found
+        report.ok = True
+    except (SlurmagentError, OSError) as exc:
+        report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+        report.node_local = is_node_local(exc)  # this node's disk or path: the job goes elsewhere
+    return report
+
+
+def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attempt: int, state_file: Path,
+               deadline_s: float, clock_ns: Callable[[], int] = time.time_ns) -> NodeReport:
+    """Upload this node's `D` (blobs only) and report its files, how its units look after the
+    upload (`checkpoint_cut.unit_signatures`) and this node's clock."""
+    report = NodeReport(index=index, node=node, ok=False, started_ns=clock_ns())
+    try:
+        check_private_file(state_file)  # never a hash cache another user wrote
+        result = store.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, commit=False)
+        report.files = result.files
+        report.files_sent, report.bytes_sent = result.files_sent, result.bytes_sent
+        report.units = unit_signatures(ckpt_dir)  # after the upload: a change during it counts
+        report.ok = True
+    except (SlurmagentError, OSError) as exc:
+        report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
+    return report
+
+
+def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str | None, attempt: int,
+                    generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
+                    out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
+                    parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
+                    fresh: bool = False) -> int:
+    """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
+    index = int(env.get("SLURM_NODEID") or 0)
+    node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+    num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    store = None
+    if remote:
+        from ..checkpoint.gcs.store import GcsCheckpointStore  # start-up speed: google libraries only where used
+
+        # run_id: what this node saw in the bucket is checked once per attempt, not every round
+        store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib,
+                                   run_id=env.get("SLURM_JOB_ID") or "job")
+    path = Path(ckpt_dir)
+    state = Path(state_file) if state_file else state_file_for(path)
+    if action == "restore":
+        report = agent_restore(store, path, index=index, node=node, num_nodes=num_nodes, generation=generation,
+                               scope=scope, deadline_s=deadline_s, state_file=state, owner=owner, private=private,
+                               fresh=fresh)
+    elif store is None:
+        report = NodeReport(index=index, node=node, ok=True)
+    else:
+        report = agent_sync(store, path, index=index, node=node, attempt=attempt,
+                            state_file=state,
+                            deadline_s=deadline_s)
+    for message in report.messages:
+        print(f"slurmagent node-agent {node}: {message}", file=err, flush=True)
+    write_frames(out, index, report.payload())
+    return 0

@@ -1,0 +1,1 @@
+"""Slurm: one node/job model, one table of SLURM_* variables, every scontrol/squeue/srun argv."""

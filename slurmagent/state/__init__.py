@@ -1,0 +1,1 @@
+"""Files on this node, each with one reader/writer module."""

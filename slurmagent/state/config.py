@@ -1,0 +1,375 @@
+"""The TOML config file: typed, validated, every key optional.
+
+An unknown key or a wrong type is a ConfigError naming the key and the file. The schema is
+the dataclasses below; the README's config reference is generated from them
+(`python -m slurmagent.state.config`), and a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .fsutil import UntrustedFile, read_trusted, untrusted_reason
+
+DEFAULT_PATH = "/etc/slurmagent/config.toml"
+ENV_VAR = "SLURMAGENT_CONFIG"
+
+
+def _key(default: Any, doc: str, choices: tuple[str, ...] = (), *, low: float | None = None,
+         high: float | None = None) -> Any:
+    """A config key; a number's `low`..`high` (inclusive) is checked at load and shown in the README."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "range": (low, high)})
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    snapshot: str = _key("", "replay snapshot to read instead of NVML (`%n` = node name)")
+    expected_gpus: int = _key(
+        0, "0 = the node's GPU count from slurm.conf/gres.conf, else this number",
+        low=0, high=1024,
+    )
+    timeout_s: float = _key(
+        15.0, "deadline of the whole check; a hung NVML read is an unhealthy verdict",
+        low=0.5, high=3600,
+    )
+    kernel_log: str = _key("", "file to read for NVRM Xid lines instead of the kernel log (`%n` = node name)")
+    kernel_log_enabled: bool = _key(True, "read XIDs from the kernel log at all")
+    temperature_warn_c: float = _key(85.0, "warn (not drain) at or above this GPU temperature", low=1, high=200)
+    nvlink_errors_warn: int = _key(
+        1000, "warn when a link's replay+recovery+CRC counters reach this",
+        low=1, high=10**12,
+    )
+    ecc_corrected_warn: int = _key(10000, "warn when volatile corrected ECC errors reach this", low=1, high=10**12)
+    healthcheck_skip_s: float = _key(
+        120.0, "`healthcheck` exits 0 at once when a prolog/epilog decision was logged this recently (0 = always check)"
+    , low=0, high=86400)
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    on_internal_error: str = _key(
+        "open",
+        "a slurmagent failure (bug, bad config) in a hook: `open` lets the job run and logs it loudly, "
+        "`closed` drains the node with `slurmagent: internal error`",
+        ("open", "closed"),
+    )
+    epilog_requeue_failed: bool = _key(True, "epilog requeues a job that failed while its node was unhealthy")
+    log_file: str = _key("", "decision log; default `<state_dir>/hooks.log`")
+    syslog: bool = _key(True, "also send each decision to syslog/journald")
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    scontrol: str = _key("scontrol", "scontrol binary")
+    sbatch: str = _key("sbatch", "sbatch binary")
+    squeue: str = _key("squeue", "squeue binary (the expiry watch and `watch` list the jobs running on the node)")
+    scancel: str = _key("scancel", "scancel binary (wrapped jobs are signalled to flush; `watch` cancels a job it cannot requeue)")
+    timeout_s: float = _key(10.0, "deadline of one scontrol/squeue/scancel/sbatch call", low=0.5, high=3600)
+    conf: str = _key("", "slurm.conf path; default `$SLURM_CONF` or /etc/slurm/slurm.conf")
+
+
+@dataclass(frozen=True)
+class GcpConfig:
+    project: str = _key("", "default: metadata server")
+    zone: str = _key("", "default: metadata server")
+    compute_endpoint: str = _key("", "e.g. http://127.0.0.1:PORT for tests; default: Google's")
+    zones: tuple[str, ...] = _key(
+        (), "more zones where nodes' VMs live (regional MIGs): `repair` looks a VM up in `zone`, then in these "
+        "(one `instances.list` each); empty: one `instances.aggregatedList` for VMs not found in `zone`")
+
+
+@dataclass(frozen=True)
+class RepairConfig:
+    strategy: str = _key(
+        "auto",
+        "`auto`: per VM, `reportHostAsFaulty` where Google accepts it (running, reservation-bound A3 Ultra/A4/A4X), "
+        "else MIG `recreateInstances`; a dynamic (CLOUD / power-saving) node is powered down (`POWER_DOWN_ASAP`); "
+        "a VM in no MIG is reported or left drained, never deleted. Or one way for all: `recreate`, "
+        "`report-faulty`, `power-down`, `none` (drain only)",
+        ("auto", "recreate", "report-faulty", "power-down", "none"))
+    exclude_nodes: tuple[str, ...] = _key(
+        (), "nodes (hostlists allowed) slurmagent never drains, requeues or repairs; the Slurm node feature "
+        "`slurmagent_off` does the same per node")
+    max_drained_fraction: float = _key(0.25, "circuit breaker: most nodes slurmagent may hold drained", low=0, high=1)
+    retry_after_s: float = _key(
+        3600.0, "ask the MIG again when a node is still `repairing` after this long (0: at every run)",
+        low=0, high=604800,
+    )
+    max_repairs_per_day: int = _key(
+        3, "per node; beyond this it stays drained for an admin (or `repair --force`)",
+        low=0, high=1000,
+    )
+    api_timeout_s: float = _key(30.0, "timeout of one Compute API request", low=0.1, high=600)
+    operation_timeout_s: float = _key(
+        120.0, "deadline of one repair request, retries and operation wait included",
+        low=0.1, high=86400,
+    )
+    resume_wait_s: float = _key(300.0, "`resume-if-healthy` waits this long for slurmd to register", low=0, high=86400)
+    suppressed_ttl_s: float = _key(
+        86400.0, "a circuit-breaker suppression mark older than this stops counting",
+        low=1, high=2592000,
+    )
+    journal_max_pending: int = _key(
+        1000, "journal: most pending actions kept (beyond: logged loudly, oldest dropped)",
+        low=1, high=1000000,
+    )
+    journal_max_done: int = _key(500, "journal: done entries kept for `status`", low=0, high=1000000)
+    journal_max_age_s: float = _key(
+        86400.0, "journal: pending actions older than this are dropped",
+        low=60, high=2592000,
+    )
+    allow_non_root: bool = _key(
+        False, "let non-root users run `repair` (honoured only from a root-owned config; `--dry-run` is always allowed)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    remote: str = _key("", "gs://bucket/prefix; STORAGE_EMULATOR_HOST is honoured")
+    sync_interval_s: float = _key(60.0, "background sync period of `slurmagent run`", low=0.1, high=86400)
+    grace_s: float = _key(90.0, "how long the child may take to checkpoint after the signal", low=0.1, high=86400)
+    max_requeues: int = _key(3, "requeue at most this many restarts in a row that committed no new checkpoint", low=0, high=10000)
+    signal_lead_s: int = _key(
+        300, "`slurmagent sbatch`: end-of-time signal this long before the limit",
+        low=0, high=65535,
+    )
+    transfers: int = _key(16, "files (and slices of big files) one sync or restore moves at once, per node", low=1, high=256)
+    parallel_upload_mib: int = _key(
+        0, "files from this size (MiB) go up as parallel parts composed into one object (Cloud Storage's parallel "
+        "composite upload: faster for big files on Cloud Storage, slower on the emulators, whose compose copies); 0 = off",
+        low=0, high=5242880,
+    )
+
+
+@dataclass(frozen=True)
+class ExpiryConfig:
+    termination_time: str = _key("", "RFC 3339 override; default: the Compute API")
+    drain_lead_s: float = _key(1800.0, "drain this long before termination", low=0, high=604800)
+    flush_lead_s: float = _key(120.0, "flush running jobs this long before termination", low=0, high=604800)
+    prolog_guard: str = _key(
+        "requeue",
+        "a job whose time limit ends after `termination - flush_lead_s`: `requeue` drains the node with the expiry "
+        "reason and fails the prolog (the job runs elsewhere) unless the job is wrapped (it flushes at the lead), "
+        "`requeue-all` does so for wrapped jobs too, `warn` only logs, `off`",
+        ("requeue", "requeue-all", "warn", "off"),
+    )
+    unwrapped_jobs: str = _key(
+        "requeue",
+        "at the flush, jobs whose batch script does not exec `slurmagent run`: `requeue`, `signal` (USR1, which "
+        "kills a script that does not trap it), `leave`",
+        ("requeue", "signal", "leave"),
+    )
+    drain_at_max_time: bool = _key(
+        False, "also drain when the lifetime left is below the node's largest partition MaxTime (only when all are finite)")
+    refresh_s: float = _key(
+        3600.0, "ask the Compute API again after this long (the answer is cached per boot)",
+        low=1, high=604800,
+    )
+    api_timeout_s: float = _key(20.0, "deadline of the Compute API read (retries included)", low=0.1, high=600)
+    metadata_timeout_s: float = _key(
+        2.0, "deadline of one metadata server read (a long poll waits this much longer)",
+        low=0.1, high=600,
+    )
+    publish_run_file: bool = _key(
+        True, "also write a world-readable copy of the expiry state (`run_file`) for wrappers running as the job's user")
+    run_file: str = _key("/run/slurmagent/%n/expiry.json",
+                         "where that world-readable copy goes (`%n` = node name: a wrapper reads its own node's)")
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    running_jobs: str = _key(
+        "requeue",
+        "`watch`/`healthcheck` found a GPU unusable (lost, missing, NVML down, an XID asking for a GPU reset or a node "
+        "reboot) under running jobs: `requeue` requeues the unwrapped ones at once (cancels one that is not "
+        "requeueable) and those wrapped jobs that did not leave after their fault flush; `leave` only drains (wrapped "
+        "jobs are still told to flush)",
+        ("requeue", "leave"),
+    )
+    flush_deadline_s: float = _key(
+        60.0, "a wrapped job told to flush for a GPU fault that is still on the node after this long is requeued",
+        low=1, high=3600)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name)")
+
+
+@dataclass(frozen=True)
+class Config:
+    state_dir: str = _key("/var/lib/slurmagent", "journal, kernel-log cursor, expiry state (`%n` = node name)")
+    health: HealthConfig = field(default_factory=HealthConfig)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    gcp: GcpConfig = field(default_factory=GcpConfig)
+    repair: RepairConfig = field(default_factory=RepairConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    expiry: ExpiryConfig = field(default_factory=ExpiryConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    source: str = field(default="(defaults)", metadata={"internal": True})
+
+    def node_path(self, template: str, node: str | None) -> str:
+        """Expand `%n` (Slurm's node-name placeholder) so one config serves several slurmd per host."""
+        return template.replace("%n", node or "") if template else template
+
+    def state_path(self, node: str | None) -> Path:
+        return Path(self.node_path(self.state_dir, node))
+
+
+SECTIONS = {f.name: f.type for f in fields(Config) if f.name not in ("state_dir", "source")}
+_SECTION_CLASSES = {
+    "health": HealthConfig,
+    "hooks": HooksConfig,
+    "slurm": SlurmConfig,
+    "gcp": GcpConfig,
+    "repair": RepairConfig,
+    "checkpoint": CheckpointConfig,
+    "expiry": ExpiryConfig,
+    "watch": WatchConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def config_path(explicit: str | None = None) -> tuple[Path, bool]:
+    """The file to read and whether it must exist (only the built-in default may be absent)."""
+    if explicit:
+        return Path(explicit), True
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env), True
+    return Path(DEFAULT_PATH), False
+
+
+def load(explicit: str | None = None, *, for_root_hook: bool = False) -> Config:
+    """The config; `for_root_hook`: only from a file only root could have written (ConfigError)."""
+    path, required = config_path(explicit)
+    try:
+        raw_bytes = read_trusted(path, follow_final=True) if for_root_hook else path.read_bytes()
+    except UntrustedFile as exc:
+        raise ConfigError(f"config {path}: refused: {exc.strerror}") from None
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"config {path}: file not found") from None
+        return Config()
+    except OSError as exc:
+        raise ConfigError(f"config {path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(raw_bytes.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config {path}: not valid TOML: {exc}") from None
+    return parse(data, str(path))
+
+
+def check_safe_permissions(path: Path) -> None:
+    """A root hook must not read a file that a non-root user can change or re-point: the file,
+    every directory above the path as written and every symlink on the way (read_trusted is
+    the reading half of this, on one open file)."""
+    if not os.path.lexists(path):
+        raise ConfigError(f"config {path}: cannot stat {path}: No such file or directory")
+    why = untrusted_reason(path, follow_final=True)
+    if why:
+        raise ConfigError(f"config {path}: refused: {why}")
+
+
+def parse(data: dict[str, Any], source: str = "config") -> Config:
+    kwargs: dict[str, Any] = {"source": source}
+    for key, value in data.items():
+        if key == "state_dir":
+            kwargs[key] = _coerce(Config, "state_dir", value, source, "state_dir")
+        elif key in _SECTION_CLASSES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config {source}: [{key}] must be a table")
+            kwargs[key] = _section(_SECTION_CLASSES[key], key, value, source)
+        else:
+            raise ConfigError(f"config {source}: unknown key '{key}'")
+    return Config(**kwargs)
+
+
+def _section(cls: type, name: str, table: dict[str, Any], source: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    out = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"config {source}: unknown key '{name}.{key}'")
+        out[key] = _coerce(cls, key, value, source, f"{name}.{key}")
+    return cls(**out)
+
+
+_TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+               "tuple[str, ...]": "a list of strings"}
+
+
+def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
+    f = next(f for f in fields(cls) if f.name == key)
+    typ = str(f.type)
+    ok = {
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "tuple[str, ...]": isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value),
+    }[typ]
+    if not ok:
+        raise ConfigError(f"config {source}: '{dotted}' must be {_TYPE_NAMES[typ]}, not {type(value).__name__}")
+    if typ == "float" and not math.isfinite(value):
+        raise ConfigError(f"config {source}: '{dotted}' must be a finite number, not {value}")
+    low, high = f.metadata.get("range", (None, None))
+    if typ in ("int", "float") and not ((0 if low is None else low) <= value <= (math.inf if high is None else high)):
+        # a zero deadline spins, 1e308 overflows a timer at run time: refuse both here, at load
+        raise ConfigError(f"config {source}: '{dotted}' = {value} is out of range ({_range_text(f)})")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"config {source}: '{dotted}' must be one of {', '.join(choices)}, not {value!r}")
+    if typ == "tuple[str, ...]":
+        return tuple(value)
+    return float(value) if typ == "float" else value
+
+
+def out_of_range(dotted: str, value: float) -> str | None:
+    """The allowed range of key `dotted` (e.g. `checkpoint.grace_s`) when `value` is outside it:
+    a command-line option that overrides a key obeys the key's bounds."""
+    section, _, name = dotted.partition(".")
+    f = next(f for f in fields(_SECTION_CLASSES[section]) if f.name == name)
+    low, high = f.metadata.get("range", (None, None))
+    inside = math.isfinite(value) and (0 if low is None else low) <= value <= (math.inf if high is None else high)
+    return None if inside else _range_text(f)
+
+
+def _range_text(f: Any) -> str:
+    low, high = f.metadata.get("range", (None, None))
+    return f"{0 if low is None else low} .. {'' if high is None else high}".strip()
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, generated from the schema."""
+    rows = ["| key | default | range | meaning |", "|---|---|---|---|"]
+    for f in fields(Config):
+        if f.metadata.get("internal"):
+            continue
+        if f.name == "state_dir":
+            rows.append(f"| `state_dir` | `{f.default!r}` | | {f.metadata['doc']} |".replace("'", '"'))
+            continue
+        for sf in fields(_SECTION_CLASSES[f.name]):
+            default = sf.default
+            if isinstance(default, bool):
+                shown = str(default).lower()
+            elif isinstance(default, tuple):
+                shown = json.dumps(list(default))
+            else:
+                shown = repr(default).replace("'", '"')
+            numeric = str(sf.type) in ("int", "float")
+            allowed = f"`{_range_text(sf)}`" if numeric else ""
+            rows.append(f"| `{f.name}.{sf.name}` | `{shown}` | {allowed} | {sf.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())
