@@ -107,7 +107,7 @@ def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.tim
         results.append(Result("config", True, f"{cfg.source} valid, root-owned, not writable by others"))
     except SlurmagentError as exc:
         fix = (f"chown root:root {path} and chmod go-w it and every directory above it"
-               if "refused" in str(exc) else f"fix {path} (see README, Configuration)")
+               if "refused" in str(exc) else f"fix {path} (see docs/admin/configuration.md)")
         results.append(Result("config", False, str(exc), fix))
         try:
             cfg = config_mod.load(config_path)

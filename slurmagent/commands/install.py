@@ -67,7 +67,7 @@ def systemd_word(path: str) -> str:
 def config_template() -> str:
     lines = [
         "# slurmagent configuration. Every key is optional; the values shown are the defaults.",
-        "# Reference: README.md (Configuration). Must be owned by root and not writable by others.",
+        "# Reference: docs/admin/configuration.md. Must be owned by root and not writable by others.",
         "",
     ]
     section = None
