@@ -38,7 +38,7 @@ FOLDER_LAYERS = {
     "run": RUNTIMES, "commands": RUNTIMES,
 }
 MODULE_LAYERS = {
-    "errors": PURE, "slurm.model": PURE, "run.channel": PURE,
+    "errors": PURE, "slurm.model": PURE, "slurm.env": PURE, "run.channel": PURE,
     "run.reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
     "slurm.commands": ADAPTERS,
     "trainer": RUNTIMES,

@@ -25,6 +25,7 @@ from ..state.decisionlog import DecisionLog, path_for as decision_log_path
 from ..errors import SlurmagentError
 from ..state.host import node_name
 from ..core.reasons import reason_for
+from ..slurm import env as slurm_env
 from ..slurm.commands import JOB_ID, Slurm, valid_node_name
 from ..core.timefmt import fmt_time, human, parse_time_limit
 
@@ -42,12 +43,12 @@ class HookContext:
     def from_env(cls, hook: str, env: Mapping[str, str]) -> HookContext:
         node = node_name(None, env)
         ignored = []
-        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        job_id = slurm_env.job_id(env, old_name=True)
         if job_id is not None and not JOB_ID.fullmatch(job_id):
             # never handed to scontrol: `42,7` would requeue job 7 too
             ignored.append(f"SLURM_JOB_ID {job_id!r}: not a job id")
             job_id = None
-        code = env.get("SLURM_JOB_EXIT_CODE")
+        code = slurm_env.job_exit_code(env)
         exit_code = int(code) if code and re.fullmatch(r"-?[0-9]{1,10}", code) else None
         if code and exit_code is None:
             ignored.append(f"SLURM_JOB_EXIT_CODE {code!r}: not a number")

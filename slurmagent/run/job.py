@@ -21,6 +21,7 @@ from typing import Mapping
 from ..checkpoint.manifest import Manifest, entry_content_id
 from ..checkpoint.scan import scan_checkpoint_dir
 from ..errors import SlurmagentError
+from ..slurm import env as slurm_env
 from ..state.host import node_name
 from ..state.private_dirs import RECORD_SUFFIX, UnsafeDirError, UnusableDirError, ensure_private_dir, private_ckpt_dir
 from .identity import submission_of
@@ -48,15 +49,14 @@ class JobIdentity:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JobIdentity:
-        if env.get("SLURM_JOB_ID"):
-            array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-            job_id = f"{array_job}_{task}" if array_job and task else env["SLURM_JOB_ID"]
-            aliases = tuple(dict.fromkeys(i for i in (job_id, env["SLURM_JOB_ID"]) if JOB_ID_RE.fullmatch(i)))
-            return cls("slurm", job_id, job_id, _int(env.get("SLURM_RESTART_COUNT")), aliases,
-                       _submission(env, "slurm"))
+        slurm_job = slurm_env.job_id(env)
+        if slurm_job is not None:
+            job_id = slurm_env.array_task_id(env) or slurm_job
+            aliases = tuple(dict.fromkeys(i for i in (job_id, slurm_job) if JOB_ID_RE.fullmatch(i)))
+            return cls("slurm", job_id, job_id, slurm_env.restart_count(env), aliases, _submission(env, "slurm"))
         if env.get("CLOUD_RUN_JOB"):
             job, index = env["CLOUD_RUN_JOB"], env.get("CLOUD_RUN_TASK_INDEX", "0")
-            return cls("cloud-run", job, f"{job}-task-{index}", _int(env.get("CLOUD_RUN_TASK_ATTEMPT")),
+            return cls("cloud-run", job, f"{job}-task-{index}", slurm_env.count(env.get("CLOUD_RUN_TASK_ATTEMPT")),
                        submission=_submission(env, "cloud-run"))
         return cls("local", str(os.getpid()), f"local-{os.getpid()}", 0)
 
@@ -66,13 +66,6 @@ def _submission(env: Mapping[str, str], platform: str) -> str:
         return submission_of(env, platform)
     except ValueError as exc:
         raise WrapperError(f"{exc}: not a submission id; not starting") from None
-
-
-def _int(value: str | None) -> int:
-    try:
-        return max(0, int(value or 0))
-    except ValueError:
-        return 0
 
 
 @dataclass

@@ -17,6 +17,7 @@ from ..state.config import Config
 from .cut_store import QuietCutStore
 from ..errors import SlurmagentError
 from ..state.host import node_name, slurmagent_argv
+from ..slurm import env as slurm_env
 from ..slurm.commands import Slurm
 from .child import RequeueHold
 from .identity import SUBMISSION_ENV, new_owner
@@ -64,7 +65,7 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
         sync_interval_s=ck.sync_interval_s if sync_interval is None else max(sync_interval, 0.5),
         flush_lead_s=cfg.expiry.flush_lead_s,
         expiry_files=expiry_state.files_for(cfg, node),
-        multi_node=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) > 1,
+        multi_node=_multi_node(env),
         per_job_remote=per_job_remote,
     )
 
@@ -81,11 +82,12 @@ def node_agent_options(cfg: Config) -> list[str]:
     return ["--transfers", str(ck.transfers), "--parallel-upload-mib", str(ck.parallel_upload_mib)]
 
 
-def _int(value: str | None) -> int:
+def _multi_node(env) -> bool:
+    """Whether the job holds more than one node (a malformed count: one node, as Allocation reads it)."""
     try:
-        return int(value or 0)
+        return slurm_env.num_nodes(env) > 1
     except ValueError:
-        return 0
+        return False
 
 
 def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts) -> int:
@@ -119,7 +121,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         if hold is not None:
             hold.cleanup()
         raise
-    metrics = _job_metrics(cfg, env.get("SLURMD_NODENAME"))
+    metrics = _job_metrics(cfg, slurm_env.slurmd_node(env))
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
     job_store = whole_job or (QuietCutStore(store) if store is not None else None)
     report = checkpoint_report(env, ident, options, store is not None)
@@ -159,7 +161,7 @@ def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool
         record = None  # the stderr lines still come; `status --job` reads the bucket
     return CheckpointReport(lambda line: print(f"slurmagent run: {line}", file=sys.stderr, flush=True),
                             job=ident.job_id, attempt=ident.restart_count, remote=options.remote,
-                            ckpt_dir=str(options.ckpt_dir), node=env.get("SLURMD_NODENAME", ""), record=record,
+                            ckpt_dir=str(options.ckpt_dir), node=slurm_env.slurmd_node(env) or "", record=record,
                             interval_s=REPORT_INTERVAL_S, behind_s=max(3 * options.sync_interval_s, 60.0))
 
 

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence, TextIO
 from ..core import hostlist
+from ..slurm import env as slurm_env
 from .channel import read_frames
 from .agent_step import Rounds, agent_env, run_step
 from ..checkpoint.errors import CheckpointError, RestoreError
@@ -89,24 +90,25 @@ class Allocation:
 
         A wrapper started by srun as one of several tasks (one wrapper per rank) cannot own a
         job-level checkpoint: refused with the layout that works."""
-        if not env.get("SLURM_JOB_ID"):
+        job_id, step = slurm_env.job_id(env), slurm_env.step_id(env)
+        if job_id is None:
             return None
         try:
-            nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-            step_tasks = int(env.get("SLURM_STEP_NUM_TASKS") or 1)
+            nodes = slurm_env.num_nodes(env)
+            step_tasks = slurm_env.step_num_tasks(env)
         except ValueError:
             return None
-        if env.get("SLURM_STEP_ID") not in (None, "", "batch") and step_tasks > 1:
+        if step not in (None, "", "batch") and step_tasks > 1:
             raise AllocationError(
-                f"slurmagent run is one of {step_tasks} tasks of step {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}: "
+                f"slurmagent run is one of {step_tasks} tasks of step {job_id}.{step}: "
                 "run it once, as the batch step around srun (exec slurmagent run --ckpt-dir DIR -- srun CMD)")
         if nodes <= 1:
             return None
         try:
-            names = tuple(hostlist.expand(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""))
+            names = tuple(hostlist.expand(slurm_env.node_list(env)))
         except ValueError:
             names = ()
-        return cls(env["SLURM_JOB_ID"], nodes, names if len(names) == nodes else ())
+        return cls(job_id, nodes, names if len(names) == nodes else ())
 
 
 # --------------------------------------------------------------------------- launching agents

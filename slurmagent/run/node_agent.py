@@ -11,7 +11,6 @@ one commit. The launcher runs it with `python -P` in `/`, so a module in the job
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from ..checkpoint.hash_cache import state_file_for
 from ..checkpoint.cut import unit_signatures
 from ..checkpoint.errors import is_node_local
 from ..errors import SlurmagentError
+from ..slurm import env as slurm_env
+from ..state.host import node_name
 from ..state.private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
 from .job import DirRecord
 from .uncommitted import keep_own_files, moved_message, set_aside_uncommitted  # noqa: F401 - re-exported
@@ -108,16 +109,16 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
                     fresh: bool = False) -> int:
     """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
-    index = int(env.get("SLURM_NODEID") or 0)
-    node = env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
-    num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    index = slurm_env.node_index(env)
+    node = node_name(None, env)
+    num_nodes = slurm_env.num_nodes(env)
     store = None
     if remote:
         from ..checkpoint.gcs.store import GcsCheckpointStore  # start-up speed: google libraries only where used
 
         # run_id: what this node saw in the bucket is checked once per attempt, not every round
         store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib,
-                                   run_id=env.get("SLURM_JOB_ID") or "job")
+                                   run_id=slurm_env.job_id(env) or "job")
     path = Path(ckpt_dir)
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":

@@ -17,6 +17,7 @@ from typing import Callable, Protocol, TypeVar
 
 from ..core import hostlist
 from ..errors import SlurmError
+from . import env as slurm_env
 from .model import (
     RUNNING_JOB_FIELDS,
     JobInfo,
@@ -127,7 +128,7 @@ class Slurm:
     @classmethod
     def from_config(cls, cfg) -> Slurm:
         if cfg.slurm.conf:
-            os.environ.setdefault("SLURM_CONF", cfg.slurm.conf)
+            os.environ.setdefault(slurm_env.CONF, cfg.slurm.conf)
         s = cfg.slurm
         return cls(s.scontrol, s.timeout_s, sbatch=s.sbatch, squeue=s.squeue, scancel=s.scancel)
 
@@ -297,7 +298,7 @@ class Slurm:
 
 
 def slurm_conf_path(configured: str = "") -> Path:
-    return Path(configured or os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf")
+    return Path(configured or slurm_env.conf(os.environ) or "/etc/slurm/slurm.conf")
 
 
 def read_conf_lines(path: Path, _depth: int = 0) -> list[str]:

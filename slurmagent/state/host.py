@@ -11,13 +11,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..slurm import env as slurm_env
+
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 PROC_STAT_PATH = "/proc/stat"
 
 
 def node_name(explicit: str | None = None, env: Mapping[str, str] = os.environ) -> str:
     """The node name: given, else `$SLURMD_NODENAME` (slurmd sets it), else the short host name."""
-    return explicit or env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+    return explicit or slurm_env.node_name(env, os.uname().nodename)
 
 
 def slurmagent_argv(module: str = "slurmagent.entry") -> list[str]:
