@@ -30,7 +30,7 @@ from slow_proxy import SlowProxy  # noqa: E402
 
 from slurmagent.checkpoint.errors import CheckpointError  # noqa: E402
 from slurmagent.checkpoint.hash_cache import LocalState  # noqa: E402
-from slurmagent.checkpoint.hashing import PyCrc32c, crc32c_combine, hash_file  # noqa: E402
+from slurmagent.checkpoint.hashing import crc32c_combine, hash_file  # noqa: E402
 from slurmagent.checkpoint.manifest import no_progress_after  # noqa: E402
 from slurmagent.checkpoint.remote import CheckpointLag, checkpoint_lag  # noqa: E402
 from slurmagent.checkpoint.scan import LocalFile, RESERVED_PREFIX, parent_dirs  # noqa: E402
@@ -301,10 +301,11 @@ def test_corrupt_state_file_is_only_a_cache(tmp_path):
     assert s.files == {}
 
 
-def test_py_crc32c_matches_known_vector():
-    c = PyCrc32c()
-    c.update(b"123456789")
-    assert c.digest().hex() == "e3069283"
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 20])  # read in chunks, or kept in memory
+def test_hash_file_crc32c_is_the_castagnoli_check_value(tmp_path, keep_bytes):
+    (tmp_path / "f").write_bytes(b"123456789")
+    d, _, _ = hash_file(str(tmp_path / "f"), keep_bytes=keep_bytes)
+    assert base64.b64decode(d.crc32c).hex() == "e3069283"  # CRC-32C of "123456789"
 
 
 @settings(max_examples=40, deadline=None)

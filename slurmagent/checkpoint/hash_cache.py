@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 
 from . import hashing as checkpoint_hash
 from .errors import CheckpointError
-from .hashing import CrcFactory, FileDigest, is_content_id, is_crc32c_b64, is_hex_digest
+from .hashing import FileDigest, is_content_id, is_crc32c_b64, is_hex_digest
 from .scan import LocalFile
 
 __all__ = ["LocalState", "RACY_WINDOW_S", "STATE_VERSION", "state_file_for"]
@@ -149,13 +149,13 @@ class LocalState:
             # racy-timestamp rule does not apply (a later rewrite changes mtime, size or inode).
             self.files[relpath] = e
 
-    def digest(self, f: LocalFile, crc32c_factory: CrcFactory | None = None, want_sha256: bool = False) -> FileDigest:
+    def digest(self, f: LocalFile, want_sha256: bool = False) -> FileDigest:
         """The digest of ``f``: from the cache when it matches, else read and hashed."""
         hit = self.cached(f, want_sha256)
         if hit is not None:
             return hit
         started = time.time()
-        d, st, _ = checkpoint_hash.hash_file(f.path, crc32c_factory, want_sha256=want_sha256)
+        d, st, _ = checkpoint_hash.hash_file(f.path, want_sha256=want_sha256)
         self.remember(f, d, st, started)
         return d
 

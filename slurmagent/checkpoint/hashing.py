@@ -6,7 +6,8 @@ they stay readable and restorable, and a file that still matches such an entry
 keeps it (no re-upload after an upgrade).  Every file's CRC32C (what Cloud
 Storage checks) is computed in the same read, so a file is read once per sync
 at most; :func:`crc32c_combine` lets parallel ranged transfers check a whole
-file from the CRCs of its parts.
+file from the CRCs of its parts. CRC32C is google_crc32c's, as on every other storage path:
+its C extension, or the package's own pure-Python fallback where the extension is missing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Callable, Protocol
-
 from .errors import LocalChangedError
 from .scan import LocalFile
 
@@ -27,15 +26,11 @@ __all__ = [
     "CONTENT_ALGOS",
     "EMPTY_CRC32C",
     "HASH_BUFFER",
-    "Checksum",
-    "CrcFactory",
     "FileDigest",
-    "PyCrc32c",
     "blake3_hex",
     "crc32c_b64",
     "crc32c_combine",
     "crc32c_int",
-    "default_crc32c_factory",
     "hash_file",
     "is_content_id",
     "is_crc32c_b64",
@@ -72,60 +67,6 @@ def is_crc32c_b64(v: object) -> bool:
 
 
 # ------------------------------------------------------------------------- CRC32C
-
-
-class Checksum(Protocol):  # google_crc32c.Checksum has this shape
-    def update(self, data: bytes) -> None: ...
-
-    def digest(self) -> bytes: ...
-
-
-def _make_crc32c_table() -> list[int]:
-    table = []
-    for i in range(256):
-        crc = i
-        for _ in range(8):
-            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-        table.append(crc)
-    return table
-
-
-_CRC32C_TABLE: list[int] | None = None
-
-
-class PyCrc32c:
-    """Pure-Python CRC32C (Castagnoli), the fallback when google_crc32c is missing (slow)."""
-
-    def __init__(self, data: bytes = b"") -> None:
-        global _CRC32C_TABLE
-        if _CRC32C_TABLE is None:
-            _CRC32C_TABLE = _make_crc32c_table()
-        self._crc = 0
-        if data:
-            self.update(data)
-
-    def update(self, data: bytes) -> None:
-        table = _CRC32C_TABLE
-        crc = self._crc ^ 0xFFFFFFFF
-        for b in bytes(data):
-            crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-        self._crc = crc ^ 0xFFFFFFFF
-
-    def digest(self) -> bytes:
-        return self._crc.to_bytes(4, "big")
-
-
-CrcFactory = Callable[[], Checksum]
-
-
-def default_crc32c_factory() -> CrcFactory:
-    """google_crc32c's C implementation when installed (it is a google-cloud-storage dependency)."""
-    try:
-        import google_crc32c
-
-        return google_crc32c.Checksum
-    except ImportError:  # pragma: no cover
-        return PyCrc32c
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:
@@ -245,7 +186,6 @@ def _changed(path: str) -> LocalChangedError:
 
 def hash_file(
     path: str,
-    crc32c_factory: CrcFactory | None = None,
     *,
     want_sha256: bool = False,
     expect: LocalFile | None = None,
@@ -262,7 +202,9 @@ def hash_file(
     Raises ``FileNotFoundError`` if it vanished, ``PermissionError``/``OSError``
     if it cannot be read; a symlink is never followed.
     """
-    crc = (crc32c_factory or default_crc32c_factory())()
+    import google_crc32c  # the storage path's only: kept off the hooks' start-up
+
+    crc = google_crc32c.Checksum()
     fd = open_nofollow(path)
     try:
         before = os.fstat(fd)
