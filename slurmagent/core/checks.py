@@ -96,6 +96,8 @@ class Report:
 
 @dataclass(frozen=True)
 class Limits:
+    """The warning thresholds; these defaults are the config's (`[health]`) too."""
+
     temperature_warn_c: float = 85.0
     nvlink_errors_warn: int = 1000
     ecc_corrected_warn: int = 10000

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..core.checks import Limits  # the warning thresholds' defaults: one source
 from ..errors import ConfigError
 from .fsutil import UntrustedFile, read_trusted, untrusted_reason
 
@@ -41,12 +42,12 @@ class HealthConfig:
     )
     kernel_log: str = _key("", "file to read for NVRM Xid lines instead of the kernel log (`%n` = node name)")
     kernel_log_enabled: bool = _key(True, "read XIDs from the kernel log at all")
-    temperature_warn_c: float = _key(85.0, "warn (not drain) at or above this GPU temperature", low=1, high=200)
+    temperature_warn_c: float = _key(Limits.temperature_warn_c, "warn (not drain) at or above this GPU temperature", low=1, high=200)
     nvlink_errors_warn: int = _key(
-        1000, "warn when a link's replay+recovery+CRC counters reach this",
+        Limits.nvlink_errors_warn, "warn when a link's replay+recovery+CRC counters reach this",
         low=1, high=10**12,
     )
-    ecc_corrected_warn: int = _key(10000, "warn when volatile corrected ECC errors reach this", low=1, high=10**12)
+    ecc_corrected_warn: int = _key(Limits.ecc_corrected_warn, "warn when volatile corrected ECC errors reach this", low=1, high=10**12)
     healthcheck_skip_s: float = _key(
         120.0, "`healthcheck` exits 0 at once when a prolog/epilog decision was logged this recently (0 = always check)"
     , low=0, high=86400)

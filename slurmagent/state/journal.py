@@ -16,7 +16,8 @@ half-way. Any hook, timer or command replays what is pending first (`replay`).
 * One replayer at a time per journal (`flock` on `journal/lock`); a second caller skips
   the replay instead of waiting.
 
-stdlib only: imported on the prolog's path.
+The bounds' defaults are `[repair]`'s (config.py), written once. Light: stdlib and the
+config, both already loaded on the prolog's path.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .config import RepairConfig
 from .fsutil import atomic_write_text, unsafe_for_root
 from .repair_state import SUPPRESSED_MARKER
 
@@ -132,8 +134,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 class Journal:
-    def __init__(self, directory: Path | str, *, max_done: int = 500, max_pending: int = 1000,
-                 max_age_s: float = 86400.0, max_attempts: int = 20, clock: Callable[[], float] = time.time):
+    def __init__(self, directory: Path | str, *, max_done: int = RepairConfig.journal_max_done,
+                 max_pending: int = RepairConfig.journal_max_pending,
+                 max_age_s: float = RepairConfig.journal_max_age_s, max_attempts: int = 20,
+                 clock: Callable[[], float] = time.time):
         self.dir = Path(directory)
         self.max_done = max_done
         self.max_pending = max_pending
@@ -146,9 +150,9 @@ class Journal:
         r = cfg.repair
         return cls(
             cfg.state_path(node) / "journal",
-            max_done=int(getattr(r, "journal_max_done", 500)),
-            max_pending=int(getattr(r, "journal_max_pending", 1000)),
-            max_age_s=float(getattr(r, "journal_max_age_s", 86400.0)),
+            max_done=r.journal_max_done,
+            max_pending=r.journal_max_pending,
+            max_age_s=r.journal_max_age_s,
         )
 
     # --- paths ----------------------------------------------------------------------
