@@ -28,7 +28,7 @@ from ..state.host import node_name
 from ..state.journal import Journal
 from ..state.repair_state import drained_at as load_drained_at
 from ..slurm.commands import Slurm
-from ..core.timefmt import human_short
+from ..core.timefmt import human
 
 
 def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | None = None,
@@ -95,9 +95,9 @@ def format_status(st: dict[str, Any]) -> str:
         table = [header]
         for r in rows:
             exp = r["expiry"]
-            table.append((r["node"], r["state"], r["rule"], human_short(r["for_s"]) + (" ago" if r["for_s"] is not None else ""),
-                          r["repair"] + (f" ({human_short(r['repair_requested_s_ago'])} ago)" if r["repair_requested_s_ago"] is not None else ""),
-                          ("in " + human_short(exp["in_s"]) if exp and exp["in_s"] is not None and exp["in_s"] >= 0
+            table.append((r["node"], r["state"], r["rule"], human(r["for_s"], column=True) + (" ago" if r["for_s"] is not None else ""),
+                          r["repair"] + (f" ({human(r['repair_requested_s_ago'], column=True)} ago)" if r["repair_requested_s_ago"] is not None else ""),
+                          ("in " + human(exp["in_s"], column=True) if exp and exp["in_s"] is not None and exp["in_s"] >= 0
                            else ("passed" if exp and exp["in_s"] is not None else "-")),
                           r["detail"]))
         widths = [max(len(str(row[i])) for row in table) for i in range(len(header) - 1)]
@@ -109,14 +109,14 @@ def format_status(st: dict[str, Any]) -> str:
     j = st["journal"]
     if j["pending"]:
         per = ", ".join(f"{x['node']}: {x['pending']} ({', '.join(x['pending_kinds'])}, oldest "
-                        f"{human_short(x['oldest_pending_age_s'])})" for x in j["journals"] if x["pending"])
+                        f"{human(x['oldest_pending_age_s'], column=True)})" for x in j["journals"] if x["pending"])
         lines.append(f"journal: {j['pending']} pending action(s) not yet applied: {per}")
     else:
         lines.append("journal: no pending actions")
     for node, e in sorted(st["expiry"].items()):
         when = e["in_s"]
         lines.append(f"expiry: {node} terminates {e['termination_time']}"
-                     + (f" (in {human_short(when)})" if when is not None and when >= 0 else " (passed)" if when is not None else ""))
+                     + (f" (in {human(when, column=True)})" if when is not None and when >= 0 else " (passed)" if when is not None else ""))
     return "\n".join(lines)
 
 
@@ -185,7 +185,7 @@ def format_job_status(st: dict[str, Any]) -> str:
     elif c is None:
         lines.append(f"checkpoint: nothing committed yet at {st['remote']}")
     else:
-        age = f", {human_short(c['age_s'])} ago" if c.get("age_s") is not None else ""
+        age = f", {human(c['age_s'], column=True)} ago" if c.get("age_s") is not None else ""
         streak = f", {c['no_progress']} attempt(s) in a row without progress" if c.get("no_progress") else ""
         lines.append(f"checkpoint: {st['remote']}: last commit by attempt {c['attempt']} at {c['created']}{age}, "
                      f"{c['files']} file(s), {human_bytes(c['bytes'])}"
@@ -204,7 +204,7 @@ def _record_line(r: dict[str, Any], now: float) -> str:
     parts = [f"attempt {r.get('attempt')} on {r.get('node') or 'this node'}, {r.get('state')}"]
     updated = num(r.get("updated"))
     if updated is not None:
-        parts[0] += f" (updated {human_short(max(0.0, now - updated))} ago)"
+        parts[0] += f" (updated {human(max(0.0, now - updated), column=True)} ago)"
     restored = r.get("restored")
     if isinstance(restored, dict):
         parts.append(f"restored the commit of attempt {restored.get('attempt')}")

@@ -93,31 +93,20 @@ def parse_time_limit(text: str) -> float | None:
     return float(((days * 24 + h) * 60 + m) * 60 + s)
 
 
-def human(seconds: float) -> str:
-    """A duration with its seconds where they matter: `45s`, `12m05s`, `3h05m`, `2d3h`."""
-    s = int(round(seconds))
-    sign = "-" if s < 0 else ""
-    s = abs(s)
-    if s < 120:
-        return f"{sign}{s}s"
-    if s < 7200:
-        return f"{sign}{s // 60}m{s % 60:02d}s"
-    if s < 172800:
-        return f"{sign}{s // 3600}h{(s % 3600) // 60:02d}m"
-    return f"{sign}{s // 86400}d{(s % 86400) // 3600}h"
+def human(seconds: float | None, *, column: bool = False) -> str:
+    """A duration: `45s`, `12m05s`, `3h05m`, `2d3h`; a negative one `-45s`.
 
-
-def human_short(seconds: float | None) -> str:
-    """A duration for a table column: `45s`, `12m`, `3h05m`, `2d3h`; `in ...` ahead; `-` unknown."""
+    `column` (a `status` table cell, read at a glance): whole minutes under two hours (`12m`),
+    `in 45s` for a negative one (ahead), `-` for None (unknown)."""
     if seconds is None:
         return "-"
-    s = int(seconds)
+    s = int(seconds) if column else int(round(seconds))
     if s < 0:
-        return "in " + human_short(-s)
+        return ("in " if column else "-") + human(-s, column=column)
     if s < 120:
         return f"{s}s"
     if s < 7200:
-        return f"{s // 60}m"
+        return f"{s // 60}m" if column else f"{s // 60}m{s % 60:02d}s"
     if s < 172800:
         return f"{s // 3600}h{(s % 3600) // 60:02d}m"
     return f"{s // 86400}d{(s % 86400) // 3600}h"
