@@ -42,8 +42,8 @@ def prepare_dir(opts: RunOptions, ident: JobIdentity, store, record: DirRecord, 
     manifest = settle(store, ident, opts.per_job_remote, say, opts.restore_deadline_s)
     mid = manifest_id(manifest) if manifest is not None else None
     local = stat_scan(ckpt)
-    record = record.read()
-    keep = not opts.multi_node and local and record.is_mine(record) and record.get("manifest") == mid
+    held = record.read()  # what the directory last held, as its record says
+    keep = not opts.multi_node and local and record.is_mine(held) and held.get("manifest") == mid
     if keep and manifest is None and not (ident.submission or ident.platform == "local"):
         keep = False  # only a submission id tells this job's earlier attempt from an earlier job with
         # the same (reused) job id that never committed either: its files go aside, never deleted
@@ -52,7 +52,7 @@ def prepare_dir(opts: RunOptions, ident: JobIdentity, store, record: DirRecord, 
             say(f"kept the files of this job's earlier attempt in {ckpt}: nothing is committed to "
                      f"{remote} yet")
             return Start(True)
-        changed = sorted(rel for rel, st in local.items() if (record.get("files") or {}).get(rel) != st)
+        changed = sorted(rel for rel, st in local.items() if (held.get("files") or {}).get(rel) != st)
         say(f"kept the local checkpoint in {ckpt}: it holds the committed checkpoint of attempt "
                  f"{manifest.attempt} (the last one in {remote})"
                  + (f" and {len(changed)} newer file(s) the last sync did not commit" if changed else "")
