@@ -766,7 +766,7 @@ def test_killed_sync_process_restores_previous_checkpoint(emu, dirs):
     code = textwrap.dedent(
         f"""
         import os, signal
-        from slurmagent.gcp.storage import GcsCheckpointStore
+        from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
         s = GcsCheckpointStore("gs://ckpt/job1", timeout_s=5)
         s.manifests.write = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         s.sync({str(dirs.ckpt)!r}, 0, {str(dirs.state)!r}, 30)
@@ -909,7 +909,7 @@ def test_unreadable_file_is_left_out_with_one_line_and_the_rest_syncs(emu, tmp_p
         code = textwrap.dedent(
             f"""
             import os
-            from slurmagent.gcp.storage import GcsCheckpointStore
+            from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
             GcsCheckpointStore("gs://ckpt/warm", timeout_s=5).sync({str(warm)!r}, 0, {str(base / "warm.json")!r}, 30)
             os.setgroups([]); os.setgid(65534); os.setuid(65534)
             r = GcsCheckpointStore("gs://ckpt/job1", timeout_s=5).sync({str(ckpt)!r}, 0, {str(state / "s.json")!r}, 30)

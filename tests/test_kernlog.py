@@ -273,7 +273,7 @@ def test_new_process_still_skips_judged_xids(log: Path, tmp_path: Path) -> None:
     code = textwrap.dedent(
         """
         import sys
-        from slurmagent.kernlog import FileSource, read_new
+        from slurmagent.gpu.kernlog import FileSource, read_new
         xids = read_new(FileSource(sys.argv[1]), sys.argv[2], boot_id=sys.argv[3])
         print(",".join(str(x.xid) for x in xids))
         """

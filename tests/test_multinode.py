@@ -392,9 +392,9 @@ ROUNDS_DRIVER = """#!{python}
 # The batch step of a 4-node job driving the wrapper's multi-node store directly: a restore, then
 # every node writes FILES checkpoint files, then ROUNDS periodic syncs and a final one.
 import os, subprocess, sys
-from slurmagent.allocation import Allocation, AllocationStore, SrunLauncher
-from slurmagent.checkpoint import state_file_for
-from slurmagent.gcp.storage import GcsCheckpointStore
+from slurmagent.run.multinode import Allocation, AllocationStore, SrunLauncher
+from slurmagent.checkpoint.hash_cache import state_file_for
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
 ckpt, remote, rounds, files = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 write = ("import os, sys; d = os.path.join(sys.argv[1], 'step_1'); os.makedirs(d, exist_ok=True); r = os.environ['SLURM_NODEID']\\n"

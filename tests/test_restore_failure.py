@@ -30,7 +30,7 @@ disk, size, url, state = sys.argv[1:5]
 subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", disk], check=True)
 from test_checkpoint import write_tree
 write_tree(__import__("pathlib").Path(disk) / "ckpt", {f"shard-{i}.pt": bytes([i]) * (1 << 20) for i in range(4)})
-from slurmagent.gcp.storage import GcsCheckpointStore
+from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 try:
     GcsCheckpointStore(url, timeout_s=5).restore(os.path.join(disk, "ckpt"), state_file=state)
 except Exception as exc:

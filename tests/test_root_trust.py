@@ -451,7 +451,7 @@ def test_the_comment_of_a_node_or_job_keeps_its_imitated_fields_as_text():
 
 DETECT = """
 import sys
-from slurmagent.nodes import script_execs_wrapper
+from slurmagent.slurm.model import script_execs_wrapper
 mb = 4 * 1024 * 1024
 tail = sys.argv[1]
 print(script_execs_wrapper("#!/bin/sh\\nexec " + "slurmagent " * (mb // 11) + tail + "\\n"),

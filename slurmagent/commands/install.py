@@ -32,7 +32,7 @@ class Step:
 
 def data_dir(name: str) -> Path:
     """`hooks/` or `systemd/` from a checkout, else from the wheel's share/slurmagent."""
-    for base in (Path(__file__).resolve().parent.parent, Path(sys.prefix) / "share" / "slurmagent"):
+    for base in (Path(__file__).resolve().parents[2], Path(sys.prefix) / "share" / "slurmagent"):
         if (base / name).is_dir():
             return base / name
     raise InstallError(f"cannot find the {name}/ files of this slurmagent installation")

@@ -126,7 +126,7 @@ class QuietCutStore:
 def check_held_back_objects(store: Any, files: dict[str, dict], reported: Iterable[dict], deadline_s: float) -> None:
     """Entries no node reported now (held back as previously committed) must still have their
     blob in the bucket: a lifecycle rule may have deleted it, and no node holds those bytes to
-    send again. `store.missing_objects` (gcp.storage) checks each object once per run."""
+    send again. `store.missing_objects` (checkpoint/gcs/store.py) checks each object once per run."""
     check = getattr(store, "missing_objects", None)
     now = {entry_content_id(e) for e in reported if "link" not in e}
     held = {rel: e for rel, e in files.items() if "link" not in e and entry_content_id(e) not in now}
