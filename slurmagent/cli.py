@@ -146,13 +146,15 @@ def epilog(state: State) -> None:
 @click.pass_obj
 def release_held(state: State, job_id: str, deadline: float) -> None:
     """Internal: release a job Slurm requeued held after our prolog failed."""
-    from .actions.api import release_when_held  # start-up speed
+    from .actions.executor import JournalExecutor  # start-up speed
     from .slurm.commands import Slurm  # start-up speed
 
     if not job_id.replace("_", "").isdigit():
         raise click.BadParameter(f"not a job id: {job_id!r}")
     cfg = state.config(for_root_hook=os.geteuid() == 0)
-    sys.exit(0 if release_when_held(Slurm.from_config(cfg), job_id, deadline) else 1)
+    # the prolog journaled the release already: this watch only acts (a replay confirms it)
+    releaser = JournalExecutor(cfg, Slurm.from_config(cfg), journal=None)
+    sys.exit(0 if releaser.release_when_held(job_id, deadline) else 1)
 
 
 @cli.command()
@@ -369,14 +371,14 @@ def status(state: State, as_json: bool, job_id: str | None, remote: str | None) 
 @click.pass_obj
 def journal_cmd(state: State, replay: bool, node: str | None) -> None:
     """Show (or replay) this node's journal of pending actions."""
-    from .actions.executor import Actions  # start-up speed
+    from .actions.executor import JournalExecutor  # start-up speed
     from .state.journal import Journal  # start-up speed
     from .slurm.commands import Slurm  # start-up speed
 
     cfg = state.config()
     name = _node_name(node)
     if replay:
-        for entry, outcome in Actions(cfg, Slurm.from_config(cfg), name).replay():
+        for entry, outcome in JournalExecutor(cfg, Slurm.from_config(cfg), name).replay():
             click.echo(f"{entry.kind} {json.dumps(entry.payload, sort_keys=True)}: {outcome}")
     j = Journal.for_config(cfg, name)
     pending = j.pending()

@@ -4,13 +4,14 @@ journaled once-per-job requeue, the fault flush of wrapped jobs, the breaker, th
 from __future__ import annotations
 
 import io
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict
 from fakes.slurm import FakeSlurm
-from slurmagent.actions import executor as action_handlers
+from slurmagent.actions.executor import JournalExecutor
 from slurmagent.state import metrics
 from slurmagent.policy import eviction as eviction_policy
 from slurmagent.actions.eviction import FaultEviction
@@ -21,6 +22,7 @@ from slurmagent.commands.healthcheck import run_healthcheck
 from slurmagent.state.journal import Journal
 from slurmagent.slurm.model import FAULT_FLUSH_SIGNAL, JobInfo, running_jobs_from_text
 from slurmagent.gpu.nvml import XidEvent
+from slurmagent.errors import SlurmError
 from slurmagent.slurm.commands import Slurm
 from slurmagent.commands.watch import Watcher
 from test_hooks_unit import XID79, Harness as HookHarness
@@ -190,8 +192,8 @@ def test_multi_node_job_is_requeued_once_whichever_nodes_ask(tmp_path):
     assert late.jobs[0].action == "nothing to do (already requeued)"
     assert eviction(tmp_path, sc, "n2").start() == []  # and a later look finds nothing running there
     sc.jobs["21"]["JobState"] = "RUNNING"  # restarted; a replay of the old request must not hit this life
-    rt = action_handlers.Actions(cfg_for(tmp_path), Slurm(runner=sc), "n2")
-    _, outcome = rt.run("fault-requeue", job_id="21", restarts=0, cancel=True)
+    executor = JournalExecutor(cfg_for(tmp_path), Slurm(runner=sc), "n2")
+    outcome = executor.fault_requeue("21", 0, fresh=False)
     assert outcome == "nothing to do (already requeued)"
     assert sc.jobs["21"]["Restarts"] == "1" and len(sc.of("scontrol", "requeue")) == 2  # one refused by Slurm
 
@@ -291,3 +293,41 @@ def test_epilog_does_not_requeue_a_job_already_requeued(tmp_path):
     (d,) = h.decisions()
     assert d["action"] == "drained,nothing to do (already requeued)"
     assert not Journal.for_config(h.cfg, "n1").has_pending()  # nothing left to retry in a later life
+
+
+# --- the one internal-error answer; the executor without a journal ----------------------------
+
+
+def test_healthcheck_fails_closed_without_handing_a_bad_node_name_to_scontrol(tmp_path):
+    """One internal-error answer for prolog and healthcheck: a node name that is not one is
+    never drained (scontrol would read `State=...` in it), the check still fails closed."""
+    sc = FakeSlurm()
+    cfg = parse({"state_dir": str(tmp_path / "state"), "hooks": {"syslog": False, "on_internal_error": "closed"}})
+    err = io.StringIO()
+
+    def broken(*_):
+        raise RuntimeError("boom")
+
+    code = run_healthcheck("n1 State=RESUME", lambda: cfg, broken, slurm_factory=lambda c: Slurm(runner=sc),
+                           skip_recent=0, stderr=err)
+    assert code == 1 and sc.argvs == []
+    assert "internal error (not a GPU fault): RuntimeError: boom; no drain: invalid node name" in err.getvalue()
+
+
+def test_an_executor_without_a_journal_acts_once_and_raises_slurms_refusal(tmp_path):
+    """The wrapper (the job's user, no root journal) requeues through the same API: the held
+    `requeuehold State=SpecialExit` goes to scontrol as asked, nothing is journaled, and a
+    refusal is raised to the wrapper, which retries or gives up by its own rules."""
+    calls: list[list[str]] = []
+
+    def scontrol(argv, timeout):
+        calls.append(argv[1:])
+        refused = len(calls) > 1
+        return subprocess.CompletedProcess(argv, int(refused), "", "Job is pending execution for job 7\n" * refused)
+
+    user = JournalExecutor(cfg_for(tmp_path), Slurm(runner=scontrol), "n1", journal=None)
+    assert user.requeue_jobs(["7"], hold=True, special_exit=True) == "requeued"
+    assert calls == [["requeuehold", "State=SpecialExit", "7"]]
+    with pytest.raises(SlurmError, match="pending execution"):
+        user.requeue_jobs(["7"])
+    assert calls[1] == ["requeue", "7"] and not (tmp_path / "state").exists()

@@ -37,7 +37,7 @@ from slurmagent.state.config import parse
 from slurmagent.gcp import metadata
 from slurmagent.gcp.compute import Compute
 from slurmagent.state.journal import Journal
-from slurmagent.actions.executor import Actions
+from slurmagent.actions.executor import JournalExecutor
 from slurmagent.slurm.model import node_from_kv
 from slurmagent.commands.repair import run_repair
 from slurmagent.slurm.commands import Slurm
@@ -346,11 +346,11 @@ def test_clock_stepping_back_does_not_reorder_the_journal(tmp_path, monkeypatch)
     step = [0]
     monkeypatch.setattr(time, "time_ns", lambda: real_ns() - step[0])
     sc.down = True
-    assert Actions(cfg, Slurm(runner=sc), "n1").run("drain", node="n1", reason=XID79)[1].startswith("pending")
+    assert JournalExecutor(cfg, Slurm(runner=sc), "n1").drain_fault(XID79).action.startswith("drain-failed: pending")
     step[0] = 3600 * 10**9
-    assert Actions(cfg, Slurm(runner=sc), "n1").run("resume", node="n1", reason=XID79)[1].startswith("pending")
+    assert JournalExecutor(cfg, Slurm(runner=sc), "n1").resume(XID79).startswith("pending")
     sc.down = False
-    results = Actions(cfg, Slurm(runner=sc), "n1").replay()
+    results = JournalExecutor(cfg, Slurm(runner=sc), "n1").replay()
     assert [(e.kind, o) for e, o in results] == [("drain", "drained"), ("resume", "resumed")]
     assert sc.nodes["n1"]["State"] == "IDLE" and sc.nodes["n1"]["Reason"] == ""
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, healthy_snapshot_dict, write_json, xid_snapshot_dict
 from fakes.slurm import FakeSlurm
-from slurmagent.actions import api as actions
+from slurmagent.actions import executor
 from slurmagent.core.checks import Report, run_checks
 from slurmagent.state.config import Config, parse
 from slurmagent.state.decisionlog import read_records
@@ -87,7 +87,7 @@ def syslog_lines(monkeypatch) -> list[str]:
 @pytest.fixture(autouse=True)
 def no_release_watch(monkeypatch):
     spawned: list[str] = []
-    monkeypatch.setattr(actions, "spawn_release_watch", lambda job_id, cfg: spawned.append(job_id))
+    monkeypatch.setattr(executor, "spawn_release_watch", lambda job_id, cfg: spawned.append(job_id))
     return spawned
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from fake_gcp import FakeGcp
 from fakes.slurm import FakeSlurm
-from slurmagent.actions import api as actions
+from slurmagent.actions.executor import JournalExecutor
 from slurmagent.core import reasons
 from slurmagent.state.config import parse
 from slurmagent.state.journal import Journal
@@ -248,16 +248,16 @@ def test_opted_out_nodes_are_neither_drained_requeued_nor_repaired(tmp_path, gcp
     gcp.add_instance("n2", ZONE, mig="mig-a", **FLEX)
     cfg = cfg_for(tmp_path, gcp, repair={"exclude_nodes": ["n[2-3]"]})
     slurm = Slurm(runner=sc)
-    d = actions.drain_fault(cfg, slurm, "n1", XID79, source="prolog", job="7")
+    d = JournalExecutor(cfg, slurm, "n1").drain_fault(XID79, source="prolog", job="7")
     assert d.action == "excluded (node feature slurmagent_off): not drained" and not d.blocks_job
-    assert actions.drain_planned(cfg, slurm, "n3", "slurmagent: expiry: flex expiry at x").startswith("excluded")
-    assert actions.requeue_jobs(cfg, slurm, "n1", ["7"]).startswith("excluded")
-    assert actions.requeue_each(cfg, slurm, "n3", ["8"])[0] == []
+    assert JournalExecutor(cfg, slurm, "n3").drain_planned("slurmagent: expiry: flex expiry at x").startswith("excluded")
+    assert JournalExecutor(cfg, slurm, "n1").requeue_jobs(["7"]).startswith("excluded")
+    assert JournalExecutor(cfg, slurm, "n3").requeue_each(["8"])[0] == []
     assert sc.drains == [] and sc.of("scontrol", "requeue") == []
     drain(sc, ["n2"])  # drained by slurmagent before the admin listed it
     res, out, _ = repair(cfg, sc)
     assert "n2: skipped: opted out ([repair] exclude_nodes)" in out and gcp.calls == []
-    assert actions.resume(cfg, slurm, "n2", XID79).startswith("excluded")
+    assert JournalExecutor(cfg, slurm, "n2").resume(XID79).startswith("excluded")
 
 
 def test_a_passing_refusal_is_not_remembered(tmp_path, gcp):

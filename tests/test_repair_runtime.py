@@ -10,7 +10,7 @@ from fakes.slurm import FakeSlurm
 from slurmagent.core import reasons
 from slurmagent.state.config import parse
 from slurmagent.state.journal import Journal
-from slurmagent.actions.executor import Actions
+from slurmagent.actions.executor import JournalExecutor
 from slurmagent.commands.repair import run_repair
 from slurmagent.commands.status import collect_status, format_status
 from slurmagent.slurm.commands import Slurm
@@ -27,23 +27,22 @@ def cfg_for(tmp_path, fraction=1.0, strategy="recreate"):
 def test_drain_waits_in_the_journal_while_slurmctld_is_down(tmp_path):
     sc = FakeSlurm.cluster(8)
     cfg = cfg_for(tmp_path)
-    rt = Actions(cfg, Slurm(runner=sc), "n1")
+    executor = JournalExecutor(cfg, Slurm(runner=sc), "n1")
     sc.down = True
-    _, outcome = rt.run("drain", node="n1", reason=XID79)
-    assert outcome.startswith("pending: slurmctld unreachable")
+    outcome = executor.drain_fault(XID79).action
+    assert outcome.startswith("drain-failed: pending in the journal: slurmctld unreachable")
     assert len(sc.argvs) == 1  # stopped at the first unreachable call
     sc.down = False
-    results = Actions(cfg, Slurm(runner=sc), "n1").replay()
+    results = JournalExecutor(cfg, Slurm(runner=sc), "n1").replay()
     assert [o for _, o in results] == ["drained"]
     assert sc.nodes["n1"]["Reason"] == XID79 and sc.nodes["n1"]["State"] == "IDLE+DRAIN"
-    assert Actions(cfg, Slurm(runner=sc), "n1").run("drain", node="n1", reason=XID79)[1] == "already-drained"
+    assert JournalExecutor(cfg, Slurm(runner=sc), "n1").drain_fault(XID79).action == "already-drained"
 
 
 def test_unwritable_state_dir_still_drains_unjournaled(tmp_path, capfd):
     (tmp_path / "state").write_text("not a directory")  # mkdir under it fails even for root
     sc = FakeSlurm.cluster(8)
-    rt = Actions(cfg_for(tmp_path), Slurm(runner=sc), "n1")
-    _, outcome = rt.run("drain", node="n1", reason=XID79)
+    outcome = JournalExecutor(cfg_for(tmp_path), Slurm(runner=sc), "n1").drain_fault(XID79).action
     assert outcome == "drained" and "IDLE+DRAIN" == sc.nodes["n1"]["State"]
     assert "trying it unjournaled" in capfd.readouterr().err
 
@@ -88,7 +87,7 @@ def test_status_while_slurmctld_is_down_shows_the_backlog(tmp_path):
     sc = FakeSlurm.cluster(8)
     cfg = cfg_for(tmp_path)
     sc.down = True
-    Actions(cfg, Slurm(runner=sc), "n3").run("drain", node="n3", reason=XID79)
+    JournalExecutor(cfg, Slurm(runner=sc), "n3").drain_fault(XID79)
     st = collect_status(cfg, Slurm(runner=sc), local_node="n3")
     assert st["slurm_error"] and st["journal"]["pending"] == 1
     text = format_status(st)
@@ -97,7 +96,6 @@ def test_status_while_slurmctld_is_down_shows_the_backlog(tmp_path):
 
 
 def test_fault_drain_lets_the_job_run_only_when_suppressed_and_gpus_usable(tmp_path):
-    from slurmagent.actions.api import drain_fault
     from slurmagent.core.checks import Finding, Severity
 
     sc = FakeSlurm.cluster(4)
@@ -105,12 +103,12 @@ def test_fault_drain_lets_the_job_run_only_when_suppressed_and_gpus_usable(tmp_p
     cfg = cfg_for(tmp_path, fraction=0.25)
     slow = [Finding("hw-slowdown", Severity.DRAIN, 0, "clocks slowed by hw_power_brake_slowdown", [])]
     lost = [Finding("gpu-lost", Severity.DRAIN, 1, "GPU is lost", True)]
-    d = drain_fault(cfg, Slurm(runner=sc), "n2", "slurmagent: hw-slowdown: gpu 0", slow, source="prolog", job="7",
-                    takeover_prolog_error=True)
+    d = JournalExecutor(cfg, Slurm(runner=sc), "n2").drain_fault("slurmagent: hw-slowdown: gpu 0", slow, source="prolog",
+                                                             job="7", takeover_prolog_error=True)
     assert d.suppressed and not d.blocks_job and sc.nodes["n2"]["State"] == "IDLE"
     assert sc.nodes["n2"]["Comment"].startswith("slurmagent suppressed@")
-    d = drain_fault(cfg, Slurm(runner=sc), "n3", "slurmagent: gpu-lost: gpu 1", lost, source="prolog", job="8",
-                    takeover_prolog_error=True)
+    d = JournalExecutor(cfg, Slurm(runner=sc), "n3").drain_fault("slurmagent: gpu-lost: gpu 1", lost, source="prolog",
+                                                             job="8", takeover_prolog_error=True)
     assert d.suppressed and d.blocks_job
     assert (tmp_path / "state" / "n2" / "breaker-suppressed").exists()
 
@@ -128,7 +126,7 @@ def test_replayed_requeue_and_release_look_before_they_act(tmp_path):
     j.add("release", job_id="13")
     j.add("release", job_id="14")
     j.add("requeue", job_ids=["99"])
-    results = [o for _, o in Actions(cfg, Slurm(runner=sc), "n1").replay()]
+    results = [o for _, o in JournalExecutor(cfg, Slurm(runner=sc), "n1").replay()]
     assert results == ["requeued 11", "released", "nothing to do (job PENDING, not held)",
                        "nothing to do (jobs already requeued, running or gone)"]
     assert sc.jobs["12"]["JobState"] == "RUNNING"  # never requeued a running job on replay
@@ -140,16 +138,16 @@ def test_a_reason_left_on_a_resumed_node_is_not_a_drain(tmp_path):
     in `status` as Slurm's word on a node the breaker held back."""
     sc = FakeSlurm.cluster(4, resume_keeps_reason=True)
     cfg = cfg_for(tmp_path, fraction=0.5)  # 2 of 4 may be drained
-    rt = {n: Actions(cfg, Slurm(runner=sc), n) for n in sc.nodes}
+    executors = {n: JournalExecutor(cfg, Slurm(runner=sc), n) for n in sc.nodes}
     for n in ("n1", "n3"):
-        assert rt[n].run("drain", node=n, reason=XID79)[1] == "drained"
-        assert rt[n].run("resume", node=n, reason=XID79)[1] == "resumed"
+        assert executors[n].drain_fault(XID79).action == "drained"
+        assert executors[n].resume(XID79) == "resumed"
         assert sc.nodes[n]["State"] == "IDLE" and sc.nodes[n]["Reason"] == XID79
 
-    assert rt["n2"].run("drain", node="n2", reason=XID79)[1] == "drained"
-    assert rt["n1"].run("drain", node="n1", reason=XID79)[1] == "drained"  # not "already-drained"
+    assert executors["n2"].drain_fault(XID79).action == "drained"
+    assert executors["n1"].drain_fault(XID79).action == "drained"  # not "already-drained"
     assert sc.nodes["n1"]["State"] == "IDLE+DRAIN"
-    assert rt["n3"].run("drain", node="n3", reason=XID79)[1] == "suppressed-by-breaker"
+    assert executors["n3"].drain_fault(XID79).action == "suppressed-by-breaker"
 
     rows = {r["node"]: r for r in collect_status(cfg, Slurm(runner=sc), local_node="n3")["nodes"]}
     assert sorted(rows) == ["n1", "n2", "n3"]

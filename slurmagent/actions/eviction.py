@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ..state import metrics
-from .executor import HOOK_LOCK_WAIT_S, Actions
-from .api import in_journal, signal_jobs
+from .executor import JournalExecutor, in_journal
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, warn
 from ..errors import SlurmagentError, SlurmError
@@ -59,6 +58,10 @@ class FaultEviction:
     jobs: list[JobLeave] = field(default_factory=list)
 
     @property
+    def executor(self) -> JournalExecutor:
+        return JournalExecutor(self.cfg, self.slurm, self.node)
+
+    @property
     def done(self) -> bool:
         return all(j.finished for j in self.jobs)
 
@@ -72,7 +75,7 @@ class FaultEviction:
         others = [j for j in running if j.job_id not in wrapped]
         if flush:
             try:
-                signal_jobs(self.slurm, [j.job_id for j in flush], str(int(FAULT_FLUSH_SIGNAL)))
+                self.executor.signal_jobs([j.job_id for j in flush], str(int(FAULT_FLUSH_SIGNAL)))
                 now = self.clock()
                 self.jobs += [JobLeave(j, True, "fault flush signalled", signalled_at=now, finished=False)
                               for j in flush]
@@ -140,9 +143,8 @@ class FaultEviction:
         if self.cfg.watch.running_jobs != "requeue":
             return JobLeave(job, wrapped, "left alone (running_jobs = leave)")
         try:
-            _, outcome = Actions(self.cfg, self.slurm, self.node).run(
-                "fault-requeue", lock_wait_s=HOOK_LOCK_WAIT_S, node=self.node, job_id=job.job_id,
-                restarts=job.restarts, cancel=True, fresh=fresh and job.requeue, reason=self.reason)
+            outcome = self.executor.fault_requeue(job.job_id, job.restarts, fresh=fresh and job.requeue,
+                                                  reason=self.reason)
         except (SlurmagentError, OSError) as exc:
             outcome = f"pending: {exc}"
         leave = JobLeave(job, wrapped, in_journal(outcome))

@@ -26,7 +26,7 @@
    the largest MaxTime of its partitions, only when all are finite) with
    `slurmagent: expiry: flex expiry at <UTC>` (`maintenance:` / `preempt:` for notices).
    An admin's (or Slurm's) drain is never overridden, nor a slurmagent hardware drain (the
-   repair loop owns that one). The drain is planned (`actions.drain_planned`): journaled, but
+   repair loop owns that one). The drain is planned (`JournalExecutor.drain_planned`): journaled, but
    the circuit breaker neither holds it back nor counts it (a flex cohort ends together). The rule `expiry` is one `repair` never recreates; a static
    node comes back through `resume-if-healthy` on the recreated VM, a dynamic node leaves
    nothing behind (its state lives on the VM's disk and in /run).
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, TextIO
 
-from ..actions import api as actions
+from ..actions.executor import JournalExecutor
 from ..state import expiry_state
 from ..policy import expiry as expiry_policy
 from ..state.config import Config
@@ -206,7 +206,7 @@ class ExpiryWatch:
 
     def _drain(self, reason: str, state: dict[str, Any], res: CheckResult, now: float) -> None:
         try:
-            outcome = actions.drain_planned(self.cfg, self.slurm, self.node, reason, source="expiry-watch")
+            outcome = JournalExecutor(self.cfg, self.slurm, self.node).drain_planned(reason, source="expiry-watch")
         except SlurmagentError as exc:
             res.errors.append(f"drain failed: {exc}")
             return
@@ -222,7 +222,7 @@ class ExpiryWatch:
     def _release(self, old: dict[str, Any], res: CheckResult, why: str) -> bool:
         """Resume the node if it still carries exactly the drain we set; True when our drain is gone."""
         reason = str(old.get("drain_reason"))
-        outcome = actions.resume(self.cfg, self.slurm, self.node, reason, only_if_reason=True)
+        outcome = JournalExecutor(self.cfg, self.slurm, self.node).resume(reason, only_if_reason=True)
         if outcome.startswith("pending"):
             res.errors.append(f"resume failed: {outcome}")
             return False
@@ -284,6 +284,7 @@ def flush_jobs(cfg: Config, slurm: Slurm, node: str, done: set[str], unwrapped: 
         raise ExpiryError(f"squeue -w {node}: {exc}") from None
     jobs = [j for j in running if j not in done]
     out = FlushOutcome()
+    executor = JournalExecutor(cfg, slurm, node)
     signal_ids, requeue_ids = [], []
     budget_end = time.monotonic() + classify_budget_s
     for job in jobs:
@@ -299,12 +300,12 @@ def flush_jobs(cfg: Config, slurm: Slurm, node: str, done: set[str], unwrapped: 
             out.left.append(job)
     if signal_ids:
         try:
-            actions.signal_jobs(slurm, signal_ids, FLUSH_SIGNAL)
+            executor.signal_jobs(signal_ids, FLUSH_SIGNAL)
             out.signaled = signal_ids
         except SlurmagentError as exc:
             out.errors.append(f"scancel --signal={FLUSH_SIGNAL} {' '.join(signal_ids)}: {exc}")
     if requeue_ids:
-        out.requeued, failed = actions.requeue_each(cfg, slurm, node, requeue_ids)
+        out.requeued, failed = executor.requeue_each(requeue_ids)
         for job, why in failed.items():
             out.left.append(job)
             out.errors.append(f"requeue {job}: {why}")

@@ -22,20 +22,17 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TextIO
 
-from ..actions import api as actions
+from ..actions.executor import JournalExecutor
+from ..actions.fault import FaultResponse, internal_error, respond_to_fault
 from ..state import metrics
-from ..policy import eviction as eviction_policy
 from ..core.checks import Report
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for as decision_log_path
 from ..errors import SlurmagentError
-from ..actions.eviction import FaultEviction
 from ..state.fsutil import UntrustedFile, open_state_file
-from ..core.reasons import reason_for
 from ..slurm.commands import Slurm
 from ..core.timefmt import parse_log_time
 
@@ -121,31 +118,22 @@ def run_healthcheck(
             log.write("healthcheck", node=node, verdict="healthy", action="none", warnings=warnings or None)
             metrics.for_node(cfg, node).record_check(report)
             return 0
-        reason = reason_for(report)
-        slurm = slurm_factory(cfg)
-        drain = actions.drain_fault(cfg, slurm, node, reason, report.findings, source="healthcheck")
-        action = drain.action
-        moved = None
-        if drain.drained and eviction_policy.evicts_jobs(report.findings):
-            moved = _evict(cfg, slurm, node, reason, log, started, stderr)
+        response = respond_to_fault(JournalExecutor(cfg, slurm_factory(cfg), node), report, source="healthcheck")
+        moved = _evict(response, log, started, stderr) if response.evicts else None
+        action = response.drain.action
         metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
-        worst = report.worst
-        log.write("healthcheck", node=node, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
-                  observed=worst.observed, reason=reason, action=action, running_jobs=moved,
-                  findings=[f.summary for f in report.findings])
-        print(f"slurmagent healthcheck: node {node} unhealthy: {reason} ({action})", file=stderr)
+        response.write_decision(log, running_jobs=moved)
+        print(f"slurmagent healthcheck: node {node} unhealthy: {response.reason} ({action})", file=stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - say "slurmagent failed", never "GPU unhealthy"
-        return _internal_error(node, cfg, log, exc, slurm_factory, stderr)
+        return internal_error("healthcheck", node, cfg, log, exc, slurm_factory, stderr)
 
 
-def _evict(cfg: Config, slurm: Slurm, node: str, reason: str, log: DecisionLog, fault_at: float,
-           stderr: TextIO) -> str:
+def _evict(response: FaultResponse, log: DecisionLog, fault_at: float, stderr: TextIO) -> str:
     """The running jobs leave the node (flushed ones followed for at most FOLLOW_MAX_S)."""
-    follow = min(float(cfg.watch.flush_deadline_s), FOLLOW_MAX_S)
-    if follow != float(cfg.watch.flush_deadline_s):
-        cfg = replace(cfg, watch=replace(cfg.watch, flush_deadline_s=follow))
-    eviction = FaultEviction(cfg, slurm, node, fault_at, source="healthcheck", reason=reason, log=log)
+    follow = min(float(response.executor.cfg.watch.flush_deadline_s), FOLLOW_MAX_S)
+    eviction = response.eviction(fault_at, log, flush_deadline_s=follow)
+    node = response.executor.local_node
     try:
         leaves = eviction.wait() if eviction.start() else []
     except SlurmagentError as exc:
@@ -154,15 +142,3 @@ def _evict(cfg: Config, slurm: Slurm, node: str, reason: str, log: DecisionLog, 
     for leave in leaves:
         print(f"slurmagent healthcheck: job {leave.job.job_id} on a failed GPU: {leave.action}", file=stderr)
     return f"{len(leaves)} running job(s) off the node" if leaves else "no running jobs"
-
-
-def _internal_error(node, cfg, log, exc, slurm_factory, stderr) -> int:
-    what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
-    on_error = cfg.hooks.on_internal_error if cfg else "open"
-    action, code = "none (fail open)", 0
-    if on_error == "closed":  # through the breaker, like every unplanned drain
-        blocked, action = actions.fail_closed(cfg, slurm_factory, node, what, source="healthcheck")
-        code = 1 if blocked else 0
-    log.write("healthcheck", node=node, verdict="internal-error", error=what, action=action)
-    print(f"slurmagent healthcheck: internal error (not a GPU fault): {what}; {action}", file=stderr)
-    return code

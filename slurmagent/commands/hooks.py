@@ -1,9 +1,10 @@
 """Slurm Prolog/Epilog: check the node, drain it with a precise reason, keep the job PENDING.
 
-Decide first (the health report and the node's state), then act through `actions.py`. A
-failure of slurmagent itself is logged as `internal-error`, distinct from `unhealthy`,
-and handled by `[hooks] on_internal_error` (fail open by default; `closed` drains through
-the circuit breaker like any unplanned drain, so a bad rollout cannot drain the cluster).
+Decide first (the health report and the node's state), then act through the one fault
+response (`actions/fault.py`, shared with `healthcheck` and `watch`). A failure of slurmagent
+itself is logged as `internal-error`, distinct from `unhealthy`, and handled by `[hooks]
+on_internal_error` (fail open by default; `closed` drains through the circuit breaker like any
+unplanned drain, so a bad rollout cannot drain the cluster).
 
 The healthy prolog path is the hot path: it imports no google library and no click, makes
 no slurmctld call, and reads at most the expiry state file and the journal directory. The
@@ -24,7 +25,6 @@ from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for as decision_log_path
 from ..errors import SlurmagentError
 from ..state.host import node_name
-from ..core.reasons import reason_for
 from ..slurm import env as slurm_env
 from ..slurm.commands import JOB_ID, Slurm, valid_node_name
 from ..core.timefmt import fmt_time, human, parse_time_limit
@@ -96,71 +96,39 @@ def _healthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Calla
     from ..state.journal import needs_attention  # stdlib only; imported here for start-up speed
 
     if needs_attention(cfg.state_path(ctx.node)):  # replay a non-empty journal, clear a breaker mark
-        from ..actions import api as actions  # the replay path only, for start-up speed
+        from ..actions.executor import after_healthy_hook  # the replay path only, for start-up speed
 
-        actions.after_healthy_hook(cfg, ctx.node, slurm_factory)
+        after_healthy_hook(cfg, ctx.node, slurm_factory)
     return 0
 
 
 def _unhealthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Callable[[Config], Slurm],
                log: DecisionLog, stderr: TextIO) -> int:
-    from ..actions import api as actions  # the unhealthy path only, for start-up speed
+    from ..actions.executor import JournalExecutor  # the unhealthy path only, for start-up speed
+    from ..actions.fault import respond_to_fault  # the unhealthy path only, for start-up speed
 
-    reason = reason_for(report)
-    slurm = slurm_factory(cfg)
-    try:
-        drain = actions.drain_fault(cfg, slurm, ctx.node, reason, report.findings, source=ctx.hook, job=ctx.job_id,
-                                    takeover_prolog_error=ctx.hook == "prolog")
-    except SlurmagentError as exc:
-        # The GPU verdict stands: a failing prolog still makes Slurm drain the node and requeue
-        # the job; failing open here would run the job on a known-bad GPU.
-        drain = actions.DrainOutcome(f"drain-failed: {exc}")
-    taken = [drain.action]
-    if ctx.hook == "prolog" and not drain.blocks_job:
-        code = 0  # breaker open, GPUs still usable: not drained, the job may run (logged loudly)
-    elif ctx.hook == "prolog":
-        if ctx.job_id:
-            taken += actions.release_held(cfg, ctx.node, ctx.job_id)
-        code = 1  # Slurm requeues the job (PENDING with nohold_on_prolog_fail) and keeps our reason
-    else:
-        code = 0
-        if ctx.hook == "epilog" and ctx.job_id and cfg.hooks.epilog_requeue_failed and ctx.job_exit_code:
-            try:
-                taken.append(actions.requeue_jobs(cfg, slurm, ctx.node, [ctx.job_id]))
-            except SlurmagentError as exc:
-                taken.append(f"requeue-failed: {exc}")
-    worst = report.worst
-    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="unhealthy", rule=worst.rule, gpu=worst.gpu,
-              observed=worst.observed, reason=reason, action=",".join(taken),
-              findings=[f.summary for f in report.findings])
+    # The GPU verdict stands when the drain fails: a failing prolog still makes Slurm drain the
+    # node and requeue the job; failing open here would run the job on a known-bad GPU.
+    response = respond_to_fault(JournalExecutor(cfg, slurm_factory(cfg), ctx.node), report, source=ctx.hook,
+                                job=ctx.job_id, prolog=ctx.hook == "prolog",
+                                failed_job_ended=ctx.hook == "epilog" and bool(ctx.job_exit_code),
+                                drain_errors_stand=True)
+    # the prolog with the breaker open and the GPUs still usable: not drained, the job may run (logged loudly);
+    # else Slurm requeues the job (PENDING with nohold_on_prolog_fail) and keeps our reason
+    code = 1 if ctx.hook == "prolog" and response.drain.blocks_job else 0
+    response.write_decision(log)
     metrics.for_node(cfg, ctx.node).record_check(
-        report, drained_rule=worst.rule if drain.drained else None,
-        requeued=any(a.startswith("requeued") for a in taken))
-    print(f"slurmagent {ctx.hook}: node {ctx.node} unhealthy: {reason}", file=stderr)
+        report, drained_rule=report.worst.rule if response.drain.drained else None, requeued=response.requeued)
+    print(f"slurmagent {ctx.hook}: node {ctx.node} unhealthy: {response.reason}", file=stderr)
     return code
 
 
-def _internal_error(ctx, cfg, log, exc, slurm_factory, stderr) -> int:
-    """slurmagent itself failed: say so distinctly, then fail open or closed per config.
+def _internal_error(ctx: HookContext, cfg: Config | None, log: DecisionLog, exc: BaseException,
+                    slurm_factory: Callable[[Config], Slurm], stderr: TextIO) -> int:
+    from ..actions.fault import internal_error  # the failure path only, for start-up speed
 
-    Fail closed is an unplanned drain like a fault: through the circuit breaker. When the
-    breaker holds it back, the prolog lets the job run (a failing prolog would make Slurm
-    drain the node anyway, and a bad rollout would drain the whole cluster)."""
-    what = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
-    on_error = cfg.hooks.on_internal_error if cfg else "open"
-    action = "none (fail open)"
-    code = 0
-    if on_error == "closed" and ctx.hook == "prolog" and not valid_node_name(ctx.node):
-        code = 1
-        action = "no drain: invalid node name (fail closed)"
-    elif on_error == "closed" and ctx.hook == "prolog":
-        from ..actions import api as actions  # the failure path only, for start-up speed
-
-        blocked, action = actions.fail_closed(cfg, slurm_factory, ctx.node, what, source=ctx.hook, job=ctx.job_id)
-        code = 1 if blocked else 0
-    log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="internal-error", error=what, action=action)
-    print(f"slurmagent {ctx.hook}: internal error (not a GPU fault): {what}; {action}", file=stderr)
-    return code
+    return internal_error(ctx.hook, ctx.node, cfg, log, exc, slurm_factory, stderr, job=ctx.job_id,
+                          may_fail_closed=ctx.hook == "prolog")
 
 
 # --- the expiry prolog guard ---------------------------------------------------------------
@@ -186,7 +154,7 @@ def prolog_guard(cfg: Config, ctx: HookContext, slurm_factory: Callable[[Config]
     if end is None:
         return None
     # the guard's slow path only, for start-up speed
-    from ..actions import api as actions
+    from ..actions.executor import JournalExecutor
     from ..core import reasons
 
     now = time.time()
@@ -220,11 +188,12 @@ def prolog_guard(cfg: Config, ctx: HookContext, slurm_factory: Callable[[Config]
     drain_reason = str(data.get("drain_reason", ""))
     reason = drain_reason if reasons.is_planned(drain_reason) else reasons.expiry_reason(
         end, "expiry", str((data.get("scheduling") or {}).get("provisioning_model", "")))
+    executor = JournalExecutor(cfg, slurm, ctx.node)
     try:
-        action = actions.drain_planned(cfg, slurm, ctx.node, reason, source="prolog-guard")
+        action = executor.drain_planned(reason, source="prolog-guard")
     except SlurmagentError as exc:
         action = f"drain-failed: {exc}"  # exit 1 all the same: Slurm drains ("Prolog error") and requeues
-    taken = [action, "requeue", *actions.release_held(cfg, ctx.node, ctx.job_id)]
+    taken = [action, "requeue", *executor.release_held(ctx.job_id)]
     log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="expiry", rule="expiry", reason=reason,
               action=",".join(taken), detail=detail)
     print(f"slurmagent {ctx.hook}: {detail}: requeued off {ctx.node} ({reason})", file=stderr)

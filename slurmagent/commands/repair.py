@@ -9,7 +9,7 @@
   dynamic nodes powered down (POWER_DOWN_ASAP), `reportHostAsFaulty` per node where Google
   takes it (a refusal falls back to recreate, journaled), ONE `recreateInstances` per MIG.
   The nodes' reasons switch to `slurmagent: repairing: ...` first so a second run does not
-  ask twice. What is sent and how it is undone on failure is `action_handlers.py`'s.
+  ask twice. What is sent and how it is undone on failure is `actions/`'s.
 * `resume-if-healthy`: at boot, once slurmd of this boot has registered, resume the node if
   it is healthy and drained by slurmagent (a fault, or a planned drain ahead of the VM's end:
   a static node recreated after its flex expiry comes back by itself); drain it (through the
@@ -27,10 +27,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from ..actions import api as actions
 from ..core import hostlist, reasons
 from ..policy import breaker as breaker_policy, repair as repair_policy
-from ..actions.executor import Actions
+from ..actions.executor import REPLAY_DEADLINE_S, JournalExecutor
 from ..state.config import Config
 from ..state.decisionlog import warn
 from ..errors import SlurmagentError, SlurmError
@@ -85,27 +84,27 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
                compute_factory: Callable[[str], Any] | None = None, local_node: str | None = None,
                clock: Callable[[], float] = time.time) -> RepairResult:
     slurm = slurm or Slurm.from_config(cfg)
-    rt = Actions(cfg, slurm, local_node, clock=clock, compute_factory=compute_factory)
+    executor = JournalExecutor(cfg, slurm, local_node, clock=clock, compute_factory=compute_factory)
     res = RepairResult()
     if not dry_run:
-        for entry, outcome in rt.replay():
+        for entry, outcome in executor.replay():
             print(f"journal: replayed {entry.kind} {entry_target(entry)}: {outcome}", file=out)
     nodes = slurm.nodes()
     now = clock()
-    state = load_state(rt.state_dir)
+    state = load_state(executor.state_dir)
     cleanup = repair_policy.dynamic_cleanup(nodes)
     if not dry_run:
-        _follow_admin_resumes(rt, nodes, out)
-        _dynamic_cleanup(rt, cleanup, {n.name: n for n in nodes}, res, out)
-    b = breaker_policy.breaker(nodes, rt.fraction, now, float(cfg.repair.suppressed_ttl_s))
+        _follow_admin_resumes(executor, nodes, out)
+        _dynamic_cleanup(executor, cleanup, {n.name: n for n in nodes}, res, out)
+    b = breaker_policy.breaker(nodes, executor.fraction, now, float(cfg.repair.suppressed_ttl_s))
     plan = repair_policy.plan_repair(nodes, names, force=force, breaker_state=b, now=now,
                               retry_after_s=float(cfg.repair.retry_after_s),
                               history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day),
                               strategy=cfg.repair.strategy)
     by_name = {n.name: n for n in nodes}
-    for name in [n for n in plan.todo if rt.opted_out(by_name[n], n)]:
+    for name in [n for n in plan.todo if executor.opted_out(by_name[n], n)]:
         plan.todo.remove(name)
-        plan.skipped[name] = f"opted out ({rt.opted_out(by_name[name], name)}): slurmagent leaves it alone"
+        plan.skipped[name] = f"opted out ({executor.opted_out(by_name[name], name)}): slurmagent leaves it alone"
     for name, why in plan.refused.items():
         print(f"{name}: refused: {why}", file=err)
         res.failed[name] = f"refused: {why}"
@@ -127,13 +126,13 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     strategy = cfg.repair.strategy
     reason_of = {n: by_name[n].reason for n in plan.todo}
     if not dry_run:
-        _force_drains(rt, plan, by_name, reason_of, res, out)
+        _force_drains(executor, plan, by_name, reason_of, res, out)
     if strategy == "none":
         for name in plan.todo:
             print(f"{name}: drained only ([repair] strategy = none): {reason_of[name]}", file=out)
             res.skipped[name] = "strategy none"
         return res
-    run = RepairRun(cfg, rt, res, out, err, state.get("migs", {}), dry_run)
+    run = RepairRun(cfg, executor, res, out, err, state.get("migs", {}), dry_run)
     choices = run.choose(plan.todo, by_name)
     if dry_run:
         for name, (choice, target) in choices.items():
@@ -145,48 +144,48 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     return res
 
 
-def _follow_admin_resumes(rt: Actions, nodes: list[NodeInfo], out: TextIO) -> None:
+def _follow_admin_resumes(executor: JournalExecutor, nodes: list[NodeInfo], out: TextIO) -> None:
     """A node whose repair we asked for and that an admin resumed by hand: our repair is
     cancelled (no further request; an operation already sent is left to finish), journaled.
     Nodes that came back on their own (new slurmd) or are ours again leave the list too."""
-    asked = requested(rt.state_dir)
+    asked = requested(executor.state_dir)
     if not asked:
         return
     cancelled = repair_policy.cancelled_repairs(nodes, asked)
     for name in cancelled:
-        outcome = actions.note_cancelled_repair(
-            rt, name, f"{name} resumed by hand since our request of {fmt_time(from_epoch(asked[name]))}; "
+        outcome = executor.note_cancelled_repair(
+            name, f"{name} resumed by hand since our request of {fmt_time(from_epoch(asked[name]))}; "
                       "no further request (an operation already sent finishes on its own)")
         print(f"{name}: {outcome}", file=out)
     by_name = {n.name: n for n in nodes}
     done = [n for n in asked if n not in cancelled and not (n in by_name and by_name[n].ours)]
-    forget_requested(rt.state_dir, cancelled + done)
+    forget_requested(executor.state_dir, cancelled + done)
 
 
-def _dynamic_cleanup(rt: Actions, cleanup: tuple[list[str], list[str]], by_name: dict[str, NodeInfo],
+def _dynamic_cleanup(executor: JournalExecutor, cleanup: tuple[list[str], list[str]], by_name: dict[str, NodeInfo],
                      res: RepairResult, out: TextIO) -> None:
     """Dynamic nodes are not left DOWN: power down those whose VM went away after our planned
     drain; resume those we powered down that Slurm still holds DOWN (Slurm may power them up)."""
     gone, down = cleanup
     if gone:
-        outcome = actions.power_down(rt, {n: by_name[n].reason for n in gone})
+        outcome = executor.power_down({n: by_name[n].reason for n in gone})
         for n in gone:
             print(f"{n}: dynamic node down after {reasons.rule_of(by_name[n].reason)}: {outcome}", file=out)
             res.ok[n] = "powered down"
     for n in down:
-        outcome = actions.resume(rt.cfg, rt.slurm, n, by_name[n].reason, powered_down=True, runner=rt)
+        outcome = executor.resume(by_name[n].reason, node=n, powered_down=True)
         print(f"{n}: powered down but DOWN in Slurm: {outcome}", file=out)
         res.ok[n] = outcome
 
 
-def _force_drains(rt: Actions, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo], reason_of: dict[str, str],
+def _force_drains(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo], reason_of: dict[str, str],
                   res: RepairResult, out: TextIO) -> None:
     """--force on a node the breaker kept from draining: drain it now, with its fault."""
     for name in list(plan.needs_drain):
         fault = by_name[name].marks.suppressed_summary or "unhealthy (breaker override)"
         reason_of[name] = reasons.clean_reason(f"{reasons.PREFIX} {fault}")
-        outcome = actions.drain_fault(rt.cfg, rt.slurm, name, reason_of[name], source="repair --force", force=True,
-                                      takeover_prolog_error=True, lock_wait_s=actions.REPLAY_DEADLINE_S, runner=rt)
+        outcome = executor.drain_fault(reason_of[name], node=name, source="repair --force", force=True,
+                                       takeover_prolog_error=True, lock_wait_s=REPLAY_DEADLINE_S)
         print(f"{name}: {outcome.action} (--force)", file=out)
         if not outcome.action.startswith("drained"):
             plan.todo.remove(name)
@@ -202,9 +201,9 @@ class RepairRun:
     reportHostAsFaulty per node (a refusal falls back to recreate, journaled), then ONE
     recreateInstances per MIG for the planned and the fallen-back nodes together."""
 
-    def __init__(self, cfg: Config, rt: Actions, res: RepairResult, out: TextIO, err: TextIO,
+    def __init__(self, cfg: Config, executor: JournalExecutor, res: RepairResult, out: TextIO, err: TextIO,
                  migs: dict[str, Any], dry_run: bool):
-        self.cfg, self.rt, self.res, self.out, self.err = cfg, rt, res, out, err
+        self.cfg, self.executor, self.res, self.out, self.err = cfg, executor, res, out, err
         self.migs = migs  # the cache: node -> {zone, mig, vm, report_refused}
         self.dry_run = dry_run
         self.strategy = cfg.repair.strategy
@@ -224,7 +223,7 @@ class RepairRun:
 
     def compute(self) -> Any:
         if self._compute is None:
-            self._compute = self.rt.compute(self.where()[0])
+            self._compute = self.executor.compute(self.where()[0])
             self.calls_before = getattr(self._compute, "total_calls", 0)
         return self._compute
 
@@ -324,7 +323,7 @@ class RepairRun:
         sent: list[str] = []
         if by_action.get("power-down"):
             names = by_action["power-down"]
-            outcome = actions.power_down(self.rt, {n: reason_of[n] for n in names})
+            outcome = self.executor.power_down({n: reason_of[n] for n in names})
             for n in names:
                 print(f"{n}: {outcome} ({choices[n][0].why})", file=self.out)
                 self.res.ok[n] = "powered down"
@@ -352,8 +351,8 @@ class RepairRun:
                         p["fallback"] = why
                 for entry in self._begin(payloads, by_name):
                     sent += self._recreate(entry, compute, ComputeError)
-        _save_migs(self.rt, self.migs)
-        remember_requested(self.rt.state_dir, sent, self.rt.clock())
+        _save_migs(self.executor, self.migs)
+        remember_requested(self.executor.state_dir, sent, self.executor.clock())
         if self._compute is not None:
             self.res.compute_calls = getattr(self._compute, "total_calls", 0) - self.calls_before
 
@@ -361,15 +360,15 @@ class RepairRun:
         if not payloads:
             return []
         # the reason's own time is about to change: keep when each node was drained, for `status`
-        drained_at = {n: t for n, t in load_state(self.rt.state_dir).get("drained_at", {}).items()
+        drained_at = {n: t for n, t in load_state(self.executor.state_dir).get("drained_at", {}).items()
                       if n in by_name and by_name[n].ours}
         for p in payloads:
             for n in p["nodes"]:
                 if by_name[n].reason_time and not by_name[n].repairing:
                     drained_at.setdefault(n, by_name[n].reason_time)
-        remember_drained_at(self.rt.state_dir, drained_at)
+        remember_drained_at(self.executor.state_dir, drained_at)
         try:
-            return actions.begin_repairs(self.rt, payloads, list(by_name.values()))
+            return self.executor.begin_repairs(payloads, list(by_name.values()))
         except SlurmError as exc:
             for p in payloads:
                 for n in p["nodes"]:
@@ -402,7 +401,7 @@ class RepairRun:
             return f"falling back to recreate via MIG {repair_policy.mig_short(mig)}"
 
         try:
-            ops = actions.finish_repair(self.rt, entry, compute, fallback=instead)
+            ops = self.executor.finish_repair(entry, compute, fallback=instead)
         except ComputeError as exc:
             if name in recreate:
                 print(f"{name}: reportHostAsFaulty refused ({exc}): recreate via its MIG instead", file=self.out)
@@ -419,7 +418,7 @@ class RepairRun:
         p = entry.payload
         members = sorted(p["nodes"])
         try:
-            ops = actions.finish_repair(self.rt, entry, compute)
+            ops = self.executor.finish_repair(entry, compute)
         except compute_error as exc:
             if exc.status in (400, 404):
                 for n in members:
@@ -444,10 +443,10 @@ def _refusal_code(exc: Any) -> str:
     return m[0] if m else str(exc)[:200]
 
 
-def _save_migs(rt: Actions, migs: dict[str, Any]) -> None:
-    state = load_state(rt.state_dir)
+def _save_migs(executor: JournalExecutor, migs: dict[str, Any]) -> None:
+    state = load_state(executor.state_dir)
     state["migs"] = migs
-    save_state(rt.state_dir, state)
+    save_state(executor.state_dir, state)
 
 
 # --- `slurmagent resume-if-healthy` -------------------------------------------------------
@@ -484,8 +483,8 @@ def run_resume_if_healthy(cfg: Config, node: str | None = None, *, out: TextIO =
                           wait_s: float | None = None) -> int:
     node = node_name(node)
     slurm = slurm or Slurm.from_config(cfg)
-    rt = Actions(cfg, slurm, node)
-    rt.replay()
+    executor = JournalExecutor(cfg, slurm, node)
+    executor.replay()
     view = wait_registered(slurm, node, float(wait_s if wait_s is not None else cfg.repair.resume_wait_s),
                            RESUME_POLL_S, boot_time())
     if health is None:
@@ -493,21 +492,21 @@ def run_resume_if_healthy(cfg: Config, node: str | None = None, *, out: TextIO =
     report = health(cfg, node, True)
     if report.healthy:
         if view.ours:
-            outcome = actions.resume(cfg, slurm, node, view.reason)
+            outcome = executor.resume(view.reason)
             print(f"{node}: healthy; {outcome} (was: {view.reason})", file=out)
             return 0 if not outcome.startswith("pending") else 1
         if view.held_by_other:
             print(f"{node}: healthy; drained by someone else ({view.reason or view.state}): left alone", file=out)
             return 0
         if view.marks.suppressed_at is not None:
-            rt.clear_suppressed_mark(node)
+            executor.clear_suppressed_mark(node)
         print(f"{node}: healthy; nothing to do ({view.state})", file=out)
         return 0
     reason = reasons.reason_for(report)
     if view.held_by_other:
         print(f"{node}: UNHEALTHY ({reason}); drained by someone else ({view.reason}): left alone", file=out)
         return 1
-    outcome = actions.drain_fault(cfg, slurm, node, reason, report.findings, source="resume-if-healthy",
-                                  lock_wait_s=actions.REPLAY_DEADLINE_S, runner=rt)
+    outcome = executor.drain_fault(reason, report.findings, source="resume-if-healthy",
+                                   lock_wait_s=REPLAY_DEADLINE_S)
     print(f"{node}: UNHEALTHY: {reason}; {outcome.action}", file=out)
     return 1

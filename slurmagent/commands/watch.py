@@ -43,21 +43,20 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
-from ..actions import api as actions
+from ..actions.executor import JournalExecutor
+from ..actions.eviction import FaultEviction
+from ..actions.fault import FaultResponse, respond_to_fault
 from ..gpu import kernlog
-from ..policy import eviction as eviction_policy
 from ..core.checks import Finding, Report, Severity, xid_finding
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for as decision_log_path
 from ..errors import SlurmagentError, SlurmError
-from ..actions.eviction import FaultEviction
 from .health import read_snapshot
 from ..state.host import sd_notify, watchdog_interval
 from ..core.kernel_xid import map_to_gpus
 from ..gpu.kernlog_changes import change_detector
 from ..gpu.nvml import NVML_WAIT_MS, GpuRef, NvmlUnavailable, NvmlXidEvents, XidEvent
 from ..gpu.nvml_deadline import ThreadSafeReader
-from ..core.reasons import reason_for
 from ..slurm.commands import Slurm
 
 DEFAULT_INTERVAL_S = 0.25  # kernel-log poll period
@@ -364,15 +363,13 @@ class Watcher:
         for e in events:
             judged.append((e, xid_finding(e.xid, e.gpu, e.detail), self._duplicate(e)))
         drains = [f for _, f, _ in judged if f.severity is Severity.DRAIN]
-        action = reason = None
-        evict = False
+        action = reason = response = None
         if drains:
-            reason = reason_for(Report(findings=drains))
-            outcome = actions.drain_fault(self.cfg, self.slurm, self.node, reason, drains, source="watch")
-            if outcome.action.startswith("drain-failed"):
-                raise SlurmError(outcome.action)  # keep the events: retried here, and by the journal
-            action = outcome.action
-            evict = outcome.drained and eviction_policy.evicts_jobs(drains)
+            response = respond_to_fault(JournalExecutor(self.cfg, self.slurm, self.node), Report(findings=drains),
+                                        source="watch")
+            if response.drain.action.startswith("drain-failed"):
+                raise SlurmError(response.drain.action)  # keep the events: retried here, and by the journal
+            action, reason = response.action, response.reason
         for e, f, dup in judged:
             if dup and (f.severity is not Severity.DRAIN or action != "drained"):
                 continue  # already judged through the other input
@@ -391,17 +388,16 @@ class Watcher:
             self.log.write("watch", **fields)
             if f.severity is Severity.DRAIN:
                 self.say(f"{f.summary}: {action} ({reason})")
-        if evict and reason:  # right after the drain (and its decision line)
-            self._evict(reason, min(e.seen for e, f, _ in judged if f.severity is Severity.DRAIN))
+        if response is not None and response.evicts:  # right after the drain (and its decision line)
+            self._evict(response, min(e.seen for e, f, _ in judged if f.severity is Severity.DRAIN))
         return action
 
 
     # --- running jobs on a failed GPU ---------------------------------------------------------
 
-    def _evict(self, reason: str, fault_at: float) -> None:
+    def _evict(self, response: FaultResponse, fault_at: float) -> None:
         """Right after the drain: the node's running jobs leave it (never raises: the drain stands)."""
-        eviction = FaultEviction(self.cfg, self.slurm, self.node, fault_at, source="watch", reason=reason,
-                                         log=self.log)
+        eviction = response.eviction(fault_at, self.log)
         try:
             leaves = eviction.start(skip=self.evicted)
         except Exception as exc:  # noqa: BLE001 - said; the drain keeps new jobs off, Slurm's own timeouts remain

@@ -1,7 +1,7 @@
 """The drain circuit breaker: how many nodes slurmagent may hold drained for a fault.
 
 No I/O: nodes (`nodes.NodeInfo`, parsed from one `scontrol -o show node`), the config
-values and the clock go in, a decision comes out. `actions.py` and the runtimes do the talking;
+values and the clock go in, a decision comes out. `actions/` and the runtimes do the talking;
 which node `repair` fixes, and how, is decided in `repair_policy.py`.
 
 Marks in the node's Slurm `Comment` (only written when the comment is empty or already

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..actions.executor import JournalExecutor
 from ..checkpoint import report as ckpt_report
 from ..state import expiry_state
 from ..checkpoint.report import CheckpointReport
@@ -125,7 +126,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
     job_store = whole_job or (QuietCutStore(store) if store is not None else None)
     report = checkpoint_report(env, ident, options, store is not None)
-    sup = Supervisor(options, ident, job_store, _requeue_of(slurm) if slurm else None, env,
+    sup = Supervisor(options, ident, job_store, _requeue_of(cfg, slurm, env) if slurm else None, env,
                      hold=hold, metrics=metrics, report=report, read_job=slurm.job if slurm else None)
     if job_store is not None:
         job_store.trainer_running = sup.child_running
@@ -165,10 +166,14 @@ def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool
                             interval_s=REPORT_INTERVAL_S, behind_s=max(3 * options.sync_interval_s, 60.0))
 
 
-def _requeue_of(slurm: Slurm):
-    """The wrapper's requeue: `requeue`, or the `requeuehold` its job asked for (held)."""
+def _requeue_of(cfg: Config, slurm: Slurm, env):
+    """The wrapper's requeue: `requeue`, or the `requeuehold` its job asked for (held). The
+    action API's, through an executor without a journal: the wrapper runs as the job's user,
+    owns no root journal, and retries itself (`requeue.py`); Slurm's refusal is raised to it."""
+    executor = JournalExecutor(cfg, slurm, slurm_env.slurmd_node(env), journal=None)
+
     def requeue(job: str, verb: RequeueVerb = RequeueVerb()) -> None:
-        slurm.requeue([job], hold=verb.hold, special_exit=verb.special_exit)
+        executor.requeue_jobs([job], hold=verb.hold, special_exit=verb.special_exit)
     return requeue
 
 
