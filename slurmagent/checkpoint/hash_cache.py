@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from . import hashing as checkpoint_hash
 from .errors import CheckpointError
 from .hashing import FileDigest, is_content_id, is_crc32c_b64, is_hex_digest
 from .scan import LocalFile
+from ..state.fsutil import replace_private
 
 __all__ = ["LocalState", "RACY_WINDOW_S", "STATE_VERSION", "state_file_for"]
 
@@ -202,14 +202,4 @@ class LocalState:
             if self.verified_runs:
                 data["verified"] = {u: {"run": r, "ids": sorted(i)} for u, (r, i) in self.verified_runs.items()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(data, fh, separators=(",", ":"))
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        replace_private(self.path, json.dumps(data, separators=(",", ":")))

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -23,6 +22,7 @@ from ..checkpoint.scan import scan_checkpoint_dir
 from ..errors import SlurmagentError
 from ..slurm import env as slurm_env
 from ..state.host import node_name
+from ..state.fsutil import replace_private
 from ..state.private_dirs import RECORD_SUFFIX, UnsafeDirError, UnusableDirError, ensure_private_dir, private_ckpt_dir
 from .identity import submission_of
 
@@ -244,15 +244,6 @@ class DirRecord:
     def write(self, **data) -> None:
         body = json.dumps({"version": 1, "owner": self.owner, "remote": self.remote, **data}, sort_keys=True)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            replace_private(self.path, body)
         except OSError:
-            return  # only costs a full restore next time
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(body)
-            os.replace(tmp, self.path)
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            pass  # only costs a full restore next time

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 
@@ -188,3 +189,18 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def replace_private(path: Path, text: str) -> None:
+    """Write `text` to a 0600 temp file beside `path` (`.<name>.*.tmp`), then rename it over
+    `path`: a reader sees the old file or the new one. No fsync: for caches and records that
+    only cost a full scan or restore when lost."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
