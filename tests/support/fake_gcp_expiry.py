@@ -116,6 +116,6 @@ class FakeGcpExpiry(FakeGcp):
 
     @staticmethod
     def _call_record(key: str, query: dict[str, str]):
-        from fake_gcp import Call
+        from .fake_gcp import Call
 
         return Call("metadata", "GET", key, query, None)
