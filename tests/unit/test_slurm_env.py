@@ -13,7 +13,7 @@ import pytest
 from slurmagent.run.agent_step import agent_env
 from slurmagent.slurm import env as slurm_env
 
-PACKAGE = Path(__file__).resolve().parent.parent / "slurmagent"
+PACKAGE = Path(__file__).resolve().parents[2] / "slurmagent"
 TABLE_MODULE = PACKAGE / "slurm" / "env.py"
 
 
