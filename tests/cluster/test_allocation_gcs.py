@@ -24,24 +24,6 @@ from slurmagent.run.node_agent import agent_restore, agent_sync
 from slurmagent.checkpoint.errors import CheckpointError, RestoreError, StorageUnavailableError
 
 
-# --- merge: conflicts ------------------------------------------------------------------------
-
-
-# --- merge: files their writer deleted -------------------------------------------------------
-
-
-# --- the consistent cut: quiet for a whole round -------------------------------------------------
-
-
-# --- rotation: step folders a writer node removed whole (22.4) ---------------------------------
-
-
-# --- restore scope ------------------------------------------------------------------------------
-
-
-# --- who we are ---------------------------------------------------------------------------------
-
-
 # --- agents in this process, against the emulator --------------------------------------------
 
 

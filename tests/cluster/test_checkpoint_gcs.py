@@ -90,15 +90,6 @@ def object_of(entry: dict) -> str:
     return store().blob_name(f"pack:{entry['pack']}" if "pack" in entry else entry_content_id(entry))
 
 
-# ------------------------------------------------------------------ name rules
-
-
-# ------------------------------------------------------------------ hashing
-
-
-# ------------------------------------------------------------------ manifest
-
-
 # ------------------------------------------------------------- sync / restore
 
 
@@ -710,6 +701,3 @@ def test_parallel_upload_of_more_than_32_parts_composes_in_a_tree(emu, dirs):
     assert list(make_client().list_blobs("ckpt", prefix="job1/parts/")) == []
     store().restore(dirs.restore)
     assert read_tree(dirs.restore) == {"big.pt": data}
-
-
-# ------------------------------------------------------- retry / transfer paths

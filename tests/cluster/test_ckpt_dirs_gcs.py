@@ -17,12 +17,6 @@ from test_wrapper_requeue import attempt
 from test_ckpt_dirs import aside, earlier_job, run_shown, tree
 
 
-# --- 21.4: an explicit --ckpt-dir follows the default directory's rules ----------------------
-
-
-# --- 21.5: the requeue hold is private, and made so on every node -----------------------------
-
-
 # --- 22.3: a first run, or a restore of another commit, shows only this job's checkpoint -----
 
 

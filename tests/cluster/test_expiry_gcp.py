@@ -24,9 +24,6 @@ from slurmagent.slurm.commands import Slurm
 from test_expiry import BOOT, NODE, T0, WRAPPED_SCRIPT, ZONE, Clock, iso, slurm_with
 
 
-# --- parsing ------------------------------------------------------------------------------------
-
-
 # --- the Compute API ----------------------------------------------------------------------------
 
 
@@ -115,12 +112,6 @@ def test_once_via_cli_against_fake_caches_the_api_answer(gcp, tmp_path, monkeypa
     assert cli.reason.startswith("slurmagent: expiry: flex expiry at")
 
 
-# --- decisions ----------------------------------------------------------------------------------
-
-
-# --- prolog guard -------------------------------------------------------------------------------
-
-
 # --- metadata server: long poll, deadlines -----------------------------------------------------
 
 
@@ -168,9 +159,3 @@ def test_loop_reacts_to_maintenance_within_a_second(gcp, tmp_path):
     assert not th.is_alive()
     assert cli.reason.startswith("slurmagent: maintenance:")
     assert "TERMINATE_ON_HOST_MAINTENANCE notice" in out.getvalue() and err.getvalue() == ""
-
-
-# --- systemd units ------------------------------------------------------------------------------
-
-
-# --- bench/expiry_sim.py --------------------------------------------------------------------

@@ -111,9 +111,6 @@ def test_the_loop_says_a_bad_api_time_once_and_still_acts_on_a_preemption(gcp, t
     assert cli.reason.startswith("slurmagent: preempt")
 
 
-# --- 21.15: a stale expiry state left by a watch that stopped ------------------------------------
-
-
 # --- 21.14: a maintenance notice withdrawn and re-issued ------------------------------------------
 
 

@@ -63,12 +63,6 @@ def test_malformed_remote_manifest_keeps_the_job_from_starting_and_the_checkpoin
     assert blob.download_as_bytes() == b'{"schema": 1, "attempt": 0, "files": {"state.json": {"sha256": "zz"'
 
 
-# --- state dir full or read-only: the verdict stands -------------------------------------------
-
-
-# --- the wall clock steps back --------------------------------------------------------------
-
-
 # --- slurmctld restarts mid-requeue (real cluster) ----------------------------------------------
 
 

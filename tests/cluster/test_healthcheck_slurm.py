@@ -29,9 +29,6 @@ def healthchecks(slurm, node: str) -> list[dict]:
     return [d for d in slurm.decisions(node) if d["event"] == "healthcheck"]
 
 
-# --- unit: the "checked moments ago" window -----------------------------------------------
-
-
 # --- the session cluster, invoked exactly as slurmd would -----------------------------------
 
 

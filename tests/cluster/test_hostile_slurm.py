@@ -19,9 +19,6 @@ from slurmagent.slurm.model import node_from_kv
 from test_hostile import XID79, cli, needs_root, node  # noqa: F401 (fixtures)
 
 
-# --- a non-root user cannot steer the root hooks ---------------------------------------------
-
-
 # --- state a user could have written is not trusted by root -----------------------------------
 
 
@@ -76,6 +73,3 @@ def test_hostile_job_name_comment_and_env_on_a_bad_node(slurm, tmp_path):
     decision = [d for d in slurm.decisions("n1") if d.get("job") == job][-1]
     assert decision["verdict"] == "unhealthy" and decision["reason"] == XID79
     assert not mark.exists()
-
-
-# --- bad config values, arguments and files: one line, exit 2 (or, in a hook, an internal error) --

@@ -22,9 +22,6 @@ from slurmagent.run.identity import settle
 TOY = str(SUPPORT / "toy_trainer.py")
 
 
-# --------------------------------------------------------------------------- the rules (pure)
-
-
 # --------------------------------------------------------------------------- on the emulator
 
 

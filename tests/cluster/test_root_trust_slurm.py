@@ -18,24 +18,6 @@ from support import REPO, wait_for
 from test_root_trust import FORGED, expiry_text
 
 
-# --- the config of every root command ---------------------------------------------------------
-
-
-# --- the interpreter's module path ------------------------------------------------------------
-
-
-# --- the state dir ---------------------------------------------------------------------------
-
-
-# --- another node's expiry state --------------------------------------------------------------
-
-
-# --- a job's free text imitating scontrol's fields --------------------------------------------
-
-
-# --- the wrapped-job detection on a user's batch script --------------------------------------
-
-
 # --- on the real cluster: a job's comment steers neither the prolog guard nor the release watcher
 
 

@@ -18,12 +18,6 @@ from slurmagent.gpu import kernlog
 from test_watch import append, nvrm
 
 
-# --- fakes ------------------------------------------------------------------------------
-
-
-# --- NVML events, in-process ------------------------------------------------------------
-
-
 # --- the real cluster, the watcher as a process -----------------------------------------
 
 

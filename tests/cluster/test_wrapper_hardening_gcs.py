@@ -22,9 +22,6 @@ from test_wrapper_requeue import Requeues, attempt
 from test_wrapper_hardening import CLOUD_RUN
 
 
-# --- the default checkpoint dir is the user's own --------------------------------------------
-
-
 # --- a single node keeps its newer local checkpoint ------------------------------------------
 
 

@@ -24,9 +24,6 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-# --- 21.13: an unusable time from the Compute API ----------------------------------------------
-
-
 # --- 21.15: a stale expiry state left by a watch that stopped ------------------------------------
 
 
@@ -70,6 +67,3 @@ def test_the_reader_ignores_a_stale_time_past_the_watchs_own_grace(tmp_path, cap
     copy.write_text(state.read_text())
     assert expiry_state.termination_time((state, copy), BOOT, now=at_margin + 5) is None
     assert capsys.readouterr().err.count("ignoring the termination time") == 1
-
-
-# --- 21.14: a maintenance notice withdrawn and re-issued ------------------------------------------

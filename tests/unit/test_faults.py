@@ -345,9 +345,3 @@ def test_breaker_and_repair_plan_with_marks_from_the_future():
     assert b.suppressed == ("n1",) and b.open
     plan = repair_policy.plan_repair(nodes, [], force=True, breaker_state=b, now=time.time())
     assert plan.todo == [] and plan.skipped["n2"].startswith("repair already requested")
-
-
-# --- slurmctld restarts mid-requeue (real cluster) ----------------------------------------------
-
-
-# --- Compute API storms -------------------------------------------------------------------------

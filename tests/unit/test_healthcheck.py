@@ -32,9 +32,3 @@ def test_recent_decision_window(tmp_path):
     assert recent_decision(log, "n1", 40, now) is None
     assert recent_decision(log, "n1", 0, now) is None  # window 0: never skip
     assert recent_decision(log, "n3", 120, now) is None
-
-
-# --- the session cluster, invoked exactly as slurmd would -----------------------------------
-
-
-# --- Slurm's own mechanism: a small second cluster with HealthCheckProgram set --------------

@@ -93,12 +93,3 @@ def test_every_slurmagent_sbatch_is_a_new_submission_whatever_its_export_option(
            for script in log.read_text().split("\0")[:-1]]
     assert len(ids) == 3 and len(set(ids)) == 3 and "inherited" not in ids  # in the script: every attempt sees it
     assert all(JobIdentity.from_env({"SLURM_JOB_ID": "5", "SLURMAGENT_SUBMISSION": i}).submission == i for i in ids)
-
-
-# --------------------------------------------------------------------------- on the emulator
-
-
-# --------------------------------------------------------------------------- the wrapper as a process
-
-
-# --------------------------------------------------------------------------- on the real Slurm cluster

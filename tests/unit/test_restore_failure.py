@@ -12,9 +12,6 @@ from slurmagent.run.restore_failure import no_progress_streak
 from slurmagent.run.job import JobIdentity
 
 
-# --------------------------------------------------------------- staging: old + new never both on disk
-
-
 # --------------------------------------------------------------- the wrapper: requeued without the node
 
 

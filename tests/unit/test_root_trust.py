@@ -487,6 +487,3 @@ def test_wrapped_detection_cases(script, wrapped):
     from slurmagent.slurm.model import script_execs_wrapper
 
     assert script_execs_wrapper(script) is wrapped
-
-
-# --- on the real cluster: a job's comment steers neither the prolog guard nor the release watcher

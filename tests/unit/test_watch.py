@@ -382,8 +382,3 @@ def test_event_wrapper_handles_older_binding_without_wait_v2():
     assert (e.xid, e.gpu, e.source) == (74, 0, "nvml")
     ev.close()
     assert nv.shutdowns == 1 and nv.frees == 1
-
-
-# --- the real cluster, the watcher as a process -----------------------------------------
-
-

@@ -25,6 +25,3 @@ def test_bad_wrapper_input_is_exit_2_one_line(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "slurmagent.entry", *args], env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-
-
-# --- on the real Slurm cluster ----------------------------------------------------------------

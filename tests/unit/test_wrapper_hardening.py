@@ -134,15 +134,3 @@ def test_uncatchable_or_unknown_ckpt_signal_is_refused_at_parse_time(tmp_path, s
                               "touch", str(marker)])
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--ckpt-signal" in proc.stderr and not marker.exists()
-
-
-# --- a single node keeps its newer local checkpoint ------------------------------------------
-
-
-# --- signals and a dead bucket during the restore --------------------------------------------
-
-
-# --- background sync errors are said, counted, and the lag is measured -----------------------
-
-
-# --- the flush's deadline holds with a sync in flight, odd names and unreadable files --------
