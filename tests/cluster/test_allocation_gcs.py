@@ -2,6 +2,8 @@
 this process against a real Cloud Storage emulator, one directory per "node".
 
 The agent step itself (srun --overlap on a real allocation) is covered in test_multinode.py.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_allocation.py.
 """
 
 from __future__ import annotations

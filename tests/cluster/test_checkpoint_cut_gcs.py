@@ -1,6 +1,9 @@
 """A single-node job's periodic commits take only units quiet for a whole round (22.1), the
 wrapper's books after a commit that held units back (22.5), and a toy HF-style trainer killed
-hard at random moments whose every restore holds only complete `checkpoint-N/` folders."""
+hard at random moments whose every restore holds only complete `checkpoint-N/` folders.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_checkpoint_cut.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """`slurmagent doctor` against the fake metadata server + Compute API (tests/support/fake_gcp.py) and a
 Cloud Storage emulator: one table of ok/FAIL/skip lines, each failure with its fix, exit 1 on
-any failure, every line present even when an endpoint is down or hangs, in bounded time."""
+any failure, every line present even when an endpoint is down or hangs, in bounded time.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_doctor.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The expiry watch and its readers under bad input and flapping notices: garbage times from
 the Compute API (through tests/support/fake_gcp_expiry.py and the real client), a maintenance notice
-withdrawn and re-issued, a stale state file that a stopped watch left behind."""
+withdrawn and re-issued, a stale state file that a stopped watch left behind.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_expiry_robust.py.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ journal; slurmctld restarting mid-requeue; Compute 429/5xx storms and lost repli
 scontrol is the recording script of test_hostile (`[slurm] scontrol`), except where the real
 session cluster is used. The hypothesis fuzz of the snapshot and kernel-log parsers lives in
 tests/unit/test_snapshot.py and tests/unit/test_kernlog.py.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_faults.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`slurmagent healthcheck` (Slurm's HealthCheckProgram): check between jobs, drain, never resume."""
+"""`slurmagent healthcheck` (Slurm's HealthCheckProgram): check between jobs, drain, never resume.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_healthcheck.py.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ scontrol call, and never make a root hook read or replay something the user wrot
 scontrol is `[slurm] scontrol` = a recording script that appends its argv as JSON: every call
 the product makes is checked element by element. Each hostile value would create MARK if any
 shell ever saw it.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_hostile.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Checkpoint identity (issue 21 item 7): the same for every attempt of one submission, new for
 every submission; a reused job id or a new Cloud Run execution never restores another job's
-checkpoint, and the fence never repeats across submissions."""
+checkpoint, and the fence never repeats across submissions.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_identity.py.
+"""
 
 from __future__ import annotations
 

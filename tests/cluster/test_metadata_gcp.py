@@ -1,4 +1,7 @@
-"""Identity from the metadata server (fake on 127.0.0.1), config overrides, fast failure off GCP."""
+"""Identity from the metadata server (fake on 127.0.0.1), config overrides, fast failure off GCP.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_metadata.py.
+"""
 
 from __future__ import annotations
 

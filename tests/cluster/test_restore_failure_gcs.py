@@ -1,5 +1,8 @@
 """A restore that fails on a node's own disk requeues the job without that node; a restore
-fits on a disk that held the previous version (staged in place, not beside it)."""
+fits on a disk that held the previous version (staged in place, not beside it).
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_restore_failure.py.
+"""
 
 from __future__ import annotations
 

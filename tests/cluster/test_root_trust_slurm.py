@@ -4,6 +4,8 @@ node's expiry state.
 
 scontrol is the recording script of test_hostile (every call is checked); a user's "scontrol"
 creates MARK, so a MARK on disk means root ran something a user controls.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_root_trust.py.
 """
 
 from __future__ import annotations

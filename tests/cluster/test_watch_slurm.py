@@ -1,4 +1,7 @@
-"""`slurmagent watch`: NVML XID events (fake pynvml, in-process) and the kernel log on a real cluster."""
+"""`slurmagent watch`: NVML XID events (fake pynvml, in-process) and the kernel log on a real cluster.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_watch.py.
+"""
 
 from __future__ import annotations
 

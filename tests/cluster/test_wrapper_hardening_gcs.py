@@ -1,6 +1,9 @@
 """The wrapper against other users and faults: a private default ckpt dir, a local checkpoint
 newer than the bucket's kept, signals and a dead bucket during the restore, visible sync
-errors, signals that cannot be caught."""
+errors, signals that cannot be caught.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_wrapper_hardening.py.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 held until the final sync, exit codes and the last stderr line say what happened.
 
 The supervisor runs in-process against a real Cloud Storage emulator; Slurm's requeue is the
-injected callable (the cluster tests in test_wrapper_slurm.py use the real one)."""
+injected callable (the cluster tests in test_wrapper_slurm.py use the real one).
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_wrapper_requeue.py.
+"""
 
 from __future__ import annotations
 

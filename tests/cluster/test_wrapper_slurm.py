@@ -1,4 +1,7 @@
-"""`slurmagent run`: flush on signal, sync to a GCS emulator, requeue, restore on restart."""
+"""`slurmagent run`: flush on signal, sync to a GCS emulator, requeue, restore on restart.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_wrapper.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The trainer helper: resumed() with or without a bucket, atomic_write under concurrent
-writers, and ranks agreeing on a checkpoint request (torch.distributed, gloo)."""
+writers, and ranks agreeing on a checkpoint request (torch.distributed, gloo).
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_wrapper_trainer.py.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 this process against a real Cloud Storage emulator, one directory per "node".
 
 The agent step itself (srun --overlap on a real allocation) is covered in test_multinode.py.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_allocation_gcs.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Emulators come from tests/support/gcs_emulator.py: fake-gcs-server for everything (it
 enforces ifGenerationMatch on the manifest's simple uploads), plus round trips
 on gcp-storage-emulator.  STORAGE_EMULATOR_HOST is only ever set with monkeypatch.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_checkpoint_gcs.py.
 """
 
 from __future__ import annotations

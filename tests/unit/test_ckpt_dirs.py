@@ -4,7 +4,10 @@ are not this job's checkpoint (an earlier job's at the same path, an abandoned s
 to `<dir>.uncommitted/` before the trainer starts: never shown to it, never uploaded.
 
 Another user is `nobody`, acting in a forked child (`as_user`); the node agents run in this
-process (their srun step is covered in test_multinode_dirs.py)."""
+process (their srun step is covered in test_multinode_dirs.py).
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_ckpt_dirs_gcs.py.
+"""
 
 from __future__ import annotations
 

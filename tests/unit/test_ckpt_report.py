@@ -1,7 +1,10 @@
 """The job's owner sees their checkpoint: the wrapper says the last commit, the sync's
 duration and the lag on the job's stderr at a low rate (and when the bucket falls behind or
 catches up), and `slurmagent status --job ID` shows the committed checkpoint (from the
-bucket) and the running attempt's view (from the wrapper's record)."""
+bucket) and the running attempt's view (from the wrapper's record).
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_ckpt_report_slurm.py.
+"""
 
 from __future__ import annotations
 

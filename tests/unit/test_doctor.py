@@ -1,6 +1,9 @@
 """`slurmagent doctor` against the fake metadata server + Compute API (tests/support/fake_gcp.py) and a
 Cloud Storage emulator: one table of ok/FAIL/skip lines, each failure with its fix, exit 1 on
-any failure, every line present even when an endpoint is down or hangs, in bounded time."""
+any failure, every line present even when an endpoint is down or hangs, in bounded time.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_doctor_gcp.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """Expiry watch without the cluster: termination time, decisions, flush argv, prolog guard,
 metadata long poll and deadlines, systemd units. A scripted scontrol/squeue/scancel stands in
-for Slurm; tests/support/fake_gcp_expiry.py for the Compute API and the metadata server."""
+for Slurm; tests/support/fake_gcp_expiry.py for the Compute API and the metadata server.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_expiry_gcp.py.
+"""
 
 from __future__ import annotations
 

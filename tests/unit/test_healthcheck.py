@@ -1,4 +1,7 @@
-"""`slurmagent healthcheck` (Slurm's HealthCheckProgram): check between jobs, drain, never resume."""
+"""`slurmagent healthcheck` (Slurm's HealthCheckProgram): check between jobs, drain, never resume.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_healthcheck_slurm.py.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ scontrol call, and never make a root hook read or replay something the user wrot
 scontrol is `[slurm] scontrol` = a recording script that appends its argv as JSON: every call
 the product makes is checked element by element. Each hostile value would create MARK if any
 shell ever saw it.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_hostile_slurm.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Checkpoint identity (issue 21 item 7): the same for every attempt of one submission, new for
 every submission; a reused job id or a new Cloud Run execution never restores another job's
-checkpoint, and the fence never repeats across submissions."""
+checkpoint, and the fence never repeats across submissions.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_identity_slurm.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Identity from the metadata server (fake on 127.0.0.1), config overrides, fast failure off GCP."""
+"""Identity from the metadata server (fake on 127.0.0.1), config overrides, fast failure off GCP.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_metadata_gcp.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """A restore that fails on a node's own disk requeues the job without that node; a restore
-fits on a disk that held the previous version (staged in place, not beside it)."""
+fits on a disk that held the previous version (staged in place, not beside it).
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_restore_failure_gcs.py.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ node's expiry state.
 
 scontrol is the recording script of test_hostile (every call is checked); a user's "scontrol"
 creates MARK, so a MARK on disk means root ran something a user controls.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_root_trust_slurm.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`slurmagent watch`: NVML XID events (fake pynvml, in-process) and the kernel log on a real cluster."""
+"""`slurmagent watch`: NVML XID events (fake pynvml, in-process) and the kernel log on a real cluster.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_watch_slurm.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""`slurmagent run`: flush on signal, sync to a GCS emulator, requeue, restore on restart."""
+"""`slurmagent run`: flush on signal, sync to a GCS emulator, requeue, restore on restart.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_wrapper_slurm.py.
+"""
 
 from __future__ import annotations
 

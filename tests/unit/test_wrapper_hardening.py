@@ -1,6 +1,9 @@
 """The wrapper against other users and faults: a private default ckpt dir, a local checkpoint
 newer than the bucket's kept, signals and a dead bucket during the restore, visible sync
-errors, signals that cannot be caught."""
+errors, signals that cannot be caught.
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_wrapper_hardening_gcs.py.
+"""
 
 from __future__ import annotations
 

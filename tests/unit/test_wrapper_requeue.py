@@ -2,7 +2,10 @@
 held until the final sync, exit codes and the last stderr line say what happened.
 
 The supervisor runs in-process against a real Cloud Storage emulator; Slurm's requeue is the
-injected callable (the cluster tests in test_wrapper_slurm.py use the real one)."""
+injected callable (the cluster tests in test_wrapper_slurm.py use the real one).
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_wrapper_requeue_gcs.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The trainer helper: resumed() with or without a bucket, atomic_write under concurrent
-writers, and ranks agreeing on a checkpoint request (torch.distributed, gloo)."""
+writers, and ranks agreeing on a checkpoint request (torch.distributed, gloo).
+
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_wrapper_trainer_torch.py.
+"""
 
 from __future__ import annotations
 
