@@ -11,7 +11,7 @@ LANES  := build/lanes
 # The Debian 13 lane runs the whole suite too unless told otherwise (torch tests skip there).
 TRIXIE_PYTEST_ARGS ?= $(PYTEST_ARGS)
 
-.PHONY: deps venv test test-host test-trixie test-fast demo bench clean
+.PHONY: deps venv test test-host test-trixie test-fast test-cluster demo bench clean
 
 deps: .deps.stamp
 .deps.stamp:
@@ -49,8 +49,15 @@ test-host: deps venv
 test-trixie:
 	@LANE_SUMMARY_FILE=$(CURDIR)/$(LANES)/trixie.summary ci/trixie-lane.sh $(TRIXIE_PYTEST_ARGS)
 
+# tests/unit: no cluster, no emulator (about 2 minutes on 2 cores). The folder is the mark:
+# tests/cluster/conftest.py marks every test there `cluster`.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slurm and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster and not slow" $(PYTEST_ARGS)
+
+# tests/cluster only: the local Slurm cluster, the Cloud Storage emulator, the fake Compute and
+# metadata servers, torch processes (this machine's lane; `make test` runs both lanes, everything).
+test-cluster: deps venv
+	$(PY) -m pytest -q tests/cluster $(PYTEST_ARGS)
 
 demo: deps venv
 	$(VENV)/bin/slurmagent demo

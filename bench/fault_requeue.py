@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--job-seconds", type=float, default=600.0)
     args = ap.parse_args()
 
-    from conftest import healthy_snapshot_dict  # the tests' replay snapshot (GPU 3 at 0000:48:00)
+    from support import healthy_snapshot_dict  # the tests' replay snapshot (GPU 3 at 0000:48:00)
     from slurmagent.state.decisionlog import read_records
     from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
 

@@ -4,7 +4,7 @@
     python bench/mass_failure.py [--nodes 16] [--mig-size 8] [--fail-fraction 0.25]
 
 Starts a LocalSlurmCluster of N slurmd (needs root, munge, slurmctld, slurmd) and the
-fake Compute API (tests/fake_gcp.py). Then, in the same run:
+fake Compute API (tests/support/fake_gcp.py). Then, in the same run:
 
 (a) slurmagent: the failing nodes' replay snapshots say XID 79; one whole-node job is
     submitted per node; the prologs on the failing nodes drain them (journal + breaker).
@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import healthy_snapshot_dict, write_json, xid_snapshot_dict  # noqa: E402
-from fake_gcp import FakeGcp  # noqa: E402
+from support import healthy_snapshot_dict, write_json, xid_snapshot_dict  # noqa: E402
+from support.fake_gcp import FakeGcp  # noqa: E402
 
 from slurmagent.core import reasons  # noqa: E402
 from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available  # noqa: E402

@@ -38,7 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=21)
     args = ap.parse_args()
-    from conftest import healthy_snapshot_dict
+    from support import healthy_snapshot_dict
 
     tmp = Path(tempfile.mkdtemp(prefix="sa-bench-"))
     try:

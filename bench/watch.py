@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.25, help="the watcher's kernel-log poll period")
     args = ap.parse_args()
 
-    from conftest import healthy_snapshot_dict  # the tests' replay snapshot (GPU 3 at 0000:48:00)
+    from support import healthy_snapshot_dict  # the tests' replay snapshot (GPU 3 at 0000:48:00)
     from slurmagent.state.decisionlog import read_records
     from slurmagent.core.timefmt import parse_log_time
     from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available

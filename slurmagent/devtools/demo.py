@@ -113,10 +113,10 @@ ZONE = "us-central1-a"
 def _fake_gcp_class():
     """The fake Compute + metadata server lives with the tests, never in the product."""
     tests = Path(__file__).resolve().parents[2] / "tests"
-    if not (tests / "fake_gcp_expiry.py").exists():
+    if not (tests / "support" / "fake_gcp_expiry.py").exists():
         return None
     sys.path.insert(0, str(tests))
-    from fake_gcp_expiry import FakeGcpExpiry
+    from support.fake_gcp_expiry import FakeGcpExpiry
 
     return FakeGcpExpiry
 
@@ -131,7 +131,7 @@ def run_demo(keep: bool = False) -> int:
         return 2
     fake_gcp = _fake_gcp_class()
     if fake_gcp is None:
-        print("slurmagent demo: needs a source checkout (tests/fake_gcp_expiry.py emulates Compute)", file=sys.stderr)
+        print("slurmagent demo: needs a source checkout (tests/support/fake_gcp_expiry.py emulates Compute)", file=sys.stderr)
         return 2
     tl = Timeline()
     root = Path(tempfile.mkdtemp(prefix="slurmagent-demo-"))

@@ -13,7 +13,7 @@ Two emulators are supported (both pip-installable, see pyproject's ``test`` extr
 
 Usage in a test module (no conftest needed)::
 
-    from gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures)
+    from support.gcs_emulator import gcs_emulator, gcs_emulator_factory  # noqa: F401 (fixtures, tests/support)
 
     def test_x(gcs_emulator, monkeypatch):
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.url)

@@ -1,0 +1,243 @@
+"""`slurmagent doctor` against the fake metadata server + Compute API (tests/support/fake_gcp.py) and a
+Cloud Storage emulator: one table of ok/FAIL/skip lines, each failure with its fix, exit 1 on
+any failure, every line present even when an endpoint is down or hangs, in bounded time.
+
+The same subject without a cluster, emulator or fake server: tests/unit/test_doctor.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import REPO, healthy_snapshot_dict, write_json
+from support.fake_gcp import FakeGcp
+
+ZONE = "us-central1-a"
+NAMES = ["config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf PrologFlags",
+         "slurm.conf nohold_on_prolog_fail", "slurm.conf PrologEpilogTimeout", "GPUs", "state dir",
+         "metadata server", "compute permission", "checkpoint bucket", "clock"]
+GOOD_SLURM_CONF = ("Prolog=/etc/slurmagent/hooks/prolog\nEpilog=/etc/slurmagent/hooks/epilog\nPrologFlags=Alloc\n"
+                   "SchedulerParameters=nohold_on_prolog_fail,bf_interval=2\nPrologEpilogTimeout=120\n"
+                   "NodeName=n1 Gres=gpu:8 CPUs=2\n")
+
+
+@pytest.fixture
+def gcp(serve_metadata, monkeypatch):
+    fake = serve_metadata(FakeGcp())
+    fake.add_instance("n1", ZONE, mig="mig-a")
+    fake.set_identity("n1", ZONE, created_by=fake.mig_path("mig-a", zone=ZONE))
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    return fake
+
+
+@pytest.fixture
+def blackhole():
+    """A TCP port that accepts connections (kernel backlog) and never answers."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    yield f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+def make_config(tmp_path: Path, *, compute_endpoint: str, remote: str = "gs://ckpt/jobs",
+                slurm_conf: str = GOOD_SLURM_CONF, gcp_extra: str = "") -> Path:
+    d = tmp_path / "etc"
+    d.mkdir(exist_ok=True)
+    (d / "slurm.conf").write_text(slurm_conf)
+    write_json(d / "n1.json", healthy_snapshot_dict(hostname="n1"))
+    cfg = d / "config.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state/%n"\n'
+                   f'[health]\nsnapshot = "{d}/n1.json"\nexpected_gpus = 8\n'
+                   f'[slurm]\nconf = "{d}/slurm.conf"\n'
+                   f'[gcp]\ncompute_endpoint = "{compute_endpoint}"\n{gcp_extra}'
+                   f'[checkpoint]\nremote = "{remote}"\n')
+    cfg.chmod(0o644)
+    return cfg
+
+
+def doctor(capsys, cfg: Path) -> tuple[int, dict[str, tuple[str, str, str]], str]:
+    """Run `slurmagent --config CFG doctor` in this process: (exit code, {name: (mark, detail, fix)}, output).
+
+    The Google client libraries are loaded first: a cold import of google.cloud.compute_v1 costs
+    ~4 s of CPU (12-18 s on a busy 2-core machine) inside the compute check's thread, where it
+    would count against the external checks' 7 s deadline. These tests judge the endpoints'
+    answers; the cold start is the subprocess tests' (they bound only a hung endpoint's cost)."""
+    from slurmagent.cli import main
+
+    capsys.readouterr()
+    code = main(["--config", str(cfg), "doctor"])
+    out, err = capsys.readouterr()
+    return code, parse_table(out), out + err
+
+
+def parse_table(out: str) -> dict[str, tuple[str, str, str]]:
+    rows: dict[str, tuple[str, str, str]] = {}
+    last = None
+    for line in out.splitlines():
+        if line.startswith("     ") and "fix: " in line:
+            mark, detail, _ = rows[last]
+            rows[last] = (mark, detail, line.split("fix: ", 1)[1])
+            continue
+        mark, rest = line[:4].strip(), line[5:]
+        name = next(n for n in sorted(NAMES, key=len, reverse=True) if rest.startswith(n + " "))
+        rows[name] = (mark, rest[len(name):].strip(), "")
+        last = name
+    return rows
+
+
+def test_all_checks_pass_and_the_probe_object_is_removed(gcp, emu, tmp_path, capsys):
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 0, out
+    assert list(rows) == NAMES, out
+    assert {name: mark for name, (mark, _, _) in rows.items()} == {name: "ok" for name in NAMES}, out
+    assert "project test-proj, zone us-central1-a, instance n1" in rows["metadata server"][1]
+    assert "instances.get test-proj/us-central1-a/n1 allowed; in MIG zones/us-central1-a/" in rows["compute permission"][1]
+    assert "gs://ckpt/jobs" in rows["checkpoint bucket"][1]
+    assert "within 2 s of the metadata server" in rows["clock"][1]
+    # a read-only call to Compute, never a mutation; the probe object is gone again
+    assert [c.kind for c in gcp.calls if c.kind != "metadata"] == ["instances.get"]
+    from google.cloud import storage
+
+    left = list(storage.Client(project="test").list_blobs("ckpt"))
+    assert left == []
+
+
+def test_metadata_unreachable_fails_with_fix_and_the_rest_still_run(gcp, emu, tmp_path, blackhole):
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    env = dict(os.environ, GCE_METADATA_HOST=blackhole, PYTHONPATH=str(REPO), SLURMD_NODENAME="n1")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "slurmagent.entry", "--config", str(cfg), "doctor"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    rows = parse_table(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert elapsed < 10, elapsed
+    assert list(rows) == NAMES
+    mark, detail, fix = rows["metadata server"]
+    assert mark == "FAIL" and "did not answer within 2 s" in detail
+    assert fix == "run on a GCE VM or set [gcp] project/zone"
+    assert rows["compute permission"][0] == "skip" and "instance name unknown" in rows["compute permission"][1]
+    assert rows["checkpoint bucket"][0] == "ok"  # the other lines ran
+    assert rows["clock"][0] == "ok" and "the Compute endpoint" in rows["clock"][1]
+    assert rows["config"][0] == rows["GPUs"][0] == rows["state dir"][0] == "ok"
+    assert proc.stderr == ""  # a table, never a traceback
+
+
+def test_metadata_unreachable_but_project_and_zone_configured_is_ok(gcp, emu, tmp_path, blackhole, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setenv("GCE_METADATA_HOST", blackhole)
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url, gcp_extra=f'project = "test-proj"\nzone = "{ZONE}"\n')
+    code, rows, out = doctor(capsys, cfg)
+    assert rows["metadata server"][0] == "ok", out
+    assert "using [gcp] project 'test-proj' and zone 'us-central1-a' from the config" in rows["metadata server"][1]
+    assert code == 0, out
+
+
+def test_hung_compute_and_storage_fail_within_the_deadline(gcp, tmp_path, blackhole, monkeypatch):
+    cfg = make_config(tmp_path, compute_endpoint=f"http://{blackhole}")
+    env = dict(os.environ, GCE_METADATA_HOST=gcp.host, STORAGE_EMULATOR_HOST=f"http://{blackhole}",
+               PYTHONPATH=str(REPO), SLURMD_NODENAME="n1")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "slurmagent.entry", "--config", str(cfg), "doctor"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    rows = parse_table(proc.stdout)
+    assert proc.returncode == 1 and elapsed < 12, (elapsed, proc.stdout, proc.stderr)
+    assert list(rows) == NAMES
+    assert rows["metadata server"][0] == "ok"
+    assert rows["compute permission"][0] == "FAIL" and rows["compute permission"][2]
+    assert rows["checkpoint bucket"][0] == "FAIL" and "write of gs://ckpt/jobs/.slurmagent-doctor/" in \
+        rows["checkpoint bucket"][1]
+    assert rows["clock"][0] == "ok"  # measured against the metadata server that did answer
+
+
+def test_bucket_missing_fails_with_fix(gcp, emu, tmp_path, capsys):
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url, remote="gs://no-such-bucket/jobs")
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1
+    mark, detail, fix = rows["checkpoint bucket"]
+    assert mark == "FAIL" and detail == "bucket gs://no-such-bucket does not exist (remote gs://no-such-bucket/jobs)"
+    assert fix.startswith("create it (gcloud storage buckets create gs://no-such-bucket)")
+    assert [n for n, (m, _, _) in rows.items() if m != "ok"] == ["checkpoint bucket"], out
+    for line in out.splitlines():  # `MARK NAME  DETAIL` or an indented `fix:` line: scripts can grep FAIL
+        assert line[:5] in ("ok   ", "FAIL ", "skip ") or line.startswith("     ") and "fix: " in line, line
+
+
+def test_no_remote_configured_is_a_skip_not_a_failure(gcp, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url, remote="")
+    code, rows, out = doctor(capsys, cfg)
+    assert rows["checkpoint bucket"] == ("skip", "not configured ([checkpoint] remote is empty)", "")
+    assert code == 0, out
+
+
+def test_compute_permission_denied_fails_with_the_iam_fix(gcp, emu, tmp_path, capsys):
+    gcp.fail("instances.get", 403)
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1
+    mark, detail, fix = rows["compute permission"]
+    assert mark == "FAIL" and "HTTP 403" in detail and "compute.instances.get" in fix
+    assert not gcp.mutations  # 403 is not retried, nothing is changed
+
+
+def test_slurm_conf_without_nohold_fails_with_fix(gcp, emu, tmp_path, capsys):
+    conf = GOOD_SLURM_CONF.replace("nohold_on_prolog_fail,", "")
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url, slurm_conf=conf)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1
+    assert rows["slurm.conf nohold_on_prolog_fail"] == (
+        "FAIL", "missing: jobs would be requeued HELD", "add nohold_on_prolog_fail to SchedulerParameters")
+    assert [n for n, (m, _, _) in rows.items() if m == "FAIL"] == ["slurm.conf nohold_on_prolog_fail"], out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown and the root-only config check")
+@pytest.mark.parametrize("how", ["group-writable", "owned by nobody"])
+def test_unsafe_config_file_fails_with_fix(gcp, emu, tmp_path, capsys, how):
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    if how == "group-writable":
+        cfg.chmod(0o664)
+    else:
+        os.chown(cfg, 65534, 65534)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1
+    mark, detail, fix = rows["config"]
+    assert mark == "FAIL" and "refused" in detail and str(cfg) in detail
+    assert fix == f"chown root:root {cfg} and chmod go-w it and every directory above it"
+    assert rows["GPUs"][0] == "ok"  # the rest still judged with the file's settings
+
+
+@pytest.mark.parametrize("offset,word", [(30.0, "ahead of"), (-30.0, "behind")])
+def test_clock_off_by_more_than_2_s_fails(gcp, emu, tmp_path, offset, word):
+    from slurmagent.commands.doctor import run_doctor
+
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    clock = next(r for r in run_doctor(str(cfg), clock=lambda: time.time() + offset) if r.name == "clock")
+    assert not clock.ok and f"{word} the metadata server" in clock.detail and clock.fix.startswith("enable NTP")
+    assert abs(float(clock.detail.split()[2]) - abs(offset)) < 1.5, clock.detail
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown and the root-only state dir check")
+def test_a_state_dir_a_user_created_fails_with_fix(gcp, emu, tmp_path, capsys):
+    """A `%n` state dir under a world-writable directory that a user made first: root ignores
+    every file in it (expiry state, journal, cursor, decision log), so doctor says so."""
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    state = tmp_path / "state" / "n1"
+    state.mkdir(parents=True)
+    os.chown(state, 65534, 65534)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1
+    mark, detail, fix = rows["state dir"]
+    assert mark == "FAIL" and detail == f"{state} is owned by uid 65534: root would ignore the files in {state}", out
+    assert fix.startswith(f"rm -r {state} and let root create it")
+    os.chown(state, 0, 0)
+    assert doctor(capsys, cfg)[1]["state dir"][0] == "ok"

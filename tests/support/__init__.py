@@ -1,0 +1,143 @@
+"""What the tests share besides fixtures: paths, replay snapshots, the cluster's config and
+hook shims, `wait_for`, and the one "skip, or fail in CI" check before starting a cluster.
+
+Tests import it as `support` (pyproject puts `tests/` on sys.path); the fakes, emulators, toy
+trainers and data files live beside this file. Nothing here imports pytest or google at import
+time, so bench/ and `slurmagent demo` can use it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slurmagent.devtools.localcluster import LocalSlurmCluster
+
+SUPPORT = Path(__file__).resolve().parent
+REPO = SUPPORT.parents[1]
+DATA = SUPPORT / "data"
+TOY_TRAINER = str(SUPPORT / "toy_trainer.py")
+TOY_RANKS = str(SUPPORT / "toy_ranks.py")
+
+
+def healthy_gpu(i: int) -> dict:
+    return {
+        "index": i,
+        "uuid": f"GPU-{i:08x}-0000-0000-0000-000000000000",
+        "name": "NVIDIA H100 80GB HBM3",
+        "pci_bus_id": f"00000000:{0x18 + 0x10 * i:02X}:00.0",
+        "lost": False,
+        "temperature_c": 38,
+        "power_w": 71.2,
+        "persistence_mode": True,
+        "ecc": {"volatile_uncorrected": 0, "aggregate_uncorrected": 0, "volatile_corrected": 0},
+        "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
+        "pcie": {"gen": 5, "max_gen": 5, "width": 16, "max_width": 16},
+        "nvlink": [{"link": k, "active": True, "replay_errors": 0, "recovery_errors": 0, "crc_errors": 0} for k in range(18)],
+        "clocks_event_reasons": [],
+        "recovery_action": 0,
+    }
+
+
+def healthy_snapshot_dict(n: int = 8, hostname: str = "n1") -> dict:
+    return {"schema": 1, "hostname": hostname, "driver_version": "550.90.07", "nvml_error": None,
+            "gpus": [healthy_gpu(i) for i in range(n)]}
+
+
+def xid_snapshot_dict(xid: int = 79, gpu: int = 3, n: int = 8) -> dict:
+    d = healthy_snapshot_dict(n)
+    d["gpus"][gpu]["xid_events"] = [{"xid": xid, "time": "2026-11-30T05:00:00Z"}]
+    return d
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+    return path
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def manifest(prefix: str) -> dict | None:
+    """The newest manifest under gs://ckpt/PREFIX in the emulator STORAGE_EMULATOR_HOST names."""
+    from google.cloud import storage
+
+    blob = storage.Client(project="test").bucket("ckpt").blob(f"{prefix}/manifest.json")
+    return json.loads(blob.download_as_bytes()) if blob.exists() else None
+
+
+def need_slurm() -> None:
+    """Before starting a local Slurm cluster: skip where none can run, but fail in CI (`CI` set),
+    so that a lane never passes by skipping its cluster tests."""
+    import pytest
+
+    from slurmagent.devtools.localcluster import slurm_available
+
+    why = slurm_available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"local Slurm cluster unavailable in CI: {why}")
+        pytest.skip(why)
+
+
+class SlurmEnv:
+    """The session cluster plus the per-node files its hooks read."""
+
+    def __init__(self, cluster: LocalSlurmCluster, root: Path, config: Path):
+        self.cluster = cluster
+        self.root = root
+        self.config = config
+
+    def snapshot_path(self, node: str) -> Path:
+        return self.root / "snap" / f"{node}.json"
+
+    def kernel_log(self, node: str) -> Path:
+        return self.root / "kern" / f"{node}.log"
+
+    def state_dir(self, node: str) -> Path:
+        return self.root / "state" / node
+
+    def set_snapshot(self, node: str, data: dict) -> None:
+        write_json(self.snapshot_path(node), data)
+
+    def decisions(self, node: str) -> list[dict]:
+        from slurmagent.state.decisionlog import read_records
+
+        return read_records(self.state_dir(node) / "hooks.log")
+
+    def reset(self) -> None:
+        for node in self.cluster.nodes:
+            self.set_snapshot(node, healthy_snapshot_dict(hostname=node))
+        self.cluster.reset_nodes()
+
+
+def hook_shim(path: Path, hook: str, config: Path, extra_env: dict[str, str] | None = None) -> Path:
+    """A Prolog/Epilog shim as an admin would install it, pointing at this checkout."""
+    env = {"SLURMAGENT_CONFIG": str(config), "PYTHONPATH": str(REPO), **(extra_env or {})}
+    exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
+    path.write_text(f"#!/bin/sh\n{exports}exec {sys.executable} -m slurmagent.entry {hook}\n")
+    path.chmod(0o755)
+    return path
+
+
+def cluster_config_text(root: Path, **health: object) -> str:
+    """The test cluster's config; keyword arguments override `[health]` keys (None drops one)."""
+    keys = {"snapshot": f"{root}/snap/%n.json", "kernel_log": f"{root}/kern/%n.log", "expected_gpus": 8,
+            "timeout_s": 5, **health}
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if v is not None)
+    return f'state_dir = "{root}/state/%n"\n[health]\n{lines}[hooks]\nsyslog = false\n'

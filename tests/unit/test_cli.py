@@ -1,0 +1,140 @@
+"""The command line as a user types it: `--config` before a hook, and the `--` forms of
+`sbatch` and `run` from the README, parsed exactly as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import REPO
+
+SBATCH_RECORDER = """#!{python}
+import json, sys
+with open({log!r}, "a") as fh:
+    fh.write(json.dumps(sys.argv[1:]) + "\\n")
+print("77")
+"""
+
+
+def slurmagent(*args: str, config: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env.update(SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "slurmagent.entry", *args], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=cwd)
+
+
+@pytest.fixture
+def sbatch_log(tmp_path) -> Path:
+    log = tmp_path / "sbatch.jsonl"
+    recorder = tmp_path / "sbatch"
+    recorder.write_text(SBATCH_RECORDER.format(python=sys.executable, log=str(log)))
+    recorder.chmod(0o755)
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n[slurm]\nsbatch = "{recorder}"\n')
+    return log
+
+
+@pytest.mark.parametrize(
+    ("argv", "sbatch_opts", "run_args"),
+    [
+        # README: "or, simpler, `slurmagent sbatch -N1 --gres=gpu:8 -- python train.py`"
+        (["-N1", "--gres=gpu:8", "--", "python", "train.py"], ["-N1", "--gres=gpu:8"], ["--", "python", "train.py"]),
+        (["--", "python", "train.py"], [], ["--", "python", "train.py"]),
+        (["--parsable", "--exclusive", "--", "--grace", "120", "--", "python", "train.py", "--", "--lr=3"],
+         ["--parsable", "--exclusive"], ["--grace", "120", "--", "python", "train.py", "--", "--lr=3"]),
+        # forms that worked before and still do
+        (["-t", "4:00:00", "--", "--grace", "120", "--", "python", "train.py"], ["-t", "4:00:00"],
+         ["--grace", "120", "--", "python", "train.py"]),
+        (["-N", "4", "--", "srun", "python", "train.py"], ["-N", "4"], ["--", "srun", "python", "train.py"]),
+    ],
+)
+def test_sbatch_takes_the_readme_forms_with_the_separator_intact(tmp_path, sbatch_log, argv, sbatch_opts, run_args):
+    proc = slurmagent("sbatch", *argv, config=tmp_path / "c.toml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "77\n"
+    (call,) = [json.loads(line) for line in sbatch_log.read_text().splitlines()]
+    script = next(a for a in call if a.endswith(".sh"))
+    at = call.index(script)
+    assert call[:at] == [*sbatch_opts, "--requeue", "--signal=B:USR1@300"]
+    assert call[at + 1:] == run_args
+
+
+def test_sbatch_without_a_command_is_one_line_exit_2(tmp_path, sbatch_log):
+    for argv in (["-N1", "--gres=gpu:8"], ["-N1", "--"], []):
+        proc = slurmagent("sbatch", *argv, config=tmp_path / "c.toml", cwd=tmp_path)
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, (argv, proc.stderr)
+        assert "slurmagent sbatch [sbatch options] -- CMD ARGS" in proc.stderr
+    assert not sbatch_log.exists()
+
+
+ARGV_DUMP = "import json, sys; open(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--grace", "5", "--", sys.executable, "-c", ARGV_DUMP, "{out}", "-x", "--", "--lr=3"],  # the documented form
+        ["--grace", "5", sys.executable, "-c", ARGV_DUMP, "{out}", "-x", "--", "--lr=3"],  # CMD's options stay CMD's
+    ],
+)
+def test_run_hands_the_command_its_own_options_and_separator(tmp_path, argv):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    out = tmp_path / "argv.json"
+    argv = [a.replace("{out}", str(out)) for a in argv]
+    proc = slurmagent("run", "--ckpt-dir", str(tmp_path / "ck"), *argv, config=tmp_path / "c.toml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text()) == ["-x", "--", "--lr=3"]
+
+
+@pytest.mark.parametrize(("option", "value", "shown"), [
+    ("--sync-interval", "0", "--sync-interval 0.0 is out of range (0.1 .. 86400)"),
+    ("--grace", "1e308", "--grace 1e+308 is out of range (0.1 .. 86400)"),
+    ("--grace", "nan", "--grace nan is out of range (0.1 .. 86400)"),
+    ("--max-requeues", "100000", "--max-requeues 100000 is out of range (0 .. 10000)"),
+])
+def test_run_options_obey_the_ranges_of_the_keys_they_override(tmp_path, option, value, shown):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    proc = slurmagent("run", "--ckpt-dir", str(tmp_path / "ck"), option, value, "--", "touch", str(tmp_path / "ran"),
+                      config=tmp_path / "c.toml", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == f"slurmagent: run: {shown}\n"
+    assert not (tmp_path / "ran").exists()
+
+
+# --- bad paths: one line, exit 2, nothing created --------------------------------------------------
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slurmagent: ")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("ckpt_dir", ["/dev/null", "FILE", "/proc/1/x"])
+def test_run_with_an_unusable_ckpt_dir_is_one_line(tmp_path, ckpt_dir):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    if ckpt_dir == "FILE":
+        ckpt_dir = str(tmp_path / "a-file")
+        Path(ckpt_dir).write_text("x")
+    proc = slurmagent("run", "--ckpt-dir", ckpt_dir, "--", "true", config=tmp_path / "c.toml", cwd=tmp_path)
+    assert ckpt_dir in _one_error_line(proc)
+
+
+def test_snapshot_to_a_directory_is_one_line(tmp_path):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    line = _one_error_line(slurmagent("snapshot", "-o", str(tmp_path), config=tmp_path / "c.toml", cwd=tmp_path))
+    assert "is a directory" in line
+
+
+def test_snapshot_never_creates_the_directory_of_its_output(tmp_path):
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    target = tmp_path / "nonexistent" / "dir" / "x.json"
+    line = _one_error_line(slurmagent("snapshot", "-o", str(target), config=tmp_path / "c.toml", cwd=tmp_path))
+    assert "does not exist" in line and not (tmp_path / "nonexistent").exists()
+    ok = slurmagent("snapshot", "-o", str(tmp_path / "x.json"), config=tmp_path / "c.toml", cwd=tmp_path)
+    assert ok.returncode == 0 and json.loads((tmp_path / "x.json").read_text()), ok.stderr

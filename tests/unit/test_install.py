@@ -1,0 +1,143 @@
+"""`slurmagent install --root DIR`: a staging tree, idempotent, never overwriting an edited config."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from support import REPO
+from slurmagent.state.config import Config, parse
+from slurmagent.commands.install import config_template, install
+
+
+def cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurmagent.entry", *args], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+
+
+def test_install_into_staging_root_is_idempotent(tmp_path):
+    first = cli("install", "--root", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    shim = tmp_path / "etc/slurmagent/hooks/prolog"
+    assert os.access(shim, os.X_OK) and (shim.stat().st_mode & 0o777) == 0o755
+    assert re.search(r"exec \S+/slurmagent prolog", shim.read_text())
+    assert (tmp_path / "etc/slurmagent/config.toml").exists()
+    units = sorted(p.name for p in (tmp_path / "etc/systemd/system").iterdir())
+    assert "slurmagent-watch.service" in units
+    binary = f"{sys.prefix}/bin/slurmagent"
+    if os.path.exists(binary):  # units and shims point at this installation
+        assert f"exec {binary} prolog" in shim.read_text()
+        for unit in units:
+            text = (tmp_path / "etc/systemd/system" / unit).read_text()
+            assert all(line.startswith(f"ExecStart={binary}") for line in text.splitlines() if line.startswith("ExecStart="))
+    assert "slurm.conf" in first.stdout  # it says which slurm.conf lines are still missing
+    second = cli("install", "--root", str(tmp_path))
+    assert second.returncode == 0
+    actions = [line.split()[0] for line in second.stdout.splitlines() if line.startswith(("install", "update", "unchanged", "kept"))]
+    assert actions and set(actions) == {"unchanged"}, second.stdout
+
+
+def test_edited_config_is_never_overwritten(tmp_path):
+    install(tmp_path)
+    config = tmp_path / "etc/slurmagent/config.toml"
+    config.write_text("[health]\ntimeout_s = 5\n")
+    steps = {str(s.path): s.action for s in install(tmp_path)}
+    assert steps[str(config)] == "kept"
+    assert config.read_text() == "[health]\ntimeout_s = 5\n"
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    out = cli("install", "--root", str(tmp_path / "r"), "--dry-run")
+    assert out.returncode == 0 and "would install" in out.stdout
+    assert not (tmp_path / "r").exists()
+
+
+def test_config_template_parses_and_uncommented_gives_the_defaults():
+    text = config_template()
+    assert tomllib.loads(text) == {}  # all commented out: a valid, empty config
+    uncommented = "\n".join(line[1:].split("    # ")[0] if line.startswith("#") and "=" in line or line.startswith("#[") else ""
+                            for line in text.splitlines())
+    cfg = parse(tomllib.loads(uncommented))
+    assert cfg == Config(source=cfg.source)
+
+
+def test_missing_slurm_conf_lines_are_listed(tmp_path):
+    (tmp_path / "etc/slurm").mkdir(parents=True)
+    (tmp_path / "etc/slurm/slurm.conf").write_text("ClusterName=x\nPrologFlags=Alloc\n")
+    out = cli("install", "--root", str(tmp_path))
+    assert "nohold_on_prolog_fail" in out.stdout and "Prolog=" in out.stdout
+
+
+RECORDING_BINARY = """#!/bin/sh
+printf '%s\\n' "$@" > "$(dirname "$0")/ran-with"
+exit 3
+"""
+
+
+def test_shims_and_units_quote_an_install_path_with_spaces(tmp_path):
+    """Unquoted, `[ -x /opt/my venv/bin/slurmagent ]` was a test error: the prolog exited 0, node unchecked."""
+    venv_bin = tmp_path / "my venv $HOME %n" / "bin"
+    venv_bin.mkdir(parents=True)
+    binary = venv_bin / "slurmagent"
+    binary.write_text(RECORDING_BINARY)
+    binary.chmod(0o755)
+    root = tmp_path / "staging root"
+    install(root, binary=str(binary))
+    for hook in ("prolog", "epilog", "healthcheck"):
+        (venv_bin / "ran-with").unlink(missing_ok=True)
+        proc = subprocess.run([str(root / "etc/slurmagent/hooks" / hook)], env={}, capture_output=True, text=True,
+                              timeout=30)
+        assert proc.returncode == 3, proc.stderr  # the binary's own code: it ran (exec), the shim did not fall through
+        assert (venv_bin / "ran-with").read_text() == f"{hook}\n"
+    unit = (root / "etc/systemd/system/slurmagent-watch.service").read_text()
+    (exec_start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    quoted = str(binary).replace("%", "%%").replace("$", "$$")
+    assert exec_start == f'ExecStart="{quoted}" watch'
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_a_config_narrowed_to_0600_is_never_widened(tmp_path, edited):
+    install(tmp_path)
+    config = tmp_path / "etc/slurmagent/config.toml"
+    if edited:
+        config.write_text("[health]\ntimeout_s = 5\n")
+    config.chmod(0o600)
+    steps = {str(s.path): s.action for s in install(tmp_path)}
+    assert steps[str(config)] == ("kept" if edited else "unchanged")
+    assert (config.stat().st_mode & 0o777) == 0o600
+
+
+def read_only(root) -> list[str]:
+    """argv prefix: run the rest in a private mount namespace where `root` is a read-only bind mount
+    (as root, permission bits do not stop a write; a read-only mount does)."""
+    return ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && exec "$@"',
+            str(root)]
+
+
+needs_mount_ns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None
+    or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0,
+    reason="needs root and unshare -m for a read-only bind mount")
+
+
+@needs_mount_ns
+@pytest.mark.parametrize("state", ["empty", "installed, a shim's mode changed"])
+def test_install_on_a_read_only_root_is_one_line_exit_2(tmp_path, state):
+    root = tmp_path / "root"
+    root.mkdir()
+    if state != "empty":
+        install(root)
+        (root / "etc/slurmagent/hooks/prolog").chmod(0o700)
+        (root / "etc/slurmagent/config.toml").chmod(0o600)
+    before = {p: p.stat().st_mode for p in root.rglob("*")}
+    proc = subprocess.run([*read_only(root), sys.executable, "-m", "slurmagent.entry", "install", "--root", str(root)],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(rf"slurmagent: cannot write {re.escape(str(root))}/\S+: Read-only file system\n", proc.stderr)
+    assert {p: p.stat().st_mode for p in root.rglob("*")} == before  # nothing changed, nothing lost
