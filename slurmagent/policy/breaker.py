@@ -2,7 +2,7 @@
 
 No I/O: nodes (`nodes.NodeInfo`, parsed from one `scontrol -o show node`), the config
 values and the clock go in, a decision comes out. `actions/` and the runtimes do the talking;
-which node `repair` fixes, and how, is decided in `repair_policy.py`.
+which node `repair` fixes, and how, is decided in `policy/repair.py`.
 
 Marks in the node's Slurm `Comment` (only written when the comment is empty or already
 ours, never over an admin's):

@@ -1,5 +1,5 @@
 """A single-node job's store with the multi-node job's guarantee: while the trainer runs, a
-periodic commit takes only units quiet for a whole round (`checkpoint_cut.py`), so a
+periodic commit takes only units quiet for a whole round (`checkpoint/cut.py`), so a
 `checkpoint-N/` the trainer is still filling file by file is never committed half-done; its
 previous committed version stays meanwhile. The final sync, after the trainer exited,
 takes everything as it is.

@@ -1,7 +1,7 @@
 """What a wrapped run (`slurmagent run`) starts from: who the job is, its options, the
 outcome it reports, and its private checkpoint directory with a record of what it last held.
 
-Kept apart from the supervisor's loop (`wrapper.py`) so that the wiring (`runner.py`) and
+Kept apart from the supervisor's loop (`run/supervisor.py`) so that the wiring (`run/main.py`) and
 the tests build a run without going through the loop.
 """
 

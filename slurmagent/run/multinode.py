@@ -6,7 +6,7 @@ nodes' disks, so a small agent of ours (`node_agent.py`) runs on every node, one
 node, in an `srun --overlap` step of the job itself (Slurm tracks and ends it like any step):
 
 Each agent's report comes back whole over a framed channel on the step's stdout
-(`agent_channel`); the step sets its own srun options, runs the agents isolated from the
+(`run/channel.py`); the step sets its own srun options, runs the agents isolated from the
 job's directory and can be cancelled (`agent_step`): the flush cancels the round in flight
 (`AllocationStore.cancel_rounds`) so a hung agent never holds the final sync, and a node
 without a report is named.
@@ -32,7 +32,7 @@ old checkpoints) and leaves the checkpoint, whatever other nodes still hold from
 a step folder one of its writer nodes removed whole leaves whole, with the files other nodes
 wrote into it (`checkpoint_cut.Rotations`: HF's `rng_state_1.pth`).
 
-While the command still runs, a commit is a consistent cut (`checkpoint_cut.py`): units (step
+While the command still runs, a commit is a consistent cut (`checkpoint/cut.py`): units (step
 folders, the files of one folder) are taken only when quiet for a whole round on every node,
 which compares each node's disk with itself only, so node clocks never decide it. Each report
 carries its agent's clock, which the batch step compares with its own (a warning above
@@ -125,7 +125,7 @@ class SrunLauncher:
     """Runs `slurmagent node-agent ARGS` once per node of the job: `srun --overlap`, one task
     per node, inside the allocation (so Slurm tracks, signals and ends it), with a deadline and
     a cancel (`agent_step`). Each agent's report comes back whole over the framed channel
-    (`agent_channel`); a node without one is named."""
+    (`run/channel.py`); a node without one is named."""
 
     def __init__(self, alloc: Allocation, env: Mapping[str, str], *, srun: str = "srun",
                  python: str = sys.executable, err: TextIO = sys.stderr, workdir: str = "/"):

@@ -1,9 +1,9 @@
 """The node agent of a multi-node job: one task per node (`slurmagent node-agent restore|sync`).
 
-It runs in an `srun --overlap` step of the job (see `allocation.py`) and works on this node's
+It runs in an `srun --overlap` step of the job (see `run/multinode.py`) and works on this node's
 local checkpoint directory only: a restore makes it hold exactly the committed checkpoint
 (or this node's part), a sync uploads its blobs without committing. Each task sends one
-report (`allocation.NodeReport`) over the framed channel on stdout (`agent_channel`: short
+report (`run/reports.NodeReport`) over the framed channel on stdout (`run/channel.py`: short
 lines that srun never tears, whatever the report's size); the batch step merges them into
 one commit. The launcher runs it with `python -P` in `/`, so a module in the job's directory
 (`uuid.py`, `json.py`) never shadows one the agent imports.

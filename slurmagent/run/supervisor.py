@@ -14,9 +14,9 @@ done, then issued once, so Slurm's kill timer never starts while the upload runs
 A fault flush (`nodes.FAULT_FLUSH_SIGNAL`, SIGPWR, sent by `watch`/`healthcheck` when a GPU
 died under the job) is the same flush with at most FAULT_GRACE_S for the trainer, which may
 hang on the dead GPU: the last committed checkpoint is what counts. A child that does not
-die after SIGKILL (stuck in the kernel on that GPU) is left behind (`child_process.py`), so
+die after SIGKILL (stuck in the kernel on that GPU) is left behind (`run/child.py`), so
 the sync and the requeue still happen. Who the job is, its options and its directory are
-`run_setup.py`'s.
+`run/job.py`'s.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Each binary has its own configurable path (`[slurm] scontrol`, `squeue`, `scancel`,
 `sbatch`); every call that takes nodes or jobs takes a list and sends one hostlist (or one
-comma list), so mass events stay cheap. What comes back is parsed by `nodes.py` (ONE model).
-Changing Slurm state is `actions.py`'s business: it calls the writes below.
+comma list), so mass events stay cheap. What comes back is parsed by `slurm/model.py` (ONE model).
+Changing Slurm state is the business of `actions/` (the `JournalExecutor`): it calls the writes below.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class Slurm:
                 limits.append(parse_time_limit(kv.get("MaxTime", "UNLIMITED")))
         return limits
 
-    # --- writes (actions.py calls these) --------------------------------------------------
+    # --- writes (the actions' executor calls these) --------------------------------------------------
 
     def update_nodes(self, nodes: list[str], **fields: str) -> None:
         """`scontrol update NodeName=<hostlist> K=V ...` in one call; a Reason is cleaned."""

@@ -10,7 +10,7 @@ half-way. Any hook, timer or command replays what is pending first (`replay`).
 * Bounded: `done/` keeps the newest `max_done` entries; `pending/` holds at most
   `max_pending` (the oldest are dropped with a loud log line) and entries older than
   `max_age_s` are dropped as stale (the next hook judges the node afresh anyway).
-* Idempotent: the handlers (in `actions.py`) look at the current state before acting, so a
+* Idempotent: the handlers (in `actions/handlers.py`) look at the current state before acting, so a
   replayed drain on a node already drained with that reason is a no-op, and a replayed
   repair request reuses its Compute `requestId` so the API does not act twice.
 * One replayer at a time per journal (`flock` on `journal/lock`); a second caller skips

@@ -215,18 +215,22 @@ def finish_sync(
         return SyncResult(
             0, 0, generation or None, 0, 0, tuple(busy), result_skipped, run.dl.elapsed(), manifest=current
         )
-    if not commit:  # one node's part: the job commits every node's entries at once
+    def result(generation_now: int | None, manifest: Manifest | None = None) -> SyncResult:
         return SyncResult(
             files_sent=files_sent,
             bytes_sent=sum(run.uploaded.values()),
-            manifest_generation=generation or None,
+            manifest_generation=generation_now,
             skipped_unchanged=sum(1 for e in new_files.values() if "link" not in e) - files_sent,
             files_total=len(new_files),
             busy=tuple(busy),
             skipped=result_skipped,
             seconds=run.dl.elapsed(),
             files=new_files,
+            manifest=manifest,
         )
+
+    if not commit:  # one node's part: the job commits every node's entries at once
+        return result(generation or None)
     no_progress = no_progress_after(restored, new_files)
     if (
         current is not None
@@ -240,15 +244,4 @@ def finish_sync(
         manifest = run.manifests.stamped(Manifest(attempt=attempt, files=new_files, no_progress=no_progress))
         new_generation = run.manifests.write(manifest, current, generation, run.dl)
     run.committed = committed
-    return SyncResult(
-        files_sent=files_sent,
-        bytes_sent=sum(run.uploaded.values()),
-        manifest_generation=new_generation,
-        skipped_unchanged=sum(1 for e in new_files.values() if "link" not in e) - files_sent,
-        files_total=len(new_files),
-        busy=tuple(busy),
-        skipped=result_skipped,
-        seconds=run.dl.elapsed(),
-        files=new_files,
-        manifest=manifest,
-    )
+    return result(new_generation, manifest)
