@@ -33,6 +33,7 @@ HealthFn = Callable[[Config, str, bool], Report]
 
 @dataclass(frozen=True)
 class HookContext:
+    """What Slurm tells a hook about itself, from its environment."""
     hook: str  # "prolog" | "epilog" | "healthcheck"
     node: str
     job_id: str | None

@@ -42,6 +42,7 @@ HW_SLOWDOWN = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 
 @dataclass(frozen=True)
 class Finding:
+    """One check's verdict on one GPU (or the node)."""
     rule: str
     severity: Severity
     gpu: int | None
@@ -69,6 +70,7 @@ class Finding:
 
 @dataclass
 class Report:
+    """All findings of one health check."""
     findings: list[Finding] = field(default_factory=list)
     gpus_seen: int = 0
     expected_gpus: int | None = None

@@ -19,6 +19,7 @@ SCHEMA = 1
 
 @dataclass
 class Ecc:
+    """ECC error counters of one GPU."""
     volatile_uncorrected: int | None = None
     aggregate_uncorrected: int | None = None
     volatile_corrected: int | None = None
@@ -26,6 +27,7 @@ class Ecc:
 
 @dataclass
 class RemappedRows:
+    """Row remapping state of one GPU."""
     correctable: int | None = None
     uncorrectable: int | None = None
     pending: bool | None = None
@@ -34,6 +36,7 @@ class RemappedRows:
 
 @dataclass
 class RetiredPages:
+    """Retired pages of one GPU (pre-Ampere)."""
     sbe: int | None = None
     dbe: int | None = None
     pending: bool | None = None
@@ -41,6 +44,7 @@ class RetiredPages:
 
 @dataclass
 class Pcie:
+    """PCIe link generation and width, current and max."""
     gen: int | None = None
     max_gen: int | None = None
     width: int | None = None
@@ -49,6 +53,7 @@ class Pcie:
 
 @dataclass
 class NvLink:
+    """One NVLink's state and error counters."""
     link: int
     active: bool | None = None
     replay_errors: int | None = None
@@ -58,6 +63,7 @@ class NvLink:
 
 @dataclass
 class XidEvent:
+    """One XID seen on a GPU."""
     xid: int
     time: str | None = None  # RFC 3339, UTC
     detail: str | None = None
@@ -65,6 +71,7 @@ class XidEvent:
 
 @dataclass
 class GpuState:
+    """Everything the checks read about one GPU."""
     index: int
     uuid: str | None = None
     name: str | None = None
@@ -85,6 +92,7 @@ class GpuState:
 
 @dataclass
 class NodeSnapshot:
+    """One reading of all the node's GPUs."""
     hostname: str | None = None
     driver_version: str | None = None
     nvml_error: str | None = None

@@ -42,6 +42,7 @@ def allowed_drained(total: int, fraction: float) -> int:
 
 @dataclass(frozen=True)
 class Breaker:
+    """The circuit breaker's count: fault-drained nodes against the drains allowed."""
     total: int
     allowed: int
     fraction: float

@@ -42,6 +42,7 @@ def fault_behavior(rule: str) -> str:
 
 @dataclass
 class RepairPlan:
+    """What one repair pass does, node by node."""
     todo: list[str] = field(default_factory=list)       # repair these now
     needs_drain: list[str] = field(default_factory=list)  # suppressed nodes --force drains first
     skipped: dict[str, str] = field(default_factory=dict)  # not now, not an error

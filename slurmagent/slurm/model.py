@@ -104,6 +104,7 @@ def parse_comment(comment: str) -> Marks:
 
 @dataclass(frozen=True)
 class NodeInfo:
+    """One node as `scontrol -o show node` shows it."""
     name: str
     flags: frozenset[str]
     reason: str = ""
@@ -232,6 +233,7 @@ def nodes_from_text(text: str) -> list[NodeInfo]:
 
 @dataclass(frozen=True)
 class JobInfo:
+    """One job as `scontrol -o show job` shows it."""
     job_id: str
     state: str
     reason: str = ""

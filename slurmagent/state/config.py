@@ -31,6 +31,7 @@ def _key(default: Any, doc: str, choices: tuple[str, ...] = (), *, low: float | 
 
 @dataclass(frozen=True)
 class HealthConfig:
+    """[health]: where the health check reads and what it warns or drains on."""
     snapshot: str = _key("", "replay snapshot to read instead of NVML (`%n` = node name)")
     expected_gpus: int = _key(
         0, "0 = the node's GPU count from slurm.conf/gres.conf, else this number",
@@ -55,6 +56,7 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class HooksConfig:
+    """[hooks]: how the Prolog/Epilog fail and log."""
     on_internal_error: str = _key(
         "open",
         "a slurmagent failure (bug, bad config) in a hook: `open` lets the job run and logs it loudly, "
@@ -68,6 +70,7 @@ class HooksConfig:
 
 @dataclass(frozen=True)
 class SlurmConfig:
+    """[slurm]: the Slurm binaries and their deadline."""
     scontrol: str = _key("scontrol", "scontrol binary")
     sbatch: str = _key("sbatch", "sbatch binary")
     squeue: str = _key("squeue", "squeue binary (the expiry watch and `watch` list the jobs running on the node)")
@@ -78,6 +81,7 @@ class SlurmConfig:
 
 @dataclass(frozen=True)
 class GcpConfig:
+    """[gcp]: the project, zones and endpoint of the Compute API."""
     project: str = _key("", "default: metadata server")
     zone: str = _key("", "default: metadata server")
     compute_endpoint: str = _key("", "e.g. http://127.0.0.1:PORT for tests; default: Google's")
@@ -88,6 +92,7 @@ class GcpConfig:
 
 @dataclass(frozen=True)
 class RepairConfig:
+    """[repair]: the circuit breaker, repair strategy and journal bounds."""
     strategy: str = _key(
         "auto",
         "`auto`: per VM, `reportHostAsFaulty` where Google accepts it (running, reservation-bound A3 Ultra/A4/A4X), "
@@ -132,6 +137,7 @@ class RepairConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """[checkpoint]: where and how often `slurmagent run` syncs checkpoints."""
     remote: str = _key("", "gs://bucket/prefix; STORAGE_EMULATOR_HOST is honoured")
     sync_interval_s: float = _key(60.0, "background sync period of `slurmagent run`", low=0.1, high=86400)
     grace_s: float = _key(90.0, "how long the child may take to checkpoint after the signal", low=0.1, high=86400)
@@ -150,6 +156,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ExpiryConfig:
+    """[expiry]: drain and flush ahead of the VM's end."""
     termination_time: str = _key("", "RFC 3339 override; default: the Compute API")
     drain_lead_s: float = _key(1800.0, "drain this long before termination", low=0, high=604800)
     flush_lead_s: float = _key(120.0, "flush running jobs this long before termination", low=0, high=604800)
@@ -185,6 +192,7 @@ class ExpiryConfig:
 
 @dataclass(frozen=True)
 class WatchConfig:
+    """[watch]: what the watch does to jobs on a GPU that failed."""
     running_jobs: str = _key(
         "requeue",
         "`watch`/`healthcheck` found a GPU unusable (lost, missing, NVML down, an XID asking for a GPU reset or a node "
@@ -200,11 +208,13 @@ class WatchConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """[metrics]: the Prometheus textfile."""
     textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name)")
 
 
 @dataclass(frozen=True)
 class Config:
+    """The whole config file, one field per section."""
     state_dir: str = _key("/var/lib/slurmagent", "journal, kernel-log cursor, expiry state (`%n` = node name)")
     health: HealthConfig = field(default_factory=HealthConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
