@@ -23,12 +23,14 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import subprocess
 
 from ..state import host
 from ..state.fsutil import UntrustedFile, atomic_write_text, read_state_file
@@ -175,6 +177,8 @@ def _kmsg_seq(record: bytes) -> int | None:
 
 
 def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[bytes]:
+    import subprocess  # journalctl/dmesg only: a kernel log file (the prolog's usual source) needs none, start-up speed
+
     try:
         return subprocess.run(
             list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,

@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 from ..core import hostlist
 from ..errors import SlurmError
 from . import env as slurm_env
-from .model import (
-    RUNNING_JOB_FIELDS,
-    JobInfo,
-    NodeInfo,
-    RunningJob,
-    job_from_text,
-    nodes_from_text,
-    parse_kv,
-    running_jobs_from_text,
-    script_execs_wrapper,
-)
 from ..core.reasons import clean_reason
 from ..core.timefmt import parse_time_limit
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from .model import JobInfo, NodeInfo, RunningJob
+
+# The healthy prolog imports this module for its names and slurm.conf readers only: `subprocess`
+# and `model` (the parsers of scontrol's answers) are imported by the calls that need them.
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 10.0  # one scontrol/squeue/scancel/sbatch call, unless [slurm] timeout_s says otherwise
@@ -42,6 +38,8 @@ class Runner(Protocol):
 
 def run_argv(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run one command as an argv list (never a shell) with a deadline."""
+    import subprocess  # only when a command runs: start-up speed of the healthy prolog
+
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
@@ -148,6 +146,8 @@ class Slurm:
 
     def nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
         """All nodes (one call), or those named (one hostlist)."""
+        from .model import nodes_from_text  # scontrol's parsers off the healthy prolog: start-up speed
+
         args = ["-o", "show", "node"] + ([hostlist.compress(names)] if names else [])
         return nodes_from_text(self._scontrol(*args).stdout)
 
@@ -158,6 +158,8 @@ class Slurm:
         return found[0]
 
     def job(self, job_id: str) -> JobInfo | None:
+        from .model import job_from_text  # scontrol's parsers off the healthy prolog: start-up speed
+
         proc = self._scontrol("-o", "show", "job", job_id, check=False)
         if proc.returncode != 0:
             if "Invalid job id" in proc.stderr:
@@ -174,6 +176,8 @@ class Slurm:
     def _job_without_free_text(self, job: JobInfo) -> JobInfo:
         """The fields of a job whose own text imitates scontrol's (see `job_from_text`), from a
         squeue listing that prints none of its free text; the unknown JobInfo when that fails."""
+        from .model import JobInfo  # scontrol's parsers off the healthy prolog: start-up speed
+
         try:
             proc = self._call(self.squeue, ["-h", "-j", job.job_id, "-t", "all", "-O", self._SQUEUE_JOB_FIELDS],
                               check=False)
@@ -196,6 +200,8 @@ class Slurm:
     def running_jobs(self, node: str) -> list[RunningJob]:
         """The jobs running on the node with their restart count, requeue flag and node count, in
         one call (`squeue -h -w NODE -t RUNNING -O JobID:|,RestartCnt:|,Requeue:|,NumNodes:|`)."""
+        from .model import RUNNING_JOB_FIELDS, running_jobs_from_text  # off the healthy prolog: start-up speed
+
         fmt = ",".join(f"{f}:|" for f in RUNNING_JOB_FIELDS)
         proc = self._call(self.squeue, ["-h", "-w", node, "-t", "RUNNING", "-O", fmt])
         return running_jobs_from_text(proc.stdout)
@@ -203,6 +209,8 @@ class Slurm:
     def job_is_wrapped(self, job_id: str) -> bool:
         """Does the job's batch script exec the slurmagent wrapper (so a signal to its batch step
         means 'flush')? One `scontrol write batch_script` call."""
+        from .model import script_execs_wrapper  # off the healthy prolog: start-up speed
+
         script = self.job_script(job_id)
         return script is not None and script_execs_wrapper(script)
 
@@ -213,6 +221,8 @@ class Slurm:
 
     def partition_max_times(self, names: list[str]) -> list[float | None]:
         """MaxTime of each named partition that exists, in seconds (None = unlimited); one call."""
+        from .model import parse_kv  # scontrol's parsers off the healthy prolog: start-up speed
+
         out = self._scontrol("-o", "show", "partition").stdout
         limits = []
         for line in out.splitlines():

@@ -280,7 +280,8 @@ PROBE = """
 import sys
 from slurmagent.entry import main
 code = main(["prolog"])
-print(sorted(m for m in sys.modules if m.startswith(("google", "click"))))
+print(sorted(m for m in sys.modules if m.startswith(("google", "click"))
+             or m in ("subprocess", "slurmagent.slurm.model")))  # nor a command runner, nor scontrol's parsers
 print(code)
 """
 
