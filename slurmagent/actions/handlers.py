@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 import weakref
 from typing import Any, Callable
 
@@ -28,7 +27,6 @@ from ..policy import (
     breaker as breaker_policy,
     drain as drain_policy,
     eviction as eviction_policy,
-    repair as repair_policy,
 )
 from ..state.config import Config
 from ..state.decisionlog import warn
@@ -226,6 +224,8 @@ class EntryHandlers:
         why = self.opted_out(found[0] if found else None, node)
         if why:
             return f"excluded ({why}): not resumed"
+        from ..policy import repair as repair_policy  # not on the prolog's drain path: start-up speed
+
         powered_down = bool(found) and p.get("powered_down") and repair_policy.dynamic_cleanup(found)[1] == [node]
         if not found or not (found[0].ours or powered_down):
             return "nothing to do (not drained by slurmagent)"
@@ -350,6 +350,9 @@ def already_requeued(exc: BaseException) -> bool:
 
 def send_repair(compute: Any, p: dict[str, Any], live: dict[str, dict[str, Any]]) -> list:
     """Send one repair request (a MIG's recreate, or report-faulty for each node) and wait."""
+    import uuid  # with platform: only the repair path needs it, start-up speed of a failing prolog
+
+    from ..policy import repair as repair_policy  # only the repair path needs it: start-up speed
     from ..gcp.metadata import MigRef  # only the repair path needs it: start-up speed
 
     deadline = float(p.get("deadline_s", 120.0))

@@ -173,11 +173,11 @@ class Journal:
 
     def add(self, kind: str, **payload: Any) -> Entry:
         """Record an action before it is tried (durable when this returns)."""
-        import uuid
-
         self._ensure()
         now = self.clock()
-        entry = Entry(id=uuid.uuid4().hex, kind=kind, created=now, payload=payload)
+        # 128 random bits as 32 hex digits, as uuid4().hex, without uuid (it imports platform):
+        # the failing prolog's drain is journaled here, start-up speed
+        entry = Entry(id=os.urandom(16).hex(), kind=kind, created=now, payload=payload)
         # Names order the replay: never before an existing entry, even when the wall clock
         # stepped back since it was written (NTP, a VM resumed from suspension).
         seq = max(time.time_ns(), self._last_seq() + 1)

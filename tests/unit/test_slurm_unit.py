@@ -390,3 +390,21 @@ def test_no_gpu_gres_is_none(tmp_path) -> None:
                                              ("gpu", 1), ("gpu:a:2,gpu:b:2", 4), ("shard:4", None), ("", None)])
 def test_gpu_count_from_gres(gres: str, count: int | None) -> None:
     assert gpu_count_from_gres(gres) == count
+
+
+@pytest.mark.parametrize("text", ["2026-11-30T18:32:36", "2024-02-29T00:00:00", "2026-02-30T10:00:00",
+                                  "2026-13-01T00:00:00", "2026-12-31T23:59:60", "2026-12-31T24:00:00",
+                                  "2026-1-3T1:2:3", "2026-11-30T18:32:36 ", "0000-01-01T00:00:00", "Unknown", ""])
+def test_slurm_times_read_without_strptime_as_strptime_reads_them(text) -> None:
+    """The fast path for `YYYY-MM-DDTHH:MM:SS` (every node's times, twice per breaker drain)
+    gives what strptime gives, an impossible date included (None)."""
+    import time
+    from datetime import datetime
+
+    from slurmagent.core.timefmt import parse_slurm_time
+
+    try:
+        want = time.mktime(datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timetuple())
+    except ValueError:
+        want = None
+    assert parse_slurm_time(text) == want
