@@ -14,4 +14,4 @@ def hook_main(hook: str, config_path: str | None = None) -> int:
     """`config_path` is `--config FILE`; without it, $SLURMAGENT_CONFIG or the default file."""
     ctx = HookContext.from_env(hook, os.environ)
     return run_hook(ctx, lambda: config_mod.load(config_path, for_root_hook=os.geteuid() == 0), evaluate,
-                    stderr=sys.stderr)
+                    stderr=sys.stderr, verify_in_background=True)

@@ -90,6 +90,7 @@ class JournalExecutor(EntryHandlers):
         self.sleep = sleep or time.sleep  # looked up now, so a test can patch time.sleep
         self.compute_factory = compute_factory
         self.fraction = float(cfg.repair.max_drained_fraction)
+        self.detach = None  # see EntryHandlers.detach: the prolog's `drain_fault(verify_in_background=True)`
 
     # --- journal and replay ---
 
@@ -134,11 +135,17 @@ class JournalExecutor(EntryHandlers):
 
     def drain_fault(self, reason: str, findings: Iterable[Any] = (), *, node: str | None = None, source: str = "",
                     job: str | None = None, takeover_prolog_error: bool = False, force: bool = False,
-                    lock_wait_s: float = HOOK_LOCK_WAIT_S) -> DrainOutcome:
+                    lock_wait_s: float = HOOK_LOCK_WAIT_S, verify_in_background: bool = False) -> DrainOutcome:
         """An unplanned drain (a fault, or slurmagent's own internal error), through the breaker.
 
         `blocks_job`: may a job still run here when the breaker held the drain back? Not when
-        the findings make the GPUs unusable (lost, missing, NVML dead)."""
+        the findings make the GPUs unusable (lost, missing, NVML dead). Then, with
+        `verify_in_background` (the prolog), the breaker's second read after a new drain (up to
+        1.25 s later) runs in a detached process: the job is kept off either way, and Slurm
+        requeues it as soon as the prolog exits."""
+        findings = list(findings)  # read here and again for `blocks_job` below
+        if verify_in_background and drain_policy.blocks_job(findings) and self.detach is None:
+            self.detach = run_detached
         flags = {"job": job, "takeover_prolog_error": takeover_prolog_error, "force": force}
         outcome = self._act("drain", lock_wait_s=lock_wait_s, node=node or self.local_node, reason=reason,
                             source=source, **{k: v for k, v in flags.items() if v})
@@ -327,3 +334,36 @@ def spawn_release_watch(job_id: str, cfg: Config) -> None:
     argv = [*slurmagent_argv("slurmagent.cli"), "release-held", job_id]
     subprocess.Popen(argv, env=dict(os.environ), start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def run_detached(fn: Callable[[], object]) -> bool:
+    """Run `fn` in a grandchild in its own session (stdio on /dev/null, no inherited file:
+    the journal's lock stays with this process, and Slurm's wait for the prolog does not
+    include it). False when it could not be started: the caller runs `fn` itself."""
+    try:
+        pid = os.fork()
+    except OSError:
+        return False
+    if pid:
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return False
+        return os.waitstatus_to_exitcode(status) == 0
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)
+        if os.fork():
+            code = 0  # the middle child: the grandchild is on its way
+        else:
+            try:
+                fn()
+            finally:
+                os._exit(0)
+    except BaseException:  # noqa: BLE001 - a forked child must never return into the caller
+        pass
+    os._exit(code)

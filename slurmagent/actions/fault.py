@@ -72,17 +72,19 @@ class FaultResponse:
 
 def respond_to_fault(executor: JournalExecutor, report: Report, *, source: str, job: str | None = None,
                      prolog: bool = False, failed_job_ended: bool = False,
-                     drain_errors_stand: bool = False) -> FaultResponse:
+                     drain_errors_stand: bool = False, verify_in_background: bool = False) -> FaultResponse:
     """Drain the executor's node for the findings of `report` (unhealthy), through the breaker.
 
     `prolog`: the job has not started; Slurm's "Prolog error" reason may be replaced, and when
     the drain keeps the job off it must end PENDING, not held. `failed_job_ended`: the epilog
     of a job that failed; it is requeued when `[hooks] epilog_requeue_failed`.
     `drain_errors_stand`: a drain that raised is an outcome (`drain-failed: ...`), not an error
-    (the hooks: the GPU verdict stands and a failing prolog keeps the job off anyway)."""
+    (the hooks: the GPU verdict stands and a failing prolog keeps the job off anyway).
+    `verify_in_background`: see `JournalExecutor.drain_fault` (the real prolog sets it)."""
     reason = reason_for(report)
     try:
-        drain = executor.drain_fault(reason, report.findings, source=source, job=job, takeover_prolog_error=prolog)
+        drain = executor.drain_fault(reason, report.findings, source=source, job=job, takeover_prolog_error=prolog,
+                                     verify_in_background=verify_in_background)
     except SlurmagentError as exc:
         if not drain_errors_stand:
             raise

@@ -6,7 +6,9 @@ so each handler looks at the current state before it acts.
 
 * Fault drains go through the circuit breaker (`policy/breaker.py`): one `scontrol -o show node`
   to count, the drain, and, when the breaker is on, a second read to verify against concurrent
-  drains on other machines. Planned drains are journaled too, but never held back nor counted.
+  drains on other machines (detached, after the hook's exit, when `detach` is set: a prolog
+  whose findings keep the job off the node anyway). Planned drains are journaled too, but never
+  held back nor counted.
 * Adding an action kind: one handler `_do_<kind>` in `EntryHandlers.handlers()` and one method
   of `JournalExecutor` that journals it.
 * Opt-out (`drain_policy.opted_out`) is checked by every handler, whoever asked.
@@ -29,7 +31,7 @@ from ..policy import (
     eviction as eviction_policy,
 )
 from ..state.config import Config
-from ..state.decisionlog import warn
+from ..state.decisionlog import DecisionLog, path_for, warn
 from ..errors import SlurmError
 from ..state.journal import Entry, Journal, Retry, StopReplay
 from ..slurm.model import NodeInfo
@@ -58,6 +60,10 @@ class EntryHandlers:
     sleep: Callable[[float], None]
     compute_factory: Callable[[str], Any] | None
     fraction: float
+    # Runs the breaker's check against racers after a new fault drain in the background
+    # (returns False when it could not): set by a prolog whose findings keep the job off
+    # the node whatever the breaker says, so its exit need not wait for that check.
+    detach: Callable[[Callable[[], object]], bool] | None
 
     def handlers(self) -> dict[str, Callable[[Entry], str]]:
         return {"drain": self._do_drain, "requeue": self._do_requeue, "release": self._do_release,
@@ -144,7 +150,22 @@ class EntryHandlers:
         self._breaker_gauge(False)
         if p.get("force") or breaker_policy.allowed_drained(len(nodes), self.fraction) >= len(nodes):
             return "drained" + (" (breaker overridden)" if decision == "suppress" else "")
-        # Optimistic drain: verify against drains other machines made in the same burst.
+        if self.detach is not None and self.detach(lambda: self._verify_in_background(node, reason)):
+            return "drained (the breaker checks racers after the prolog exits)"
+        return self._verify_drain(node, reason)
+
+    def _verify_in_background(self, node: str, reason: str) -> None:
+        """`_verify_drain` after the prolog exited; a lost race is said in the decision log too."""
+        try:
+            outcome = self._verify_drain(node, reason)
+        except (Retry, StopReplay) as exc:  # as on replay: the drain stands (`already-drained`)
+            outcome = f"drained (breaker check failed: {exc})"
+        if outcome != "drained":
+            DecisionLog(path_for(self.cfg, node), use_syslog=self.cfg.hooks.syslog).write(
+                "breaker", node=node, verdict="unhealthy", rule="breaker", reason=reason, action=outcome)
+
+    def _verify_drain(self, node: str, reason: str) -> str:
+        """Optimistic drain: verify against drains other machines made in the same burst."""
         now = time.time()
         self.sleep(max(0.0, math.floor(now) + 1.25 - now))
         after = self._nodes()

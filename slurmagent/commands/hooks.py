@@ -62,8 +62,10 @@ def run_hook(
     health: HealthFn,
     slurm_factory: Callable[[Config], Slurm] = Slurm.from_config,
     stderr: TextIO = sys.stderr,
+    verify_in_background: bool = False,
 ) -> int:
-    """Entry point of `slurmagent prolog|epilog`; returns the hook's exit code."""
+    """Entry point of `slurmagent prolog|epilog`; returns the hook's exit code.
+    `verify_in_background`: see `JournalExecutor.drain_fault` (the real prolog sets it)."""
     started = time.monotonic()
     cfg: Config | None = None
     log = DecisionLog(None, use_syslog=True)
@@ -79,7 +81,7 @@ def run_hook(
         report = health(cfg, ctx.node, True)
         if report.healthy:
             return _healthy(ctx, cfg, report, slurm_factory, log, stderr)
-        return _unhealthy(ctx, cfg, report, slurm_factory, log, stderr)
+        return _unhealthy(ctx, cfg, report, slurm_factory, log, stderr, verify_in_background)
     except Exception as exc:  # noqa: BLE001 - a hook must never crash without a decision
         return _internal_error(ctx, cfg, log, exc, slurm_factory, stderr)
 
@@ -104,7 +106,7 @@ def _healthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Calla
 
 
 def _unhealthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Callable[[Config], Slurm],
-               log: DecisionLog, stderr: TextIO) -> int:
+               log: DecisionLog, stderr: TextIO, verify_in_background: bool = False) -> int:
     from ..actions.executor import JournalExecutor  # the unhealthy path only, for start-up speed
     from ..actions.fault import respond_to_fault  # the unhealthy path only, for start-up speed
 
@@ -113,7 +115,8 @@ def _unhealthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Cal
     response = respond_to_fault(JournalExecutor(cfg, slurm_factory(cfg), ctx.node), report, source=ctx.hook,
                                 job=ctx.job_id, prolog=ctx.hook == "prolog",
                                 failed_job_ended=ctx.hook == "epilog" and bool(ctx.job_exit_code),
-                                drain_errors_stand=True)
+                                drain_errors_stand=True,
+                                verify_in_background=verify_in_background and ctx.hook == "prolog")
     # the prolog with the breaker open and the GPUs still usable: not drained, the job may run (logged loudly);
     # else Slurm requeues the job (PENDING with nohold_on_prolog_fail) and keeps our reason
     code = 1 if ctx.hook == "prolog" and response.drain.blocks_job else 0

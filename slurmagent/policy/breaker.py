@@ -19,7 +19,9 @@ optimistic and then verified: after the drain the node waits until slurmctld's c
 left the second of its own drain, reads all nodes again and keeps its drain only if it
 ranks among the first `allowed` fault-drained nodes in (established first, drain time,
 name) order; otherwise it undoes it. Every racer ordered before a node is visible to that
-node's second read, so exactly `allowed` drains survive a burst.
+node's second read, so exactly `allowed` drains survive a burst. (A prolog whose job cannot
+run on the node whatever the breaker says exits first and leaves that read to a detached
+process: Slurm requeues its job without waiting for the second to pass.)
 """
 
 from __future__ import annotations

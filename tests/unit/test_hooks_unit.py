@@ -310,3 +310,90 @@ def test_healthy_prolog_imports_no_google_and_no_click(tmp_path) -> None:
     assert snap.exists()
     [d] = read_records(root / "state" / "n1" / "hooks.log")
     assert d["verdict"] == "healthy" and d["node"] == "n1"
+
+
+def _racing_prolog(tmp_path, monkeypatch, fault: Report):
+    """n1's prolog drains for `fault` on a 4-node cluster whose breaker allows 1 drain while n0
+    drains in the same second (ordered first: it wins the slot), with the detached runner
+    captured instead of forked and no wait for the second to pass."""
+    from dataclasses import replace
+
+    from slurmagent.actions import handlers
+
+    h = Harness(tmp_path)
+    h.cfg = replace(h.cfg, repair=replace(h.cfg.repair, max_drained_fraction=0.25))
+    fake = FakeSlurm(("n0", "n1", "n2", "n3"), stamp="2026-11-30T05:00:00")
+    fake.jobs = h.scontrol.jobs
+    h.scontrol = fake
+
+    def racer(argv, timeout):
+        out = fake(argv, timeout)
+        if "update" in argv and "NodeName=n1" in argv and fake.nodes["n0"]["State"] == "IDLE":
+            fake.nodes["n0"].update(State="IDLE+DRAIN", Reason=XID79_REASON)  # right after n1's drain
+        return out
+
+    monkeypatch.setattr(Harness, "slurm_factory", lambda self, cfg: Slurm("scontrol", 3, runner=racer))
+    detached = []
+    monkeypatch.setattr(executor, "run_detached", lambda fn: detached.append(fn) or True)
+    monkeypatch.setattr(handlers.time, "sleep", lambda s: None)
+    ctx = HookContext.from_env("prolog", {"SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "42"})
+    code = run_hook(ctx, lambda: h.cfg, lambda cfg, node, commit: fault, slurm_factory=h.slurm_factory,
+                    stderr=h.stderr, verify_in_background=True)
+    return h, code, detached
+
+
+def test_prolog_exits_before_the_breaker_checks_racers_and_still_undoes_a_drain_beyond_the_limit(
+        tmp_path, monkeypatch) -> None:
+    """XID 79 keeps the job off the node whatever the breaker says: the prolog exits 1 right
+    after its drain (Slurm requeues the job at once) and the breaker's second read runs
+    detached. The racer n0 still wins the one slot: n1's drain is undone there, marked as held
+    back by the breaker, and logged."""
+    h, code, detached = _racing_prolog(tmp_path, monkeypatch, XID79)
+    assert code == 1 and len(detached) == 1
+    assert h.scontrol.nodes["n1"]["State"] == "IDLE+DRAIN"  # drained when the prolog exits
+    [d] = h.decisions()
+    assert d["verdict"] == "unhealthy" and d["action"].startswith("drained (the breaker checks racers")
+
+    detached[0]()
+    assert h.scontrol.nodes["n0"]["State"] == "IDLE+DRAIN"
+    assert h.scontrol.nodes["n1"]["State"] == "IDLE"
+    assert h.scontrol.nodes["n1"]["Comment"].startswith("slurmagent suppressed@")
+    last = h.decisions()[-1]
+    assert (last["event"], last["node"], last["action"]) == ("breaker", "n1", "suppressed-by-breaker (lost the race)")
+
+
+def test_prolog_whose_job_may_run_waits_for_the_breaker_check(tmp_path, monkeypatch) -> None:
+    """XID 48 leaves the GPUs usable: when the breaker holds the drain back the job may run, so
+    the prolog's exit waits for the second read (nothing detached) and, losing the race, lets
+    the job run."""
+    h, code, detached = _racing_prolog(tmp_path, monkeypatch, report(xid_snapshot_dict(48, gpu=1)))
+    assert detached == [] and code == 0
+    assert h.scontrol.nodes["n1"]["State"] == "IDLE"
+    [d] = h.decisions()
+    assert "suppressed-by-breaker (lost the race)" in d["action"]
+
+
+def test_run_detached_runs_outside_the_hooks_session_with_no_inherited_file(tmp_path) -> None:
+    """What Slurm waits for when the prolog exits (its process, group and output pipe) does not
+    include the breaker's detached check; nor does it hold the journal's lock file open."""
+    import time
+
+    from slurmagent.actions.executor import run_detached
+
+    out = tmp_path / "out.json"
+    held = open(tmp_path / "lock", "w")  # stands for the journal's lock: fd >= 3
+
+    def check() -> None:
+        fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+        (tmp_path / "tmp.json").write_text(json.dumps({"sid": os.getsid(0), "fds": fds}))
+        os.replace(tmp_path / "tmp.json", out)
+
+    assert run_detached(check) is True
+    for _ in range(200):
+        if out.exists():
+            break
+        time.sleep(0.05)
+    got = json.loads(out.read_text())
+    assert got["sid"] != os.getsid(0)
+    assert held.fileno() not in got["fds"] and max(got["fds"]) <= 3  # 0-2 on /dev/null, 3: listdir's own
+    held.close()
