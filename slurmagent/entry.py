@@ -29,12 +29,30 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     hook = hook_invocation(args)
     if hook is not None:
+        import gc
+
+        gc.disable()  # a hook lives a tenth of a second: collecting its import garbage costs more than it frees
         from .hookmain import hook_main  # no click on the hooks' path: start-up speed
 
-        return hook_main(*hook)
+        code = hook_main(*hook)
+        if argv is None:  # this process is the hook: skip the interpreter's teardown too (files are closed)
+            _exit_now(code)
+        return code
     from .cli import main as cli_main  # click only for the other commands: start-up speed
 
     return cli_main(args)
+
+
+def _exit_now(code: int) -> None:
+    """Exit with `code` after flushing stdout/stderr, without the interpreter's teardown."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
