@@ -397,3 +397,52 @@ def test_run_detached_runs_outside_the_hooks_session_with_no_inherited_file(tmp_
     assert got["sid"] != os.getsid(0)
     assert held.fileno() not in got["fds"] and max(got["fds"]) <= 3  # 0-2 on /dev/null, 3: listdir's own
     held.close()
+
+
+FAILING_PROBE = """
+import sys, time
+from support.fakes.slurm import FakeSlurm
+from slurmagent.slurm import commands
+fake = FakeSlurm(("n0", "n1", "n2", "n3"))
+fake.nodes["n0"].update(State="IDLE+DRAIN", Reason="slurmagent: xid 79 on gpu 0 (fallen off the bus)",
+                        ReasonTime="2026-11-30T04:00:00")  # an earlier fault drain: the breaker reads its times
+commands.Slurm.__init__.__defaults__ = tuple(fake if d is commands.run_argv else d
+                                             for d in commands.Slurm.__init__.__defaults__)
+time.sleep = lambda s: None  # the breaker's wait for the next second
+from slurmagent.entry import main
+code = main(["prolog"])
+print(sorted(m for m in ("uuid", "platform", "_strptime", "slurmagent.policy.repair") if m in sys.modules))
+print(code, fake.nodes["n1"]["State"], len(fake.of("scontrol", "-o", "show", "node")))
+"""
+
+
+def test_failing_prolog_drains_without_the_repair_path_modules(tmp_path) -> None:
+    """A prolog that drains its node and reads every node twice for the breaker (XID 48: the
+    job could run if the breaker held the drain back, so both reads are the prolog's) imports
+    neither uuid (nor its platform) nor the repair policy, and reads Slurm's times without
+    strptime: a failing prolog's start-up stays short."""
+    root = tmp_path / "root"
+    root.mkdir(mode=0o755)
+    write_json(root / "snap" / "n1.json", xid_snapshot_dict(48, gpu=1))
+    kern = root / "kern.log"
+    kern.write_text("")
+    conf = root / "slurm.conf"
+    conf.write_text("ClusterName=c\nSchedulerParameters=nohold_on_prolog_fail\n")
+    config = root / "config.toml"
+    config.write_text(
+        f'state_dir = "{root}/state/%n"\n'
+        f'[health]\nsnapshot = "{root}/snap/%n.json"\nkernel_log = "{kern}"\nexpected_gpus = 8\n'
+        f'[hooks]\nsyslog = false\n[slurm]\nconf = "{conf}"\n[repair]\nmax_drained_fraction = 0.5\n'
+    )
+    config.chmod(0o644)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "GOOGLE", "CLOUDSDK"))}
+    env.update(SLURMAGENT_CONFIG=str(config), SLURMD_NODENAME="n1", SLURM_JOB_ID="42",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    proc = subprocess.run([sys.executable, "-c", FAILING_PROBE], capture_output=True, text=True, env=env,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    modules, outcome = proc.stdout.splitlines()[-2:]
+    assert outcome == "1 IDLE+DRAIN 2", proc.stdout + proc.stderr  # drained, every node read twice
+    assert modules == "[]", modules
+    [d] = read_records(root / "state" / "n1" / "hooks.log")
+    assert d["verdict"] == "unhealthy" and d["action"] == "drained"
