@@ -52,7 +52,7 @@ test-trixie:
 # tests/unit: no cluster, no emulator (about 2 minutes on 2 cores). The folder is the mark:
 # tests/cluster/conftest.py marks every test there `cluster`.
 test-fast: venv
-	$(PY) -m pytest -q -m "not cluster and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/unit -m "not slow" $(PYTEST_ARGS)
 
 # tests/cluster only: the local Slurm cluster, the Cloud Storage emulator, the fake Compute and
 # metadata servers, torch processes (this machine's lane; `make test` runs both lanes, everything).

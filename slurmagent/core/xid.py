@@ -215,7 +215,7 @@ def drains(code: int, detail: str = "") -> bool:
 
 
 def table_markdown() -> str:
-    """The policy table for the README: one row per catalogued code, in code order."""
+    """The policy table of docs/admin/health.md: one row per catalogued code, in code order."""
     lines = [
         "| xid | meaning | action | drains | NVIDIA immediate action |",
         "|---:|---|---|---|---|",

@@ -42,7 +42,7 @@ def api_answer_fresh(cached: dict[str, Any] | None, now: float, refresh_s: float
 
 @dataclass
 class ExpiryDecision:
-    """One check's decision; `expiry.py` carries out the steps and records their results in `state`."""
+    """One check's decision; `commands/expiry.py` carries out the steps and records their results in `state`."""
 
     state: dict[str, Any]  # the state to write, before the steps' own results
     termination: datetime | None = None

@@ -53,7 +53,7 @@ class QuietCutStore:
         self.inner = inner
         self.err = err
         self.cut = QuietCut()
-        self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
+        self.trainer_running: Callable[[], bool] = lambda: False  # set by `run/main.py`
         self.last_committed: Manifest | None = None
         self._started = False
         self._lock = threading.Lock()

@@ -96,7 +96,7 @@ class OwnedStore(Protocol):
 
 
 class Attempt(Protocol):
-    """Who is starting (run_setup.JobIdentity)."""
+    """Who is starting (run/job.JobIdentity)."""
 
     submission: str
     restart_count: int

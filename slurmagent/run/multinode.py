@@ -6,7 +6,7 @@ nodes' disks, so a small agent of ours (`node_agent.py`) runs on every node, one
 node, in an `srun --overlap` step of the job itself (Slurm tracks and ends it like any step):
 
 Each agent's report comes back whole over a framed channel on the step's stdout
-(`run/channel.py`); the step sets its own srun options, runs the agents isolated from the
+(`run/agent_channel.py`); the step sets its own srun options, runs the agents isolated from the
 job's directory and can be cancelled (`agent_step`): the flush cancels the round in flight
 (`AllocationStore.cancel_rounds`) so a hung agent never holds the final sync, and a node
 without a report is named.
@@ -30,7 +30,7 @@ node that holds only the restored, unchanged copy did not. A file no node of thi
 any more while one of its writers is in the job was deleted by that writer (rank 0 rotating
 old checkpoints) and leaves the checkpoint, whatever other nodes still hold from the restore;
 a step folder one of its writer nodes removed whole leaves whole, with the files other nodes
-wrote into it (`checkpoint_cut.Rotations`: HF's `rng_state_1.pth`).
+wrote into it (`checkpoint/cut.Rotations`: HF's `rng_state_1.pth`).
 
 While the command still runs, a commit is a consistent cut (`checkpoint/cut.py`): units (step
 folders, the files of one folder) are taken only when quiet for a whole round on every node,
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence, TextIO
 from ..core import hostlist
 from ..slurm import env as slurm_env
-from .channel import read_frames
+from .agent_channel import read_frames
 from .agent_step import Rounds, agent_env, run_step
 from ..checkpoint.errors import CheckpointError, RestoreError
 from ..checkpoint.manifest import Manifest, no_progress_after
@@ -57,7 +57,7 @@ from ..checkpoint.cut import QuietCut, Rotations, unit_of
 from ..checkpoint.errors import NodeDiskError
 from .cut_store import check_held_back_objects
 from ..errors import SlurmagentError
-from .reports import Merged, NodeReport, content_key, merge_reports, writers_before
+from .agent_reports import Merged, NodeReport, content_key, merge_reports, writers_before
 
 AGENT_STEP_NAME = "slurmagent-node-agent"
 SCOPES = ("all", "node")
@@ -125,7 +125,7 @@ class SrunLauncher:
     """Runs `slurmagent node-agent ARGS` once per node of the job: `srun --overlap`, one task
     per node, inside the allocation (so Slurm tracks, signals and ends it), with a deadline and
     a cancel (`agent_step`). Each agent's report comes back whole over the framed channel
-    (`run/channel.py`); a node without one is named."""
+    (`run/agent_channel.py`); a node without one is named."""
 
     def __init__(self, alloc: Allocation, env: Mapping[str, str], *, srun: str = "srun",
                  python: str = sys.executable, err: TextIO = sys.stderr, workdir: str = "/"):
@@ -191,7 +191,7 @@ class AllocationSyncResult:
     files_total: int
     nodes: int
     manifest: Manifest | None = None  # the job-level manifest committed by this sync (None: none)
-    held_back: tuple[str, ...] = ()  # units whose new content this commit left out (checkpoint_cut.unit_of)
+    held_back: tuple[str, ...] = ()  # units whose new content this commit left out (checkpoint/cut.unit_of)
     pending_since: float | None = None  # batch clock: the oldest change on any node that no commit holds yet
 
 
@@ -221,7 +221,7 @@ class AllocationStore:
         self.err = err
         self.agent_options = list(agent_options)  # the store's tunables, for every agent
         self.restore_options = list(restore_options)  # who the job is, dirs to make private on every node
-        self.trainer_running: Callable[[], bool] = lambda: False  # set by the runner
+        self.trainer_running: Callable[[], bool] = lambda: False  # set by `run/main.py`
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
         self.cut = QuietCut()
@@ -329,7 +329,7 @@ class AllocationStore:
                 if rel not in self._warned:
                     self._warned.add(rel)
                     self.say(f"WARNING: {why}")
-            # While the trainer runs: only units quiet for a whole round on every node (checkpoint_cut).
+            # While the trainer runs: only units quiet for a whole round on every node (checkpoint/cut).
             cut = self.cut.take(merged.files, merged.writers, {r.index: r.units for r in reports},
                                 previous_files=previous.files if previous else None,
                                 previous_writers=previous.writers if previous else None, running=running,
@@ -351,7 +351,7 @@ class AllocationStore:
                                         pending_since=self._pending_since(merged.files, manifest, sent_ns), **extra)
 
     def _without_rotated(self, merged: Merged, reports: list[NodeReport], previous: Manifest | None) -> Merged:
-        """`merged` less the step folders a writer node removed whole (checkpoint_cut.Rotations)."""
+        """`merged` less the step folders a writer node removed whole (checkpoint/cut.Rotations)."""
         committed = {rel: writers_before(previous, rel) for rel in previous.files} if previous else {}
         gone = self.rotations.drop({r.index: r.files for r in reports}, merged.writers, committed)
         if not gone:

@@ -3,7 +3,7 @@
 It runs in an `srun --overlap` step of the job (see `run/multinode.py`) and works on this node's
 local checkpoint directory only: a restore makes it hold exactly the committed checkpoint
 (or this node's part), a sync uploads its blobs without committing. Each task sends one
-report (`run/reports.NodeReport`) over the framed channel on stdout (`run/channel.py`: short
+report (`run/agent_reports.NodeReport`) over the framed channel on stdout (`run/agent_channel.py`: short
 lines that srun never tears, whatever the report's size); the batch step merges them into
 one commit. The launcher runs it with `python -P` in `/`, so a module in the job's directory
 (`uuid.py`, `json.py`) never shadows one the agent imports.
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, TextIO
 
-from .channel import write_frames
-from .reports import NodeReport, select_for_node
+from .agent_channel import write_frames
+from .agent_reports import NodeReport, select_for_node
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.errors import RestoreError
 from ..checkpoint.hash_cache import state_file_for
@@ -89,7 +89,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
 def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attempt: int, state_file: Path,
                deadline_s: float, clock_ns: Callable[[], int] = time.time_ns) -> NodeReport:
     """Upload this node's `D` (blobs only) and report its files, how its units look after the
-    upload (`checkpoint_cut.unit_signatures`) and this node's clock."""
+    upload (`checkpoint/cut.unit_signatures`) and this node's clock."""
     report = NodeReport(index=index, node=node, ok=False, started_ns=clock_ns())
     try:
         check_private_file(state_file)  # never a hash cache another user wrote

@@ -488,7 +488,7 @@ class Supervisor:
             outcome.summary = f"exit {EXIT_REQUEUE_REFUSED}: {flushed}, job {job} NOT requeued: {outcome.requeue_refused}"
 
     def _requeue_own(self, job: str, outcome: Outcome) -> RequeueResult:
-        """`scontrol requeue` (or the held `requeuehold`) by own_requeue's rules: never for a
+        """`scontrol requeue` (or the held `requeuehold`) by `requeue.py`'s rules: never for a
         job Slurm is ending, never twice, retried until the flush deadline."""
         verb = self.hold.verb() if self.hold is not None and outcome.held_requeue else RequeueVerb()
         call = (lambda: self.requeue(job)) if verb == RequeueVerb() else (lambda: self.requeue(job, verb))

@@ -1,7 +1,7 @@
 """The TOML config file: typed, validated, every key optional.
 
 An unknown key or a wrong type is a ConfigError naming the key and the file. The schema is
-the dataclasses below; the README's config reference is generated from them
+the dataclasses below; the config reference (docs/admin/configuration.md) is generated from them
 (`python -m slurmagent.state.config`), and a test keeps the two in step.
 """
 
@@ -25,7 +25,7 @@ ENV_VAR = "SLURMAGENT_CONFIG"
 
 def _key(default: Any, doc: str, choices: tuple[str, ...] = (), *, low: float | None = None,
          high: float | None = None) -> Any:
-    """A config key; a number's `low`..`high` (inclusive) is checked at load and shown in the README."""
+    """A config key; a number's `low`..`high` (inclusive) is checked at load and shown in docs/admin/configuration.md."""
     return field(default=default, metadata={"doc": doc, "choices": choices, "range": (low, high)})
 
 
@@ -360,7 +360,7 @@ def _range_text(f: Any) -> str:
 
 
 def reference_markdown() -> str:
-    """The config reference table for the README, generated from the schema."""
+    """The config reference table of docs/admin/configuration.md, generated from the schema."""
     rows = ["| key | default | range | meaning |", "|---|---|---|---|"]
     for f in fields(Config):
         if f.metadata.get("internal"):

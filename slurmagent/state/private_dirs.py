@@ -22,8 +22,8 @@ from ..checkpoint.errors import NODE_LOCAL_ERRNOS, NodeDiskError
 from ..errors import SlurmagentError
 
 UNCOMMITTED_SUFFIX = ".uncommitted"
-RECORD_SUFFIX = ".slurmagent-run.json"  # run_setup.DirRecord
-STATE_SUFFIX = ".sync-state.json"  # checkpoint_cache.state_file_for
+RECORD_SUFFIX = ".slurmagent-run.json"  # run/job.DirRecord
+STATE_SUFFIX = ".sync-state.json"  # checkpoint/hash_cache.state_file_for
 
 
 class UnsafeDirError(SlurmagentError):

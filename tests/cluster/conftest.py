@@ -4,6 +4,7 @@ is the mark); the ones that need Slurm carry `slurm` too, so `-m "not slurm"` st
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,32 @@ def slurm(slurm_env: SlurmEnv) -> SlurmEnv:
     """The session cluster, reset to all nodes idle and healthy before each test."""
     slurm_env.reset()
     return slurm_env
+
+
+# --- the 4-node cluster of the multi-node tests: each node's ROOT/localssd its own directory
+
+
+@pytest.fixture(scope="module")  # one per module that uses it, as when each module built its own
+def multinode_cluster(tmp_path_factory):
+    need_slurm()
+    root = tmp_path_factory.mktemp("multinode")
+    root.chmod(0o755)
+    c = LocalSlurmCluster(root / "slurm", nodes=["n1", "n2", "n3", "n4"], node_local=root)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def cl(multinode_cluster):
+    """The module's cluster, every node idle and its node-local disk empty, as a fresh VM's:
+    a file left by an earlier test's job is, to the next job, a checkpoint to start from."""
+    cluster = multinode_cluster
+    cluster.reset_nodes()
+    for n in cluster.nodes:
+        for p in cluster.node_dir(n).iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    return cluster

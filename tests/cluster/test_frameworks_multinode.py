@@ -12,7 +12,7 @@ import pytest
 
 from support import REPO, wait_for
 from slurmagent.devtools.localcluster import LocalSlurmCluster, free_ports
-from test_multinode import cl, cluster, committed, drain, nodes_of, submit, wait_end  # noqa: F401 - fixtures
+from test_multinode import committed, drain, nodes_of, submit, wait_end
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 pytest.importorskip("torch")

@@ -102,7 +102,7 @@ def test_an_explicit_remote_is_resumed_by_a_new_submission_which_then_owns_it(em
 
 @pytest.mark.parametrize("per_job_prefix", [True, False])
 def test_a_multi_node_job_decides_once_and_its_agents_restore_only_what_it_decided(emu, tmp_path, per_job_prefix):
-    from test_allocation_gcs import Nodes, dcp_like_checkpoint, job_store, tree
+    from test_multinode_store_gcs import Nodes, dcp_like_checkpoint, job_store, tree
 
     remote = "gs://ckpt/jobs/12"
     monday = Nodes(tmp_path / "monday", 2, remote)

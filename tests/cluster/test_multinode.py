@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support import REPO, SUPPORT, SlurmEnv, cluster_config_text, healthy_snapshot_dict, need_slurm, wait_for
+from support import REPO, SUPPORT, SlurmEnv, cluster_config_text, healthy_snapshot_dict, wait_for
 from support.gcs_fault_proxy import GcsFaultProxy
 from test_fault_slurm import evictions, land_on, restarts
 from test_watch import append, nvrm
@@ -26,31 +25,6 @@ DDP_DCP = str(REPO / "examples" / "ddp_dcp_train.py")
 NODES = ["n1", "n2", "n3", "n4"]
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    need_slurm()
-    root = tmp_path_factory.mktemp("multinode")
-    root.chmod(0o755)
-    c = LocalSlurmCluster(root / "slurm", nodes=NODES, node_local=root)
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def cl(cluster):
-    """The module's cluster, every node idle and its node-local disk empty, as a fresh VM's:
-    a file left by an earlier test's job is, to the next job, a checkpoint to start from."""
-    cluster.reset_nodes()
-    for n in cluster.nodes:
-        for p in cluster.node_dir(n).iterdir():
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-    return cluster
 
 
 def write_config(path: Path, **checkpoint) -> Path:
@@ -422,7 +396,7 @@ def test_four_nodes_of_two_thousand_files_each_report_whole_in_every_round_and_t
     assert end["JobState"] == "COMPLETED", out
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
     # round 0 sees every unit for the first time: a periodic commit waits until a unit has been
-    # quiet for a whole round (checkpoint_cut), so its reports arrive whole but commit nothing yet
+    # quiet for a whole round (checkpoint/cut), so its reports arrive whole but commit nothing yet
     assert rounds == ["round 0: committed 0 files of 4 nodes"] + [
         f"round {r}: committed 8000 files of 4 nodes" for r in range(1, 31)], out
     manifest = json.loads(bucket().blob("rounds/manifest.json").download_as_bytes())

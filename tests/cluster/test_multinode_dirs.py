@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from support import wait_for
-from test_multinode import (RANKS, cl, cluster, committed, committed_file, ledger, nodes_of,  # noqa: F401
+from test_multinode import (RANKS, committed, committed_file, ledger, nodes_of,
                             starts, submit, wait_end)
 from test_wrapper_hardening import NOBODY, as_user
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support import REPO, wait_for
-from test_multinode import cl, cluster, drain, wait_end, write_config  # noqa: F401
+from test_multinode import drain, wait_end, write_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ from support import REPO, cluster_config_text, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# The README's checkpoint_handler recipe in sh: on SIGTERM or SIGUSR1 save and exit 0 at once
+# The checkpoint_handler recipe (docs/user/recipes/) in sh: on SIGTERM or SIGUSR1 save and exit 0 at once
 # (`wait` is interrupted by a trapped signal); "$1" gets "TRAINER_PID WRAPPER_PID" when it runs.
 SAVER = ('trap \'printf saved > "$SLURMAGENT_CKPT_DIR/state"; exit 0\' TERM USR1; '
          'echo "$$ $PPID" > "$1.tmp"; mv "$1.tmp" "$1"; while :; do sleep 5 & wait $!; done')

@@ -1,6 +1,6 @@
 """pytest fixtures around slurmagent.devtools.localgcs.GcsEmulator (a Cloud Storage emulator on 127.0.0.1).
 
-    tests/conftest.py imports the fixtures, so every test module can ask for them.
+    tests/cluster/conftest.py imports the fixtures, so every test module can ask for them.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ import threading
 
 import pytest
 
-from slurmagent.run.channel import FRAME_TAG, frame_lines, read_frames
+from slurmagent.run.agent_channel import FRAME_TAG, frame_lines, read_frames
 from slurmagent.run.agent_step import Rounds
 from slurmagent.run.multinode import Allocation, AllocationStore, SrunLauncher
-from slurmagent.run.reports import NodeReport
+from slurmagent.run.agent_reports import NodeReport
 from slurmagent.checkpoint.errors import CheckpointError
 from slurmagent.checkpoint.manifest import Manifest
 

@@ -1,8 +1,4 @@
-"""Checkpoint store: local scan/hash/manifest and the Cloud Storage side on emulators.
-
-Emulators come from tests/support/gcs_emulator.py: fake-gcs-server for everything (it
-enforces ifGenerationMatch on the manifest's simple uploads), plus round trips
-on gcp-storage-emulator.  STORAGE_EMULATOR_HOST is only ever set with monkeypatch.
+"""Checkpoint store, local side: the scan, the hashes, the hash cache and the manifest format.
 
 Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_checkpoint_gcs.py.
 """

@@ -1,5 +1,5 @@
 """The command line as a user types it: `--config` before a hook, and the `--` forms of
-`sbatch` and `run` from the README, parsed exactly as written."""
+`sbatch` and `run` from docs/user/wrapper.md, parsed exactly as written."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def sbatch_log(tmp_path) -> Path:
 @pytest.mark.parametrize(
     ("argv", "sbatch_opts", "run_args"),
     [
-        # README: "or, simpler, `slurmagent sbatch -N1 --gres=gpu:8 -- python train.py`"
+        # docs/user/wrapper.md: "or, simpler, `slurmagent sbatch -N1 --gres=gpu:8 -- python train.py`"
         (["-N1", "--gres=gpu:8", "--", "python", "train.py"], ["-N1", "--gres=gpu:8"], ["--", "python", "train.py"]),
         (["--", "python", "train.py"], [], ["--", "python", "train.py"]),
         (["--parsable", "--exclusive", "--", "--grace", "120", "--", "python", "train.py", "--", "--lr=3"],

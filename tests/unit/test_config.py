@@ -196,7 +196,7 @@ def test_range_bounds_are_allowed() -> None:
 
 
 def test_every_number_key_has_a_range_that_holds_its_default() -> None:
-    """A new numeric key must say its bounds: the README's `range` column and the load check come from them."""
+    """A new numeric key must say its bounds: the `range` column of docs/admin/configuration.md and the load check come from them."""
     for section in fields(Config):
         if section.name in ("state_dir", "source"):
             continue

@@ -1,6 +1,5 @@
-"""`slurmagent doctor` against the fake metadata server + Compute API (tests/support/fake_gcp.py) and a
-Cloud Storage emulator: one table of ok/FAIL/skip lines, each failure with its fix, exit 1 on
-any failure, every line present even when an endpoint is down or hangs, in bounded time.
+"""`slurmagent doctor` without a fake server: one table of ok/FAIL/skip lines, each failure
+with its fix, exit 1 on any failure.
 
 Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_doctor_gcp.py.
 """

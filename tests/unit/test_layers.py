@@ -38,8 +38,8 @@ FOLDER_LAYERS = {
     "run": RUNTIMES, "commands": RUNTIMES,
 }
 MODULE_LAYERS = {
-    "errors": PURE, "slurm.model": PURE, "slurm.env": PURE, "run.channel": PURE,
-    "run.reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
+    "errors": PURE, "slurm.model": PURE, "slurm.env": PURE, "run.agent_channel": PURE,
+    "run.agent_reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
     "slurm.commands": ADAPTERS,
     "trainer": RUNTIMES,
     "cli": FACE, "entry": FACE, "hookmain": FACE,

@@ -47,7 +47,7 @@ def supervise(tmp_path: Path, script: str, *, read_job=None, hold=None, store=No
     return outcome, err.getvalue(), requeues
 
 
-# The README's checkpoint_handler recipe in sh: on SIGTERM or SIGUSR1 save and exit 0 at once.
+# The checkpoint_handler recipe (docs/user/recipes/) in sh: on SIGTERM or SIGUSR1 save and exit 0 at once.
 SAVER = 'trap \'printf saved > "$SLURMAGENT_CKPT_DIR/state"; exit 0\' TERM USR1; '
 
 

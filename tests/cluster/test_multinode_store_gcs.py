@@ -3,7 +3,7 @@ this process against a real Cloud Storage emulator, one directory per "node".
 
 The agent step itself (srun --overlap on a real allocation) is covered in test_multinode.py.
 
-The same subject without a cluster, emulator or fake server: tests/unit/test_allocation.py.
+The same subject without a cluster, emulator or fake server: tests/unit/test_multinode_store.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 
 from support import REPO
 from slurmagent.run.multinode import Allocation, AllocationStore
-from slurmagent.run.reports import NodeReport
-from slurmagent.run.channel import read_frames
+from slurmagent.run.agent_reports import NodeReport
+from slurmagent.run.agent_channel import read_frames
 from slurmagent.run.node_agent import agent_restore, agent_sync
 from slurmagent.checkpoint.errors import CheckpointError, RestoreError, StorageUnavailableError
 

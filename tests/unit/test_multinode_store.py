@@ -1,9 +1,9 @@
-"""Multi-node checkpoints without Slurm: the merge and cut rules, and the node agents run in
-this process against a real Cloud Storage emulator, one directory per "node".
+"""Multi-node checkpoints without Slurm or a bucket: the merge and cut rules of the node
+agents' reports, one directory per "node".
 
 The agent step itself (srun --overlap on a real allocation) is covered in test_multinode.py.
 
-Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_allocation_gcs.py.
+Its tests that need the cluster, the emulator or a fake server: tests/cluster/test_multinode_store_gcs.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from slurmagent.run.multinode import (
     SrunLauncher,
     allocation_store,
 )
-from slurmagent.run.reports import NodeReport, merge_reports, select_for_node
-from slurmagent.run.channel import frame_lines
+from slurmagent.run.agent_reports import NodeReport, merge_reports, select_for_node
+from slurmagent.run.agent_channel import frame_lines
 from slurmagent.checkpoint.cut import QuietCut, unit_of
 from slurmagent.run.uncommitted import set_aside_uncommitted
 from slurmagent.checkpoint.errors import ManifestError, RestoreError
