@@ -208,6 +208,16 @@ class JournalExecutor(EntryHandlers):
         that has moved on. Raises SlurmError."""
         self.slurm.signal_jobs(job_ids, signal, batch=True)
 
+    def excluded_nodes(self, job_id: str) -> list[str]:
+        """The nodes a job excludes already (its ExcNodeList): read before `exclude_nodes` adds to it."""
+        return self.slurm.excluded_nodes(job_id)
+
+    def exclude_nodes(self, job_id: str, nodes: list[str], keep: list[str] = ()) -> list[str]:
+        """Keep a PENDING job off `nodes` (a restore failed on their disks), `keep` what it excluded
+        already; returns the list set. Not journaled: only the job's own wrapper asks, right after
+        its requeue, and a late replay would change a job that has moved on. Raises SlurmError."""
+        return self.slurm.exclude_nodes(job_id, nodes, list(keep))
+
     def release_held(self, job_id: str) -> list[str]:
         """The prolog keeps a job off this node: make sure it ends PENDING, not held. Returns the actions taken."""
         if nohold_configured(self.cfg):

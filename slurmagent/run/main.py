@@ -126,12 +126,15 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
     job_store = whole_job or (QuietCutStore(store) if store is not None else None)
     report = checkpoint_report(env, ident, options, store is not None)
-    sup = Supervisor(options, ident, job_store, _requeue_of(cfg, slurm, env) if slurm else None, env,
+    # the action API's, through an executor without a journal: the wrapper runs as the job's user,
+    # owns no root journal, and retries itself (`requeue.py`); Slurm's refusal is raised to it
+    executor = JournalExecutor(cfg, slurm, slurm_env.slurmd_node(env), journal=None) if slurm else None
+    sup = Supervisor(options, ident, job_store, _requeue_of(executor) if executor else None, env,
                      hold=hold, metrics=metrics, report=report, read_job=slurm.job if slurm else None)
     if job_store is not None:
         job_store.trainer_running = sup.child_running
-    if slurm is not None:
-        sup.slurm_nodes = slurm  # a restore failing on a node's disk: requeued without it
+    if executor is not None:
+        sup.slurm_nodes = executor  # a restore failing on a node's disk: requeued without it
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)
@@ -166,11 +169,8 @@ def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool
                             interval_s=REPORT_INTERVAL_S, behind_s=max(3 * options.sync_interval_s, 60.0))
 
 
-def _requeue_of(cfg: Config, slurm: Slurm, env):
-    """The wrapper's requeue: `requeue`, or the `requeuehold` its job asked for (held). The
-    action API's, through an executor without a journal: the wrapper runs as the job's user,
-    owns no root journal, and retries itself (`requeue.py`); Slurm's refusal is raised to it."""
-    executor = JournalExecutor(cfg, slurm, slurm_env.slurmd_node(env), journal=None)
+def _requeue_of(executor: JournalExecutor):
+    """The wrapper's requeue: `requeue`, or the `requeuehold` its job asked for (held)."""
 
     def requeue(job: str, verb: RequeueVerb = RequeueVerb()) -> None:
         executor.requeue_jobs([job], hold=verb.hold, special_exit=verb.special_exit)

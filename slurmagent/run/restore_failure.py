@@ -26,7 +26,7 @@ EXCLUDE_DEADLINE_S = 15.0  # well inside the time Slurm holds a requeued job and
 
 
 class NodeExcluder(Protocol):
-    """What the wrapper needs from Slurm (slurmagent.slurm.commands.Slurm)."""
+    """What the wrapper needs to keep its job off a node (the journal-less `JournalExecutor`)."""
 
     def excluded_nodes(self, job_id: str) -> list[str]: ...
 
