@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from .state import config as config_mod
-from .errors import SlurmagentError
+from .errors import SlurmagentError, SlurmUnreachable
 
 
 class State:
@@ -291,14 +291,17 @@ def demo(keep: bool) -> None:
 
 @cli.command()
 @click.option("--dry-run", is_flag=True, help="print what would be repaired; call nothing")
+@click.option("--json", "as_json", is_flag=True, help="with --dry-run: the plan per node as JSON")
 @click.option("--force", is_flag=True, help="override the drain circuit breaker, busy nodes and the repair limit")
 @click.argument("nodes", nargs=-1)
 @click.pass_obj
-def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> None:
+def repair(state: State, dry_run: bool, as_json: bool, force: bool, nodes: tuple[str, ...]) -> None:
     """Repair nodes drained by slurmagent through their MIG (all of them when none named)."""
     from .core.hostlist import expand  # start-up speed
     from .commands.repair import run_repair  # start-up speed
 
+    if as_json and not dry_run:
+        raise click.UsageError("--json goes with --dry-run (a real repair reports in lines)")
     try:
         names = [n for expr in nodes for n in expand(expr)]
     except ValueError as exc:
@@ -306,6 +309,19 @@ def repair(state: State, dry_run: bool, force: bool, nodes: tuple[str, ...]) -> 
     cfg = state.config()
     if os.geteuid() != 0 and not dry_run:
         _require_root_for_repair(cfg)
+    if as_json:
+        import io
+        import time
+
+        from .policy.repair_report import dry_run_json  # start-up speed
+
+        try:  # the text lines are dropped: the JSON says the same, per node
+            result = run_repair(cfg, names, dry_run=True, force=force, out=io.StringIO(), err=io.StringIO())
+            doc = dry_run_json(result, cfg.repair.strategy, time.time())
+        except SlurmUnreachable as exc:
+            doc = dry_run_json(None, cfg.repair.strategy, time.time(), slurm_error=exc.slurm_error)
+        click.echo(json.dumps(doc, indent=1))
+        sys.exit(doc["exit_code"])
     result = run_repair(cfg, names, dry_run=dry_run, force=force, out=sys.stdout, err=sys.stderr)
     sys.exit(result.exit_code)
 
@@ -345,7 +361,7 @@ def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> N
 @click.pass_obj
 def status(state: State, as_json: bool, job_id: str | None, remote: str | None) -> None:
     """Nodes drained by slurmagent, repair state, breaker, journal backlog, expiry countdowns;
-    with --job ID, that job's checkpoint."""
+    with --job ID, that job's checkpoint (exit 1: problems found, 3: Slurm not reachable)."""
     if job_id is not None:
         from .commands.status import collect_job_status, format_job_status  # start-up speed
         from .run.job import JOB_ID_RE
@@ -358,35 +374,24 @@ def status(state: State, as_json: bool, job_id: str | None, remote: str | None) 
             sys.exit(2)
         st = collect_job_status(state.config(), job_id, remote=remote)
         click.echo(json.dumps(st, indent=1, default=str) if as_json else format_job_status(st))
-        return
+        sys.exit(st["exit_code"])
     from .commands.status import collect_status, format_status  # start-up speed
 
     st = collect_status(state.config())
     click.echo(json.dumps(st, indent=1, default=str) if as_json else format_status(st))
+    sys.exit(st["exit_code"])
 
 
 @cli.command("journal")
 @click.option("--replay", is_flag=True, help="apply the pending actions now")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--node", metavar="NAME", help="whose journal (default $SLURMD_NODENAME or the host name)")
 @click.pass_obj
-def journal_cmd(state: State, replay: bool, node: str | None) -> None:
-    """Show (or replay) this node's journal of pending actions."""
-    from .actions.executor import JournalExecutor  # start-up speed
-    from .state.journal import Journal  # start-up speed
-    from .slurm.commands import Slurm  # start-up speed
+def journal_cmd(state: State, replay: bool, as_json: bool, node: str | None) -> None:
+    """Show (or replay) this node's journal of pending actions (exit 1: some are pending)."""
+    from .commands.journal import run_journal  # start-up speed
 
-    cfg = state.config()
-    name = _node_name(node)
-    if replay:
-        for entry, outcome in JournalExecutor(cfg, Slurm.from_config(cfg), name).replay():
-            click.echo(f"{entry.kind} {json.dumps(entry.payload, sort_keys=True)}: {outcome}")
-    j = Journal.for_config(cfg, name)
-    pending = j.pending()
-    for e in pending:
-        click.echo(f"pending {e.kind} {json.dumps(e.payload, sort_keys=True)} attempts={e.attempts} {e.last_error}".rstrip())
-    if not pending:
-        click.echo(f"no pending actions in {j.dir}")
-    sys.exit(1 if pending and replay else 0)
+    sys.exit(run_journal(state.config(), _node_name(node), replay=replay, as_json=as_json, out=sys.stdout))
 
 
 @cli.command()

@@ -38,6 +38,9 @@ from ..slurm.model import NodeInfo
 from ..state.repair_state import drop_marker, record_history, write_marker
 from ..slurm.commands import Slurm, unreachable
 
+# What a replay that stopped because slurmctld could not be reached says (`journal` exits 3 on it).
+SLURM_UNREACHABLE = "slurmctld unreachable"
+
 # Slurm's own reason after our prolog exited non-zero: a pending drain from that prolog may
 # replace it with the precise reason (it is the echo of our own failure, not an admin's).
 PROLOG_FAILURE_REASONS = ("Prolog error", "Prolog failed")
@@ -79,7 +82,7 @@ class EntryHandlers:
             return fn()
         except SlurmError as exc:
             if unreachable(exc):
-                raise StopReplay(f"slurmctld unreachable: {exc}") from None
+                raise StopReplay(f"{SLURM_UNREACHABLE}: {exc}") from None
             raise Retry(str(exc)) from None
 
     def _nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
@@ -273,7 +276,7 @@ class EntryHandlers:
                 return "requeued"
             except SlurmError as exc:
                 if unreachable(exc):
-                    raise StopReplay(f"slurmctld unreachable: {exc}") from None
+                    raise StopReplay(f"{SLURM_UNREACHABLE}: {exc}") from None
                 # e.g. `Job is pending execution`: requeued since it was seen; the read below says so
         job = self._slurm(lambda: self.slurm.job(jid))
         decision = eviction_policy.decide_fault_requeue(job, seen, cancel=bool(p.get("cancel")))

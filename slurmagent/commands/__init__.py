@@ -1,1 +1,1 @@
-"""One runtime per command: health, hooks, healthcheck, watch, expiry, repair, status, doctor, install."""
+"""One runtime per command: health, hooks, healthcheck, watch, expiry, repair, status, journal, doctor, install."""

@@ -24,15 +24,15 @@ import re
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 from ..core import hostlist, reasons
 from ..policy import breaker as breaker_policy, repair as repair_policy
+from ..policy.repair_report import REFUSED, RepairResult, plan_entry
 from ..actions.executor import REPLAY_DEADLINE_S, JournalExecutor
 from ..state.config import Config
 from ..state.decisionlog import warn
-from ..errors import SlurmagentError, SlurmError
+from ..errors import SlurmagentError, SlurmError, SlurmUnreachable
 from ..state.host import boot_time, node_name
 from ..state.journal import Entry
 from ..slurm.model import NodeInfo
@@ -51,18 +51,6 @@ from ..slurm.commands import Slurm
 LASTING_REFUSALS = frozenset({"INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED", "MACHINE_TYPE_NOT_SUPPORTED"})
 RESUME_POLL_S = 2.0  # resume-if-healthy: how often to ask whether slurmd has registered
 BOOT_SLACK_S = 60.0  # slurmd registered this long before our boot time still counts as this boot
-
-
-@dataclass
-class RepairResult:
-    ok: dict[str, str] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    compute_calls: int = 0
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.failed else 0
 
 
 def entry_target(entry: Entry) -> str:
@@ -89,7 +77,10 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     if not dry_run:
         for entry, outcome in executor.replay():
             print(f"journal: replayed {entry.kind} {entry_target(entry)}: {outcome}", file=out)
-    nodes = slurm.nodes()
+    try:
+        nodes = slurm.nodes()
+    except SlurmError as exc:  # its own exit code: an outage, not a verdict on the nodes
+        raise SlurmUnreachable(f"repair: cannot read the nodes from Slurm: {exc}", str(exc)) from None
     now = clock()
     state = load_state(executor.state_dir)
     cleanup = repair_policy.dynamic_cleanup(nodes)
@@ -107,7 +98,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
         plan.skipped[name] = f"opted out ({executor.opted_out(by_name[name], name)}): slurmagent leaves it alone"
     for name, why in plan.refused.items():
         print(f"{name}: refused: {why}", file=err)
-        res.failed[name] = f"refused: {why}"
+        res.failed[name] = f"{REFUSED}{why}"
     for name, why in plan.skipped.items():
         if name in cleanup[0] and not dry_run:
             continue  # powered down just now (said above)
@@ -136,9 +127,9 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     choices = run.choose(plan.todo, by_name)
     if dry_run:
         for name, (choice, target) in choices.items():
-            print(repair_policy.dry_run_line(name, choice.action, target, name in plan.needs_drain, by_name[name].reason,
-                                      choice.why), file=out)
-            res.ok[name] = f"dry-run: {choice.action}"
+            facts = (name, choice.action, target, name in plan.needs_drain, by_name[name].reason, choice.why)
+            print(repair_policy.dry_run_line(*facts), file=out)
+            res.ok[name], res.plan[name] = f"dry-run: {choice.action}", plan_entry(*facts)
         return res
     run.carry_out(choices, by_name, reason_of)
     return res
@@ -227,7 +218,10 @@ class RepairRun:
             self.calls_before = getattr(self._compute, "total_calls", 0)
         return self._compute
 
-    def fail(self, name: str, why: str) -> None:
+    def fail(self, name: str, why: str, exc: Exception | None = None) -> None:
+        """`exc`: the ComputeError behind it; one that got no answer makes the exit code 3."""
+        if getattr(exc, "retriable", False) and not self.res.unreachable:
+            self.res.unreachable = str(exc)
         self.res.failed[name] = why
         print(f"{name}: FAILED: {why}", file=self.err)
 
@@ -293,19 +287,20 @@ class RepairRun:
                 if exc.status == 404:
                     missing[name] = str(exc)
                 else:
-                    self.fail(name, f"cannot find its VM: {exc}")
+                    self.fail(name, f"cannot find its VM: {exc}", exc)
         if missing:
             zones = [z for z in self.cfg.gcp.zones if z != zone]
             where = f"zones {', '.join(zones)}" if zones else "any zone of the project (instances.aggregatedList)"
+            lost: ComputeError | None = None
             try:
                 more = compute.find_vms(list(missing), zones or None)
             except ComputeError as exc:
-                more, where = {}, f"{where}: {exc}"
+                more, where, lost = {}, f"{where}: {exc}", exc
             for name, why in missing.items():
                 if name in more:
                     found[name] = more[name]
                 else:
-                    self.fail(name, f"cannot find its VM: {why}; nor in {where}")
+                    self.fail(name, f"cannot find its VM: {why}; nor in {where}", lost)
         return found
 
     # --- carry out ------------------------------------------------------------------------
@@ -406,7 +401,7 @@ class RepairRun:
             if name in recreate:
                 print(f"{name}: reportHostAsFaulty refused ({exc}): recreate via its MIG instead", file=self.out)
             else:
-                self.fail(name, f"{exc}" + ("; in no MIG: left drained (never deleted)" if exc.refused else ""))
+                self.fail(name, f"{exc}" + ("; in no MIG: left drained (never deleted)" if exc.refused else ""), exc)
             return []
         behavior = repair_policy.fault_behavior(reasons.rule_of(entry.payload["nodes"][name]["reason"]))
         what = f"reported host as faulty ({behavior})"
@@ -424,7 +419,7 @@ class RepairRun:
                 for n in members:
                     self.migs.pop(n, None)  # the VM or MIG moved: look it up afresh next time
             for n in members:
-                self.fail(n, str(exc))
+                self.fail(n, str(exc), exc)
             return []
         what = f"recreate requested via MIG {repair_policy.mig_short(p['mig'])}"
         for n in members:

@@ -8,6 +8,11 @@ node-local checkpoint directory); the wrapper's status record (`checkpoint/repor
 node holds it, adds the running attempt's view: its last sync, the lag, held-back units, and the
 remote the wrapper really uses (`--remote`, or the per-job default). The record is the job
 owner's file: it is shown and its remote is read, nothing is done on its word.
+
+Exit codes (`status_exit_code`, in the JSON as `exit_code`): 3 when Slurm (for `--job` also
+the bucket) could not be read, and then the JSON says `null`/`"unknown"` for what it did not
+read; 1 when it found problems (a fault drain, a node held back by the breaker, the breaker
+open, journal actions pending); else 0.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from ..checkpoint.report import age_s, human_bytes, manifest_summary, read_recor
 
 from ..state import expiry_state
 from ..policy import breaker as breaker_policy
-from ..core import reasons
+from ..core import hostlist, reasons
 from ..state.config import Config
-from ..errors import SlurmagentError, SlurmError
+from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, SlurmagentError, SlurmError
 from ..state.host import node_name
 from ..state.journal import Journal
 from ..state.repair_state import drained_at as load_drained_at
@@ -53,7 +58,7 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
             repair = "repairing" if n.repairing else ("waiting for jobs to end" if n.busy else "drained")
             if not reasons.repairable(n.reason):
                 repair = "drained (not repaired)"
-            rule = reasons.rule_of(n.reason)
+            rule, drain = reasons.rule_of(n.reason), "planned" if n.planned_drain else "fault"
             since = drained_at.get(n.name) if n.repairing and drained_at.get(n.name) else n.reason_time
             detail = reasons.fault_text(n.reason)
         else:
@@ -61,10 +66,10 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
             # Slurm's reason only while it holds the node: 24.11 keeps it after a resume.
             held = n.reason and (n.drained or n.down)
             repair = "suppressed by breaker" + (f" (Slurm: {n.reason})" if held else "")
-            rule = reasons.rule_of(m.suppressed_summary)
+            rule, drain = reasons.rule_of(m.suppressed_summary), "suppressed"
             since = m.suppressed_at
             detail = m.suppressed_summary
-        rows.append({"node": n.name, "state": n.state, "rule": rule, "detail": detail, "since": since,
+        rows.append({"node": n.name, "state": n.state, "drain": drain, "rule": rule, "detail": detail, "since": since,
                      "for_s": round(now - since) if since else None, "repair": repair,
                      "repair_requested_s_ago": round(now - n.reason_time) if n.repairing and n.reason_time else None,
                      "expiry": expiry_state.countdown(cfg, n.name, local, now)})
@@ -79,10 +84,40 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
         e = expiry_state.countdown(cfg, name, local, now)
         if e:
             expiries[name] = e
-    return {"time": now, "slurm_error": slurm_error, "nodes": rows,
-            "breaker": {**b.to_dict(), "summary": b.describe() if not slurm_error else "unknown (Slurm unreachable)"},
-            "journal": {"pending": sum(j["pending"] for j in journals), "journals": journals},
-            "expiry": expiries}
+    if slurm_error:  # nothing said about the nodes or the breaker: it was not read
+        breaker = {"state": "unknown", "total": None, "allowed": None, "max_drained_fraction": fraction,
+                   "drained": None, "suppressed": None, "summary": "unknown (Slurm unreachable)"}
+    else:
+        breaker = {**b.to_dict(), "summary": b.describe()}
+    st = {"time": now, "slurm_error": slurm_error, "nodes": None if slurm_error else rows, "breaker": breaker,
+          "journal": {"pending": sum(j["pending"] for j in journals), "journals": journals},
+          "expiry": expiries}
+    st["problems"] = status_problems(st)
+    st["exit_code"] = status_exit_code(st)
+    return st
+
+
+def status_problems(st: dict[str, Any]) -> list[str]:
+    """What needs a look, one line each: what `status` exits 1 for. Planned drains (expiry,
+    maintenance) are not problems; with Slurm unreachable only the journal is known."""
+    rows = st["nodes"] or []
+    faults = [r["node"] for r in rows if r["drain"] == "fault"]
+    held = [r["node"] for r in rows if r["drain"] == "suppressed"]
+    out = []
+    if faults:
+        out.append(f"{len(faults)} node(s) drained by slurmagent for a fault: {hostlist.compress(faults)}")
+    if held:
+        out.append(f"{len(held)} unhealthy node(s) held back by the breaker: {hostlist.compress(held)}")
+    if st["breaker"]["state"] == "open":
+        out.append("the drain circuit breaker is OPEN")
+    if st["journal"]["pending"]:
+        out.append(f"{st['journal']['pending']} journal action(s) pending")
+    return out
+
+
+def status_exit_code(st: dict[str, Any]) -> int:
+    """3 (Slurm not read) wins over 1 (problems): an outage hides what it could not read."""
+    return EXIT_UNREACHABLE if st["slurm_error"] else (EXIT_PROBLEMS if st["problems"] else EXIT_OK)
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -117,6 +152,8 @@ def format_status(st: dict[str, Any]) -> str:
         when = e["in_s"]
         lines.append(f"expiry: {node} terminates {e['termination_time']}"
                      + (f" (in {human(when, column=True)})" if when is not None and when >= 0 else " (passed)" if when is not None else ""))
+    if st.get("problems"):
+        lines.append("problems: " + "; ".join(st["problems"]))
     return "\n".join(lines)
 
 
@@ -136,7 +173,7 @@ def collect_job_status(cfg: Config, job_id: str, *, remote: str | None = None, s
     slurm = slurm or Slurm.from_config(cfg)
     st: dict[str, Any] = {"job": job_id, "time": clock(), "slurm": None, "slurm_error": None, "record": None,
                           "remote": remote, "commit": None, "remote_error": None}
-    uid = os.geteuid()
+    uid, unreadable = os.geteuid(), False  # Slurm not read ("no job" is an answer)
     try:
         job = slurm.job(job_id)
         if job is None:
@@ -146,7 +183,7 @@ def collect_job_status(cfg: Config, job_id: str, *, remote: str | None = None, s
                            "user": (job.raw or {}).get("UserId", "")}
             uid = job_owner_uid(job.raw) if job_owner_uid(job.raw) is not None else uid
     except SlurmagentError as exc:
-        st["slurm_error"] = str(exc)
+        st["slurm_error"], unreadable = str(exc), True
     record = read_record(record_path(env, uid, job_id))
     if record is not None and str(record.get("job")) == job_id:
         st["record"] = record
@@ -166,6 +203,7 @@ def collect_job_status(cfg: Config, job_id: str, *, remote: str | None = None, s
                 st["commit"] = {**manifest_summary(manifest), "age_s": age_s(manifest.created, clock())}
         except Exception as exc:  # noqa: BLE001 - one line, the rest is still worth showing
             st["remote_error"] = (str(exc).splitlines() or [type(exc).__name__])[0]
+    st["exit_code"] = EXIT_UNREACHABLE if unreadable or st["remote_error"] else EXIT_OK
     return st
 
 

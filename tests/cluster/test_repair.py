@@ -390,7 +390,7 @@ def test_status_table_and_json(env, gcp, tmp_path, cli):
     expiry.write_text(json.dumps({"termination_time": when}))
 
     code, out, err = cli(cfg, "status")
-    assert code == 0, err
+    assert code == 1, err  # n1 is drained for a fault: a problem (n2 too)
     lines = out.splitlines()
     assert lines[0].split()[:5] == ["NODE", "STATE", "RULE", "SINCE", "REPAIR"]
     n1 = next(line for line in lines if line.startswith("n1 "))
@@ -402,6 +402,7 @@ def test_status_table_and_json(env, gcp, tmp_path, cli):
 
     code, out, err = cli(cfg, "status", "--json")
     st = json.loads(out)
+    assert code == st["exit_code"] == 1 and st["problems"] == ["2 node(s) drained by slurmagent for a fault: n[1-2]"]
     rows = {r["node"]: r for r in st["nodes"]}
     assert rows["n1"]["rule"] == "xid 79" and rows["n1"]["repair"] == "drained" and rows["n1"]["for_s"] < 60
     assert 3 * 3600 <= rows["n1"]["expiry"]["in_s"] <= 3 * 3600 + 30
