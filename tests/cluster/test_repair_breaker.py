@@ -121,9 +121,10 @@ def test_burst_of_four_with_limit_25_percent_drains_exactly_two(eight, capfd):
     env = dict(cluster.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO))
     st = subprocess.run([sys.executable, "-m", "slurmagent.entry", "status", "--json"], env=env,
                         capture_output=True, text=True, timeout=60)
-    assert st.returncode == 0, st.stderr
+    assert st.returncode == 1, st.stderr  # problems found: the faults, the breaker
     data = json.loads(st.stdout)
-    assert data["breaker"]["state"] == "open"
+    assert data["breaker"]["state"] == "open" and data["exit_code"] == 1
+    assert "the drain circuit breaker is OPEN" in data["problems"]
     assert data["breaker"]["drained"] == drained and data["breaker"]["suppressed"] == suppressed
     rows = {r["node"]: r for r in data["nodes"]}
     assert all(rows[n]["repair"].startswith("suppressed by breaker") and rows[n]["rule"] == "hw-slowdown"
