@@ -73,10 +73,18 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
                      "for_s": round(now - since) if since else None, "repair": repair,
                      "repair_requested_s_ago": round(now - n.reason_time) if n.repairing and n.reason_time else None,
                      "expiry": expiry_state.countdown(cfg, n.name, local, now)})
-    journals = []
+    journals, unreadable = [], {}
     names = sorted({n.name for n in nodes} | {local}) if "%n" in cfg.state_dir else [local]
     for name in names:
-        s = Journal.for_config(cfg, name).summary()
+        j = Journal.for_config(cfg, name)
+        try:
+            os.listdir(j.pending_dir)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # e.g. a user reading root's 0700 journal: not "no pending actions"
+            unreadable[name] = f"cannot read {j.pending_dir}: {exc.strerror or exc}"
+            continue
+        s = j.summary()
         if s["pending"] or name == local:
             journals.append({"node": name, **s})
     expiries = {}
@@ -90,7 +98,8 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
     else:
         breaker = {**b.to_dict(), "summary": b.describe()}
     st = {"time": now, "slurm_error": slurm_error, "nodes": None if slurm_error else rows, "breaker": breaker,
-          "journal": {"pending": sum(j["pending"] for j in journals), "journals": journals},
+          "journal": {"pending": None if unreadable else sum(j["pending"] for j in journals), "journals": journals,
+                      "unreadable": unreadable},
           "expiry": expiries}
     st["problems"] = status_problems(st)
     st["exit_code"] = status_exit_code(st)
@@ -110,8 +119,10 @@ def status_problems(st: dict[str, Any]) -> list[str]:
         out.append(f"{len(held)} unhealthy node(s) held back by the breaker: {hostlist.compress(held)}")
     if st["breaker"]["state"] == "open":
         out.append("the drain circuit breaker is OPEN")
-    if st["journal"]["pending"]:
-        out.append(f"{st['journal']['pending']} journal action(s) pending")
+    pending = sum(j["pending"] for j in st["journal"]["journals"])
+    if pending:
+        out.append(f"{pending} journal action(s) pending")
+    out += [f"journal not read: {why}" for why in st["journal"]["unreadable"].values()]
     return out
 
 
@@ -142,12 +153,14 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("no node is drained by slurmagent")  # (or held back by the breaker)
     lines.append(f"breaker: {st['breaker']['summary']}")
     j = st["journal"]
-    if j["pending"]:
+    busy = [x for x in j["journals"] if x["pending"]]
+    if busy:
         per = ", ".join(f"{x['node']}: {x['pending']} ({', '.join(x['pending_kinds'])}, oldest "
-                        f"{human(x['oldest_pending_age_s'], column=True)})" for x in j["journals"] if x["pending"])
-        lines.append(f"journal: {j['pending']} pending action(s) not yet applied: {per}")
-    else:
+                        f"{human(x['oldest_pending_age_s'], column=True)})" for x in busy)
+        lines.append(f"journal: {sum(x['pending'] for x in busy)} pending action(s) not yet applied: {per}")
+    elif not j["unreadable"]:
         lines.append("journal: no pending actions")
+    lines += [f"journal: {why}" for why in j["unreadable"].values()]
     for node, e in sorted(st["expiry"].items()):
         when = e["in_s"]
         lines.append(f"expiry: {node} terminates {e['termination_time']}"

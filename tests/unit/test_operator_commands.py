@@ -296,3 +296,15 @@ def test_completion_completes_commands_and_options():
     assert completions("slurmagent rep") == {"repair"}
     assert {"--json", "--replay", "--node"} <= completions("slurmagent journal --")
     assert {"--dry-run", "--json", "--force"} <= completions("slurmagent repair --")
+
+
+def test_status_says_a_journal_it_cannot_read_instead_of_no_pending_actions(cluster):
+    (cluster.tmp / "state" / "n1" / "journal").mkdir(parents=True)
+    (cluster.tmp / "state" / "n1" / "journal" / "pending").write_text("")  # unreadable as a directory
+    code, out, _ = cluster.run("status")
+    assert code == EXIT_PROBLEMS and "no pending actions" not in out
+    assert "journal: cannot read " in out
+    code, st, _ = cluster.json("status")
+    assert code == st["exit_code"] == EXIT_PROBLEMS
+    assert st["journal"]["pending"] is None and list(st["journal"]["unreadable"]) == ["n1"]
+    assert out.splitlines()[-1] == "problems: " + "; ".join(st["problems"])
