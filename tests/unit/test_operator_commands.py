@@ -308,3 +308,13 @@ def test_status_says_a_journal_it_cannot_read_instead_of_no_pending_actions(clus
     assert code == st["exit_code"] == EXIT_PROBLEMS
     assert st["journal"]["pending"] is None and list(st["journal"]["unreadable"]) == ["n1"]
     assert out.splitlines()[-1] == "problems: " + "; ".join(st["problems"])
+
+
+@pytest.mark.parametrize("argv", [["status", "--json"], ["status"], ["repair", "--dry-run", "--json"],
+                                  ["journal", "--json"], ["check", "--json"]])
+def test_a_missing_config_file_is_exit_2_one_line_and_no_json(cluster, argv):
+    cluster.config = cluster.tmp / "absent.toml"
+    code, out, err = cluster.run(*argv)
+    assert code == EXIT_USAGE and out == ""
+    assert err == f"slurmagent: config {cluster.config}: file not found\n"
+    assert cluster.sc.calls == []
