@@ -205,7 +205,11 @@ def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = tim
          lambda: _bucket_result(cfg)),
         ("clock", FIX_CLOCK, lambda: _clock_result(cfg, md_timeout, clock)),
     ]
-    return run_bounded(checks, deadline_s)
+    rows = run_bounded(checks, deadline_s)
+    i = next(i for i, r in enumerate(rows) if r.name == "compute API")
+    if not rows[i + 1].name.startswith("permission "):  # the check hung: the same lines, every time
+        rows[i + 1:i + 1] = _permission_skips("not checked: the Compute API did not answer in time")
+    return rows
 
 
 def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]]],

@@ -91,7 +91,7 @@ def parse_table(out: str) -> dict[str, tuple[str, str, str]]:
             rows[last] = (mark, detail, line.split("fix: ", 1)[1])
             continue
         mark, rest = line[:4].strip(), line[5:]
-        name = next(n for n in sorted(NAMES, key=len, reverse=True) if rest.startswith(n + " "))
+        name = next(n for n in sorted([*NAMES, "slurm.conf"], key=len, reverse=True) if rest.startswith(n + " "))
         rows[name] = (mark, rest[len(name):].strip(), "")
         last = name
     return rows
@@ -295,3 +295,91 @@ def test_a_state_dir_a_user_created_fails_with_fix(gcp, emu, tmp_path, capsys):
     assert fix.startswith(f"rm -r {state} and let root create it")
     os.chown(state, 0, 0)
     assert doctor(capsys, cfg)[1]["state dir"][0] == "ok"
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under root: (mode, size, mtime_ns), the root's own entry included."""
+    out = {}
+    for p in [root, *sorted(root.rglob("*"))]:
+        st = p.lstat()
+        out[str(p)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_doctor_under_a_read_only_root_changes_nothing_and_exits_1(gcp, tmp_path, capsys, monkeypatch):
+    """A diagnostic writes nothing: the state dir under a read-only directory is judged, not made,
+    and no file appears or changes anywhere under the root (the snapshot before and after)."""
+    import json
+
+    from slurmagent.cli import main
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url, remote="")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cfg.write_text(cfg.read_text().replace(f'state_dir = "{tmp_path}/state/%n"', f'state_dir = "{ro}/state/%n"'))
+    ro.chmod(0o555)
+    before = _tree(tmp_path)
+    try:
+        code, rows, out = doctor(capsys, cfg)
+        capsys.readouterr()
+        json_code = main(["--config", str(cfg), "doctor", "--json"])
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        ro.chmod(0o755)
+    ro.chmod(0o555)
+    assert _tree(tmp_path) == before
+    assert not (ro / "state").exists()
+    state = ro / "state" / "n1"
+    if os.geteuid() == 0:  # root may create it: the line says what the first run will do
+        assert rows["state dir"][0] == "ok" and rows["state dir"][1].startswith(f"{state} does not exist yet"), out
+        assert code == json_code == 0, out
+    else:
+        assert rows["state dir"] == ("FAIL", f"{state} does not exist and {ro} is not writable by this user",
+                                     f"mkdir -p {state} (as root)"), out
+        assert code == json_code == 1, out
+    assert doc["exit_code"] == code and doc["ok"] is (code == 0)
+
+
+def test_no_config_file_every_line_true_and_the_default_state_dir_is_not_created(gcp, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Without a config file the config line says so (not "root-owned"), and the default state dir
+    (/var/lib/slurmagent) stays as it was: absent stays absent."""
+    import json
+
+    from slurmagent.cli import main
+    from slurmagent.state import config as config_mod
+
+    monkeypatch.delenv("SLURMAGENT_CONFIG", raising=False)
+    monkeypatch.setattr(config_mod, "DEFAULT_PATH", str(tmp_path / "no-such" / "config.toml"))
+    default_state = Path(config_mod.Config().state_dir)
+    existed = default_state.exists()
+    capsys.readouterr()
+    code = main(["doctor", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert checks["config"] == {"name": "config", "ok": True, "status": "ok", "fix": "",
+                                "detail": f"no config file at {tmp_path}/no-such/config.toml: the built-in defaults "
+                                          "apply"}
+    assert default_state.exists() is existed
+    assert doc["exit_code"] == code and code in (0, 1)
+
+
+def test_a_named_config_that_is_missing_or_invalid_exits_2(gcp, tmp_path, capsys):
+    import json
+
+    from slurmagent.cli import main
+
+    missing = tmp_path / "missing.toml"
+    code, rows, out = doctor(capsys, missing)
+    assert code == 2, out
+    assert rows["config"] == ("FAIL", f"config {missing}: file not found",
+                              f"fix {missing} (see docs/admin/configuration.md)")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("state_dir = [\n")
+    bad.chmod(0o644)
+    capsys.readouterr()
+    assert main(["--config", str(bad), "doctor", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 2 and doc["ok"] is False
+    assert doc["checks"][0]["name"] == "config" and "not valid TOML" in doc["checks"][0]["detail"]
