@@ -46,6 +46,8 @@
    world-readable copy at `[expiry] run_file` for wrappers that run as the job's user) holds
    `termination_time` (absent when unknown), `source`, `boot_id`, the drain and flush
    flags; `slurmagent run` flushes on its own at `flush_lead_s` from it, `status` shows it.
+   `--once` keeps there what it said of its errors (`said_errors`): a lasting error is said
+   once, again when it changes or after an hour, and its end in one line.
 
 The decision of each check is pure (`expiry_policy.decide_expiry`); this module reads what it
 needs, asks it, and carries out its steps. The prolog guard that keeps a job which would
