@@ -158,18 +158,23 @@ def release_held(state: State, job_id: str, deadline: float) -> None:
 
 
 @cli.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_obj
-def doctor(state: State) -> None:
-    """Check slurm.conf, config, NVML, state dir, metadata, Compute, bucket, clock; say what to fix."""
-    from .commands.doctor import run_doctor  # start-up speed
+def doctor(state: State, as_json: bool) -> None:
+    """Check slurm.conf, config, NVML, state dir, metadata, Compute and its permissions, bucket, clock;
+    say what to fix; change nothing (exit 0 all ok, 1 problems, 2 config file missing/invalid)."""
+    from .commands.doctor import as_json as doctor_json, exit_code, run_doctor  # start-up speed
 
     results = run_doctor(state.config_path)
+    if as_json:
+        click.echo(json.dumps(doctor_json(results), indent=1))
+        sys.exit(exit_code(results))
     width = max(len(r.name) for r in results)
     for r in results:
         click.echo(f"{r.mark:<4} {r.name:<{width}}  {r.detail}")
         if not r.ok and r.fix:
             click.echo(f"     {'':<{width}}  fix: {r.fix}")
-    sys.exit(0 if all(r.ok for r in results) else 1)
+    sys.exit(exit_code(results))
 
 
 # The command's own options and its `--` stay its own: parsing stops at the first word of CMD.

@@ -1,5 +1,10 @@
 """`slurmagent doctor`: each check is a pass/fail line with the fix, never an exception.
 
+It changes nothing: every check reads (the state dir is judged, never created; Compute
+permissions are asked with `testIamPermissions` or a harmless read). Exit 0: every line ok
+or skipped; 1: a check failed (an unreachable metadata server or Compute API included); 2:
+the config file named by --config/$SLURMAGENT_CONFIG is missing or invalid.
+
 Local checks (config, slurm.conf, NVML, state dir) run first. The external ones (metadata
 server, Compute permission, bucket, clock) then run side by side in daemon threads with
 one shared deadline: every request has its own timeout, and a check that still has not
@@ -13,7 +18,6 @@ import email.utils
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -28,7 +32,9 @@ from ..errors import SlurmagentError
 from ..state.fsutil import untrusted_reason
 from ..checkpoint.remote import parse_remote
 from ..gcp import metadata
+from ..gcp import permissions
 from ..gcp.compute import Compute, ComputeError
+from ..gcp.metadata import parse_created_by
 from .health import expected_gpus, read_snapshot
 from ..state.host import node_name
 from ..slurm.commands import conf_value, read_conf_lines, slurm_conf_path, valid_node_name
@@ -40,8 +46,8 @@ MAX_CLOCK_SKEW_S = 2.0
 DEFAULT_COMPUTE_ENDPOINT = "https://compute.googleapis.com"
 
 FIX_METADATA = "run on a GCE VM or set [gcp] project/zone"
-FIX_COMPUTE = ("grant this VM's service account compute.instances.get and "
-               "compute.instanceGroupManagers.update (e.g. roles/compute.instanceAdmin.v1)")
+FIX_ROLE = "roles/compute.instanceAdmin.v1 has every one repair and expiry-watch use"
+FIX_COMPUTE = "check [gcp] compute_endpoint and the network path to the Compute API"
 FIX_BUCKET_IAM = "grant this VM's service account roles/storage.objectUser on the bucket"
 FIX_CLOCK = "enable NTP (chrony/systemd-timesyncd; on GCE: server metadata.google.internal)"
 
@@ -53,10 +59,30 @@ class Result:
     detail: str
     fix: str = ""
     skipped: bool = False  # not applicable here (e.g. no bucket configured): never a failure
+    config_error: bool = False  # the config file itself is missing or invalid: exit 2
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "ok": self.ok, "status": self.mark.lower(), "detail": self.detail,
+                "fix": self.fix if not self.ok else ""}
 
     @property
     def mark(self) -> str:
         return "skip" if self.skipped else ("ok" if self.ok else "FAIL")
+
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_CONFIG = 0, 1, 2
+
+
+def exit_code(results: list[Result]) -> int:
+    if any(r.config_error for r in results):
+        return EXIT_CONFIG
+    return EXIT_OK if all(r.ok for r in results) else EXIT_PROBLEMS
+
+
+def as_json(results: list[Result]) -> dict[str, object]:
+    """`doctor --json`: the same lines as the table, and the exit code they give."""
+    code = exit_code(results)
+    return {"ok": code == EXIT_OK, "exit_code": code, "checks": [r.to_dict() for r in results]}
 
 
 def _skip(name: str, detail: str) -> Result:
@@ -101,14 +127,18 @@ def missing_slurm_conf_lines(conf: Path) -> list[str]:
 def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.time,
                external_deadline_s: float = EXTERNAL_DEADLINE_S) -> list[Result]:
     results: list[Result] = []
-    path, _ = config_mod.config_path(config_path)
+    path, required = config_mod.config_path(config_path)
     try:
         cfg = config_mod.load(config_path, for_root_hook=True)
-        results.append(Result("config", True, f"{cfg.source} valid, root-owned, not writable by others"))
+        if not required and not os.path.lexists(path):
+            results.append(Result("config", True, f"no config file at {path}: the built-in defaults apply"))
+        else:
+            results.append(Result("config", True, f"{cfg.source} valid, root-owned, not writable by others"))
     except SlurmagentError as exc:
+        refused = "refused" in str(exc)
         fix = (f"chown root:root {path} and chmod go-w it and every directory above it"
-               if "refused" in str(exc) else f"fix {path} (see docs/admin/configuration.md)")
-        results.append(Result("config", False, str(exc), fix))
+               if refused else f"fix {path} (see docs/admin/configuration.md)")
+        results.append(Result("config", False, str(exc), fix, config_error=not refused))
         try:
             cfg = config_mod.load(config_path)
         except SlurmagentError:
@@ -137,12 +167,23 @@ def _gpu_result(cfg: config_mod.Config, node: str) -> Result:
 
 
 def _state_dir_result(state_dir: Path) -> Result:
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=state_dir, prefix=".doctor."):
-            pass
-    except OSError as exc:
-        return Result("state dir", False, f"{state_dir}: {exc.strerror}", f"mkdir -p {state_dir} (as root)")
+    """Judged, never created or written: a diagnostic changes nothing (the first real run creates it)."""
+    name = "state dir"
+    if not state_dir.exists():
+        parent = next((p for p in state_dir.parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            return Result(name, False, f"{state_dir} does not exist and {parent} is not writable by this user",
+                          f"mkdir -p {state_dir} (as root)")
+        why = untrusted_reason(parent)
+        if why:
+            return Result(name, False, f"{state_dir} does not exist; {why}: root would ignore the files in it",
+                          f"set state_dir to a path under a root-only directory")
+        return Result(name, True, f"{state_dir} does not exist yet: the first slurmagent run creates it "
+                                  f"(under {parent}, writable)")
+    if not state_dir.is_dir():
+        return Result(name, False, f"{state_dir} is not a directory", f"remove {state_dir} or set state_dir")
+    if not os.access(state_dir, os.W_OK | os.X_OK):
+        return Result(name, False, f"{state_dir}: not writable by this user", f"chmod u+w {state_dir} (as root)")
     why = untrusted_reason(state_dir)  # root ignores every file in it: expiry, journal, cursor, decision log
     if why:
         return Result("state dir", False, f"{why}: root would ignore the files in {state_dir}",
@@ -159,19 +200,25 @@ def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = tim
     md_timeout = max(0.1, min(float(cfg.expiry.metadata_timeout_s) or METADATA_TIMEOUT_S, METADATA_TIMEOUT_S))
     checks: list[tuple[str, str, Callable[[], Result]]] = [
         ("metadata server", FIX_METADATA, lambda: _metadata_result(cfg, md_timeout)),
-        ("compute permission", FIX_COMPUTE, lambda: _compute_result(cfg, md_timeout, deadline_s)),
+        ("compute API", FIX_COMPUTE, lambda: _compute_results(cfg, md_timeout, deadline_s)),
         ("checkpoint bucket", "check [checkpoint] remote and the network path to Cloud Storage",
          lambda: _bucket_result(cfg)),
         ("clock", FIX_CLOCK, lambda: _clock_result(cfg, md_timeout, clock)),
     ]
-    return run_bounded(checks, deadline_s)
+    rows = run_bounded(checks, deadline_s)
+    i = next(i for i, r in enumerate(rows) if r.name == "compute API")
+    if not rows[i + 1].name.startswith("permission "):  # the check hung: the same lines, every time
+        rows[i + 1:i + 1] = _permission_skips("not checked: the Compute API did not answer in time")
+    return rows
 
 
-def run_bounded(checks: list[tuple[str, str, Callable[[], Result]]], deadline_s: float) -> list[Result]:
-    """Run each check in a daemon thread; whatever has not answered by the deadline fails."""
-    slots: list[Result | None] = [None] * len(checks)
+def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]]],
+                deadline_s: float) -> list[Result]:
+    """Run each check in a daemon thread; whatever has not answered by the deadline fails.
+    A check may give several lines (the Compute API and its permissions)."""
+    slots: list[Result | list[Result] | None] = [None] * len(checks)
 
-    def target(i: int, name: str, fix: str, fn: Callable[[], Result]) -> None:
+    def target(i: int, name: str, fix: str, fn: Callable[[], Result | list[Result]]) -> None:
         try:
             slots[i] = fn()
         except Exception as exc:  # noqa: BLE001 - a doctor line, never a traceback
@@ -185,8 +232,12 @@ def run_bounded(checks: list[tuple[str, str, Callable[[], Result]]], deadline_s:
     end = time.monotonic() + deadline_s
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
-    return [slot if slot is not None else Result(name, False, f"no answer within {deadline_s:g} s", fix)
-            for slot, (name, fix, _) in zip(slots, checks)]
+    out: list[Result] = []
+    for slot, (name, fix, _) in zip(slots, checks):
+        if slot is None:
+            slot = Result(name, False, f"no answer within {deadline_s:g} s", fix)
+        out.extend(slot if isinstance(slot, list) else [slot])
+    return out
 
 
 def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:
@@ -204,8 +255,10 @@ def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:
     return Result(name, True, f"{host}: project {project}, zone {zone}, instance {instance or '?'}")
 
 
-def _compute_result(cfg: config_mod.Config, md_timeout: float, deadline_s: float) -> Result:
-    name = "compute permission"
+def _compute_results(cfg: config_mod.Config, md_timeout: float, deadline_s: float) -> list[Result]:
+    """The VM as the Compute API sees it (`instances.get`), then one line per permission that
+    `repair` and `expiry-watch` use (gcp/permissions.py asks, changing nothing)."""
+    name = "compute API"
 
     def lookup(path: str) -> str:
         try:
@@ -218,18 +271,45 @@ def _compute_result(cfg: config_mod.Config, md_timeout: float, deadline_s: float
     instance = lookup("instance/name")
     if not (project and zone and instance):
         missing = ", ".join(k for k, v in (("project", project), ("zone", zone), ("instance name", instance)) if not v)
-        return _skip(name, f"not checked: {missing} unknown (the metadata server did not say)")
+        return [_skip(name, f"not checked: {missing} unknown (the metadata server did not say)"),
+                *_permission_skips("not checked: the VM is unknown")]
     compute = Compute(project, cfg.gcp.compute_endpoint, call_timeout_s=CALL_TIMEOUT_S,
                       deadline_s=max(1.0, deadline_s - md_timeout), retries=1, backoff_s=0.5)
+    mig = parse_created_by(lookup("instance/attributes/created-by"))
     try:
         mig = compute.instance_mig(zone, instance)
+        where = f"in MIG {mig.path}" if mig else "NOT in a managed instance group: `repair` cannot recreate it"
+        head = Result(name, True, f"instances.get {project}/{zone}/{instance}: {where}")
     except ComputeError as exc:
-        fix = FIX_COMPUTE if exc.status in (401, 403) else (
-            f"check [gcp] project/zone: no VM {instance!r} in {project}/{zone}" if exc.status == 404 else
-            "check the network path to the Compute API ([gcp] compute_endpoint)")
-        return Result(name, False, f"instances.get {instance}: {_one_line(exc)}", fix)
-    where = f"in MIG {mig}" if mig else "NOT in a managed instance group: `repair` cannot recreate it"
-    return Result(name, True, f"instances.get {project}/{zone}/{instance} allowed; {where}")
+        if exc.status in (401, 403):  # the permission lines below say which one
+            head = Result(name, True, f"answers; instances.get {instance} refused ({_one_line(exc, 120)})")
+        else:
+            fix = (f"check [gcp] project/zone: no VM {instance!r} in {project}/{zone}" if exc.status == 404 else
+                   "check the network path to the Compute API ([gcp] compute_endpoint)")
+            return [Result(name, False, f"instances.get {instance}: {_one_line(exc)}", fix),
+                    *_permission_skips("not checked: the Compute API did not answer")]
+    try:
+        verdicts = permissions.check(project, zone, instance, mig, cfg.gcp.compute_endpoint, CALL_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - transport error, no credentials: a line, never a traceback
+        return [head, *_permission_skips(f"not asked: {_one_line(f'{type(exc).__name__}: {exc}', 160)}")]
+    rows = {v.permission: _permission_result(v) for v in verdicts}
+    absent = "not needed: the VM is in no MIG" if mig is None else "not needed: the MIG is zonal"
+    return [head, *(rows.get(p) or _skip(f"permission {p}", absent) for p in permissions.USES)]
+
+
+def _permission_result(v: permissions.Verdict) -> Result:
+    who, what = permissions.USES[v.permission]
+    name = f"permission {v.permission}"
+    if v.held:
+        return Result(name, True, f"held ({v.how}); {who}: {what}")
+    fix = f"grant this VM's service account {v.permission} ({FIX_ROLE})"
+    if v.held is False:
+        return Result(name, False, f"MISSING ({v.how}{': ' + v.error if v.error else ''}): {who} cannot {what}", fix)
+    return Result(name, False, f"cannot tell ({v.how}: {v.error})", fix)
+
+
+def _permission_skips(why: str) -> list[Result]:
+    return [_skip(f"permission {p}", why) for p in permissions.USES]
 
 
 def _bucket_result(cfg: config_mod.Config) -> Result:

@@ -46,6 +46,8 @@
    world-readable copy at `[expiry] run_file` for wrappers that run as the job's user) holds
    `termination_time` (absent when unknown), `source`, `boot_id`, the drain and flush
    flags; `slurmagent run` flushes on its own at `flush_lead_s` from it, `status` shows it.
+   `--once` keeps there what it said of its errors (`said_errors`): a lasting error is said
+   once, again when it changes or after an hour, and its end in one line.
 
 The decision of each check is pure (`expiry_policy.decide_expiry`); this module reads what it
 needs, asks it, and carries out its steps. The prolog guard that keeps a job which would
@@ -101,6 +103,7 @@ class CheckResult:
     errors: list[str] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
     next_check_s: float | None = None  # when the next threshold is crossed (loop mode)
+    to_say: list[str] | None = None  # --once: the error lines this run says (None: say every error)
 
     def summary(self) -> str:
         if self.termination is None:
@@ -133,7 +136,9 @@ class ExpiryWatch:
         self.read_scheduling = scheduling_reader
         self.path = expiry_state.state_file(cfg, node)
 
-    def check(self, events: Events | None = None) -> CheckResult:
+    def check(self, events: Events | None = None, *, remember_said: bool = False) -> CheckResult:
+        """`remember_said` (--once): what to say of the errors comes from the state file, where
+        this run's record of them is written with the rest (expiry_state.errors_to_say)."""
         ex = self.cfg.expiry
         now = self.clock()
         res = CheckResult(self.node)
@@ -166,10 +171,16 @@ class ExpiryWatch:
             self._drain(d.drain_reason, state, res, now)
         if d.flush_cause:
             self._flush(d.flush_cause, state, res, now)
+        if remember_said:
+            res.to_say, said = expiry_state.errors_to_say(old, res.errors, now)
+            if said:
+                state[expiry_state.SAID_KEY] = said
         try:
             expiry_state.write(self.cfg, self.node, state)
         except (OSError, SlurmagentError) as exc:
             res.errors.append(f"cannot write {self.path}: {getattr(exc, 'strerror', None) or exc}")
+            if res.to_say is not None:  # nothing is remembered: this one is said every run
+                res.to_say.append(res.errors[-1])
         res.state = state
         return res
 
@@ -320,7 +331,7 @@ def _log(cfg: Config, node: str, res: CheckResult, mode: str) -> None:
         "expiry-watch", node=node, mode=mode,
         termination_time=fmt_time(res.termination) if res.termination else None, source=res.source or None,
         remaining_s=round(res.remaining_s) if res.remaining_s is not None else None,
-        action="; ".join(res.actions) or "none", errors=res.errors or None)
+        action="; ".join(res.actions) or "none", errors=res.errors or None, said=res.to_say or None)
 
 
 def _internal(exc: Exception) -> str:
@@ -339,17 +350,23 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
     def report(res: CheckResult) -> None:
         if res.actions:
             print(f"slurmagent expiry-watch: {res.summary()}", file=out, flush=True)
+        if res.to_say is not None:  # --once: the state file remembers what was said
+            for line in res.to_say:
+                print(f"slurmagent expiry-watch: {node}: {line}", file=err, flush=True)
+            if res.actions or res.to_say:
+                _log(cfg, node, res, "once")
+            return
         for e in res.errors:
-            if once or e not in said:  # the loop says a lasting error once
+            if e not in said:  # the loop says a lasting error once
                 print(f"slurmagent expiry-watch: {node}: {e}", file=err, flush=True)
         if res.actions or (set(res.errors) - said):
-            _log(cfg, node, res, "once" if once else "loop")
+            _log(cfg, node, res, "loop")
         said.clear()
         said.update(res.errors)
 
     if once:
         try:
-            report(watch.check(probe_events(timeout)))
+            report(watch.check(probe_events(timeout), remember_said=True))
         except SlurmagentError as exc:
             print(f"slurmagent expiry-watch: {node}: {exc}", file=err, flush=True)
         except Exception as exc:  # noqa: BLE001 - a bad value from outside must not end the timer's unit in a traceback

@@ -3,8 +3,10 @@
 The expiry watch writes it (and, with `[expiry] publish_run_file`, a world-readable copy at
 `[expiry] run_file` for wrappers that run as the job's user); the prolog guard, the wrapper
 and `status` read it. It holds `termination_time` (absent when unknown), `source`,
-`boot_id` and the watch's drain and flush flags. A file written during an earlier boot of
-the VM (stopped and started on the same disk) is ignored by every reader.
+`boot_id` and the watch's drain and flush flags, and (`--once` mode) `said_errors`: the errors the
+last run said, so a lasting error is said once per change or per `REPEAT_SAID_S`, and its end
+in one line. A file written during an earlier boot of the VM (stopped and started on the same
+disk) is ignored by every reader.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .config import Config
 from ..errors import ExpiryError
 from .decisionlog import warn
 from .fsutil import UntrustedFile, atomic_write_text, read_state_file
-from ..core.timefmt import fmt_time, human, parse_time
+from ..core.timefmt import fmt_time, from_epoch, human, parse_time
 
 STATE_NAME = "expiry.json"
 SCHEMA = 1
@@ -29,6 +31,8 @@ SCHEMA = 1
 # did not come (policy.NOTICE_GRACE_S, 300 s), so a VM a few minutes late still flushes.
 STALE_AFTER_S = 300.0
 _said_stale: set[datetime] = set()
+SAID_KEY = "said_errors"
+REPEAT_SAID_S = 3600.0  # a lasting error is said again once an hour (the timer runs every 30 s)
 
 
 def state_file(cfg: Config, node: str) -> Path:
@@ -135,3 +139,24 @@ def countdown(cfg: Config, node: str, local: str, now: float) -> dict[str, Any] 
     except ValueError:
         return {"termination_time": text, "in_s": None}
     return {"termination_time": text, "in_s": round(when - now)}
+
+
+def errors_to_say(old: dict[str, Any] | None, errors: list[str], now: float,
+                  repeat_s: float = REPEAT_SAID_S) -> tuple[list[str], dict[str, Any] | None]:
+    """What a `--once` run says of its errors, and the `said_errors` record it keeps: errors
+    that differ from the last ones said are said; the same ones again only `repeat_s` after
+    they were last said; when none is left, one line says they cleared (record dropped)."""
+    prev = (old or {}).get(SAID_KEY)
+    prev = prev if isinstance(prev, dict) else {}
+    before = [str(e) for e in prev.get("errors") or []] if isinstance(prev.get("errors"), list) else []
+    said_at = prev.get("said_at") if isinstance(prev.get("said_at"), (int, float)) else 0.0
+    since = str(prev.get("since") or "?")
+    if not errors:
+        if not before:
+            return [], None
+        return [f"cleared: no error now (since {since}: {'; '.join(before)})"], None
+    if errors != before:
+        return list(errors), {"errors": list(errors), "since": fmt_time(from_epoch(now)), "said_at": now}
+    if now - said_at >= repeat_s:
+        return [f"{e} (still, since {since})" for e in errors], {**prev, "said_at": now}
+    return [], prev

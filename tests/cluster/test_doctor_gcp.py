@@ -22,7 +22,11 @@ from support.fake_gcp import FakeGcp
 ZONE = "us-central1-a"
 NAMES = ["config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf PrologFlags",
          "slurm.conf nohold_on_prolog_fail", "slurm.conf PrologEpilogTimeout", "GPUs", "state dir",
-         "metadata server", "compute permission", "checkpoint bucket", "clock"]
+         "metadata server", "compute API", "permission compute.instances.get",
+         "permission compute.instances.reportHostAsFaulty", "permission compute.instances.list",
+         "permission compute.instanceGroupManagers.update", "permission compute.zoneOperations.get",
+         "permission compute.regionOperations.get", "checkpoint bucket", "clock"]
+PERMISSIONS = [n for n in NAMES if n.startswith("permission ")]
 GOOD_SLURM_CONF = ("Prolog=/etc/slurmagent/hooks/prolog\nEpilog=/etc/slurmagent/hooks/epilog\nPrologFlags=Alloc\n"
                    "SchedulerParameters=nohold_on_prolog_fail,bf_interval=2\nPrologEpilogTimeout=120\n"
                    "NodeName=n1 Gres=gpu:8 CPUs=2\n")
@@ -87,7 +91,7 @@ def parse_table(out: str) -> dict[str, tuple[str, str, str]]:
             rows[last] = (mark, detail, line.split("fix: ", 1)[1])
             continue
         mark, rest = line[:4].strip(), line[5:]
-        name = next(n for n in sorted(NAMES, key=len, reverse=True) if rest.startswith(n + " "))
+        name = next(n for n in sorted([*NAMES, "slurm.conf"], key=len, reverse=True) if rest.startswith(n + " "))
         rows[name] = (mark, rest[len(name):].strip(), "")
         last = name
     return rows
@@ -98,13 +102,22 @@ def test_all_checks_pass_and_the_probe_object_is_removed(gcp, emu, tmp_path, cap
     code, rows, out = doctor(capsys, cfg)
     assert code == 0, out
     assert list(rows) == NAMES, out
-    assert {name: mark for name, (mark, _, _) in rows.items()} == {name: "ok" for name in NAMES}, out
+    regional_ops = "permission compute.regionOperations.get"  # the MIG is zonal: not needed
+    assert {name: mark for name, (mark, _, _) in rows.items()} == {
+        name: "skip" if name == regional_ops else "ok" for name in NAMES}, out
+    assert rows[regional_ops][1] == "not needed: the MIG is zonal"
     assert "project test-proj, zone us-central1-a, instance n1" in rows["metadata server"][1]
-    assert "instances.get test-proj/us-central1-a/n1 allowed; in MIG zones/us-central1-a/" in rows["compute permission"][1]
+    assert "instances.get test-proj/us-central1-a/n1: in MIG projects/123456789/zones/us-central1-a/" \
+        "instanceGroupManagers/mig-a" in rows["compute API"][1]
+    assert rows["permission compute.instanceGroupManagers.update"][1].startswith(
+        "held (instanceGroupManagers.testIamPermissions (beta) on zones/us-central1-a/mig-a)")
     assert "gs://ckpt/jobs" in rows["checkpoint bucket"][1]
     assert "within 2 s of the metadata server" in rows["clock"][1]
-    # a read-only call to Compute, never a mutation; the probe object is gone again
-    assert [c.kind for c in gcp.calls if c.kind != "metadata"] == ["instances.get"]
+    # read-only calls to Compute, never a mutation; the probe object is gone again
+    assert sorted(c.kind for c in gcp.calls if c.kind != "metadata") == [
+        "instanceGroupManagers.testIamPermissions", "instances.get", "instances.list",
+        "instances.testIamPermissions", "zoneOperations.get"]
+    assert not gcp.mutations
     from google.cloud import storage
 
     left = list(storage.Client(project="test").list_blobs("ckpt"))
@@ -125,7 +138,8 @@ def test_metadata_unreachable_fails_with_fix_and_the_rest_still_run(gcp, emu, tm
     mark, detail, fix = rows["metadata server"]
     assert mark == "FAIL" and "did not answer within 2 s" in detail
     assert fix == "run on a GCE VM or set [gcp] project/zone"
-    assert rows["compute permission"][0] == "skip" and "instance name unknown" in rows["compute permission"][1]
+    assert rows["compute API"][0] == "skip" and "instance name unknown" in rows["compute API"][1]
+    assert all(rows[p] == ("skip", "not checked: the VM is unknown", "") for p in PERMISSIONS)
     assert rows["checkpoint bucket"][0] == "ok"  # the other lines ran
     assert rows["clock"][0] == "ok" and "the Compute endpoint" in rows["clock"][1]
     assert rows["config"][0] == rows["GPUs"][0] == rows["state dir"][0] == "ok"
@@ -154,7 +168,7 @@ def test_hung_compute_and_storage_fail_within_the_deadline(gcp, tmp_path, blackh
     assert proc.returncode == 1 and elapsed < 12, (elapsed, proc.stdout, proc.stderr)
     assert list(rows) == NAMES
     assert rows["metadata server"][0] == "ok"
-    assert rows["compute permission"][0] == "FAIL" and rows["compute permission"][2]
+    assert rows["compute API"][0] == "FAIL" and rows["compute API"][2]
     assert rows["checkpoint bucket"][0] == "FAIL" and "write of gs://ckpt/jobs/.slurmagent-doctor/" in \
         rows["checkpoint bucket"][1]
     assert rows["clock"][0] == "ok"  # measured against the metadata server that did answer
@@ -167,7 +181,7 @@ def test_bucket_missing_fails_with_fix(gcp, emu, tmp_path, capsys):
     mark, detail, fix = rows["checkpoint bucket"]
     assert mark == "FAIL" and detail == "bucket gs://no-such-bucket does not exist (remote gs://no-such-bucket/jobs)"
     assert fix.startswith("create it (gcloud storage buckets create gs://no-such-bucket)")
-    assert [n for n, (m, _, _) in rows.items() if m != "ok"] == ["checkpoint bucket"], out
+    assert [n for n, (m, _, _) in rows.items() if m == "FAIL"] == ["checkpoint bucket"], out
     for line in out.splitlines():  # `MARK NAME  DETAIL` or an indented `fix:` line: scripts can grep FAIL
         assert line[:5] in ("ok   ", "FAIL ", "skip ") or line.startswith("     ") and "fix: " in line, line
 
@@ -182,12 +196,52 @@ def test_no_remote_configured_is_a_skip_not_a_failure(gcp, tmp_path, capsys, mon
 
 def test_compute_permission_denied_fails_with_the_iam_fix(gcp, emu, tmp_path, capsys):
     gcp.fail("instances.get", 403)
+    gcp.denied.add("compute.instances.get")
     cfg = make_config(tmp_path, compute_endpoint=gcp.url)
     code, rows, out = doctor(capsys, cfg)
     assert code == 1
-    mark, detail, fix = rows["compute permission"]
-    assert mark == "FAIL" and "HTTP 403" in detail and "compute.instances.get" in fix
+    assert rows["compute API"][0] == "ok" and "instances.get n1 refused" in rows["compute API"][1], out
+    mark, detail, fix = rows["permission compute.instances.get"]
+    assert mark == "FAIL" and detail.startswith("MISSING (instances.testIamPermissions on n1)"), out
+    assert "repair, expiry-watch cannot read the VM" in detail
+    assert fix.startswith("grant this VM's service account compute.instances.get (")
+    # the MIG still came from the metadata server's created-by: its permission was asked too
+    assert rows["permission compute.instanceGroupManagers.update"][0] == "ok", out
+    assert [n for n, (m, _, _) in rows.items() if m == "FAIL"] == ["permission compute.instances.get"], out
     assert not gcp.mutations  # 403 is not retried, nothing is changed
+
+
+@pytest.mark.parametrize("how", ["testIamPermissions leaves it out", "its read answers 403"])
+def test_each_missing_permission_is_named_with_its_fix_and_the_json_agrees(gcp, emu, tmp_path, capsys, how):
+    """The permissions repair needs beyond `instances.get`: one missing one fails its own line."""
+    import json
+
+    from slurmagent.cli import main
+
+    if how == "testIamPermissions leaves it out":
+        gcp.denied.add("compute.instanceGroupManagers.update")
+        missing = "compute.instanceGroupManagers.update"
+    else:
+        gcp.fail("zoneOperations.get", 403)
+        missing = "compute.zoneOperations.get"
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1, out
+    assert [n for n, (m, _, _) in rows.items() if m == "FAIL"] == [f"permission {missing}"], out
+    mark, detail, fix = rows[f"permission {missing}"]
+    assert detail.startswith("MISSING (") and "repair cannot" in detail
+    assert fix == f"grant this VM's service account {missing} (roles/compute.instanceAdmin.v1 has every one " \
+                  "repair and expiry-watch use)"
+    if how == "its read answers 403":
+        gcp.fail("zoneOperations.get", 403)
+    capsys.readouterr()
+    assert main(["--config", str(cfg), "doctor", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["exit_code"] == 1
+    assert [c["name"] for c in doc["checks"]] == NAMES
+    got = {c["name"]: (c["status"].replace("fail", "FAIL"), c["detail"], c["fix"]) for c in doc["checks"]}
+    assert got.pop("clock")[0] == rows.pop("clock")[0]  # its detail holds a measured offset
+    assert got == rows
 
 
 def test_slurm_conf_without_nohold_fails_with_fix(gcp, emu, tmp_path, capsys):
@@ -241,3 +295,91 @@ def test_a_state_dir_a_user_created_fails_with_fix(gcp, emu, tmp_path, capsys):
     assert fix.startswith(f"rm -r {state} and let root create it")
     os.chown(state, 0, 0)
     assert doctor(capsys, cfg)[1]["state dir"][0] == "ok"
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under root: (mode, size, mtime_ns), the root's own entry included."""
+    out = {}
+    for p in [root, *sorted(root.rglob("*"))]:
+        st = p.lstat()
+        out[str(p)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_doctor_under_a_read_only_root_changes_nothing_and_exits_1(gcp, tmp_path, capsys, monkeypatch):
+    """A diagnostic writes nothing: the state dir under a read-only directory is judged, not made,
+    and no file appears or changes anywhere under the root (the snapshot before and after)."""
+    import json
+
+    from slurmagent.cli import main
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url, remote="")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cfg.write_text(cfg.read_text().replace(f'state_dir = "{tmp_path}/state/%n"', f'state_dir = "{ro}/state/%n"'))
+    ro.chmod(0o555)
+    before = _tree(tmp_path)
+    try:
+        code, rows, out = doctor(capsys, cfg)
+        capsys.readouterr()
+        json_code = main(["--config", str(cfg), "doctor", "--json"])
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        ro.chmod(0o755)
+    ro.chmod(0o555)
+    assert _tree(tmp_path) == before
+    assert not (ro / "state").exists()
+    state = ro / "state" / "n1"
+    if os.geteuid() == 0:  # root may create it: the line says what the first run will do
+        assert rows["state dir"][0] == "ok" and rows["state dir"][1].startswith(f"{state} does not exist yet"), out
+        assert code == json_code == 0, out
+    else:
+        assert rows["state dir"] == ("FAIL", f"{state} does not exist and {ro} is not writable by this user",
+                                     f"mkdir -p {state} (as root)"), out
+        assert code == json_code == 1, out
+    assert doc["exit_code"] == code and doc["ok"] is (code == 0)
+
+
+def test_no_config_file_every_line_true_and_the_default_state_dir_is_not_created(gcp, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Without a config file the config line says so (not "root-owned"), and the default state dir
+    (/var/lib/slurmagent) stays as it was: absent stays absent."""
+    import json
+
+    from slurmagent.cli import main
+    from slurmagent.state import config as config_mod
+
+    monkeypatch.delenv("SLURMAGENT_CONFIG", raising=False)
+    monkeypatch.setattr(config_mod, "DEFAULT_PATH", str(tmp_path / "no-such" / "config.toml"))
+    default_state = Path(config_mod.Config().state_dir)
+    existed = default_state.exists()
+    capsys.readouterr()
+    code = main(["doctor", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert checks["config"] == {"name": "config", "ok": True, "status": "ok", "fix": "",
+                                "detail": f"no config file at {tmp_path}/no-such/config.toml: the built-in defaults "
+                                          "apply"}
+    assert default_state.exists() is existed
+    assert doc["exit_code"] == code and code in (0, 1)
+
+
+def test_a_named_config_that_is_missing_or_invalid_exits_2(gcp, tmp_path, capsys):
+    import json
+
+    from slurmagent.cli import main
+
+    missing = tmp_path / "missing.toml"
+    code, rows, out = doctor(capsys, missing)
+    assert code == 2, out
+    assert rows["config"] == ("FAIL", f"config {missing}: file not found",
+                              f"fix {missing} (see docs/admin/configuration.md)")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("state_dir = [\n")
+    bad.chmod(0o644)
+    capsys.readouterr()
+    assert main(["--config", str(bad), "doctor", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 2 and doc["ok"] is False
+    assert doc["checks"][0]["name"] == "config" and "not valid TOML" in doc["checks"][0]["detail"]

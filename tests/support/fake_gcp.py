@@ -11,7 +11,12 @@ client library and google-auth talk to it through `[gcp] compute_endpoint` and
 * POST /compute/v1/projects/P/zones/Z/instanceGroupManagers/M/recreateInstances
 * POST /compute/v1/projects/P/regions/R/instanceGroupManagers/M/recreateInstances
 * GET  /compute/v1/projects/P/{zones/Z|regions/R|global}/operations/O    (and POST .../O/wait)
+* POST /compute/v1/projects/P/zones/Z/instances/I/testIamPermissions    instances.testIamPermissions
+* POST /compute/beta/projects/P/{zones/Z|regions/R}/instanceGroupManagers/M/testIamPermissions
 * GET  /computeMetadata/v1/...                                             (Metadata-Flavor: Google)
+
+`testIamPermissions` answers the permissions asked minus those in `denied`, as Compute does
+(a subset, HTTP 200, whatever the caller lacks).
 
 Every request is recorded (`calls`); `fail(kind, 429, 429)` makes the next requests of a
 kind answer those HTTP errors, then succeed. A `requestId` seen before returns the same
@@ -96,6 +101,7 @@ class FakeGcp:
     op_errors: list[dict] = field(default_factory=list)  # the next operations end DONE with these errors
     on_recreate: Callable[[str, list[str]], None] | None = None
     refuse_in_operation: bool = False  # reportHostAsFaulty refusals come as a failed operation, not HTTP 400
+    denied: set[str] = field(default_factory=set)  # permissions testIamPermissions leaves out
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _request_ids: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -137,7 +143,8 @@ class FakeGcp:
 
     @property
     def mutations(self) -> list[Call]:
-        return [c for c in self.calls if c.method == "POST" and not c.kind.endswith("Operations.wait")]
+        return [c for c in self.calls if c.method == "POST" and not c.kind.endswith(("Operations.wait",
+                                                                                    "testIamPermissions"))]
 
     # --- server -----------------------------------------------------------------------
 
@@ -226,6 +233,11 @@ class FakeGcp:
             ("POST", p + r"/regions/(?P<location>[^/]+)/operations/(?P<op>[^/]+)/wait$", "regionOperations.wait",
              self._op_get),
             ("GET", p + r"/global/operations/(?P<op>[^/]+)$", "globalOperations.get", self._op_get),
+            ("POST", p + r"/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/testIamPermissions$",
+             "instances.testIamPermissions", self._test_permissions),
+            ("POST", r"/compute/beta/projects/(?P<project>[^/]+)/(?P<scope>zones|regions)/(?P<location>[^/]+)"
+                     r"/instanceGroupManagers/(?P<mig>[^/]+)/testIamPermissions$",
+             "instanceGroupManagers.testIamPermissions", self._test_permissions),
         ]
         for m, pattern, kind, handler in routes:
             match = re.match(pattern, path)
@@ -240,6 +252,10 @@ class FakeGcp:
         if inst is None:
             return 404, f"The resource 'projects/{self.project}/zones/{zone}/instances/{instance}' was not found"
         return 200, self._instance_json(inst)
+
+    def _test_permissions(self, query, body, **where):
+        asked = (body or {}).get("permissions") or []
+        return 200, {"permissions": [p for p in asked if p not in self.denied]}
 
     def _instance_json(self, inst: FakeInstance) -> dict:
         zone, instance = inst.zone, inst.name

@@ -503,6 +503,56 @@ def test_unreachable_metadata_loop_says_it_once(blackhole, tmp_path):
     assert len(lines) == 1 and "did not answer" in lines[0] and "not watched" in lines[0], err.getvalue()
 
 
+def test_once_runs_say_a_lasting_metadata_outage_once_and_its_end_in_one_line(tmp_path, monkeypatch):
+    """60 `expiry-watch --once` runs (the timer's 30 min) against a metadata server that stays
+    down: the error is said and logged once; the run after it is back says so in one line."""
+    from support.fake_gcp import FakeGcp
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: every connection is refused at once
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{closed.getsockname()[1]}")
+    metadata.reset_cache()
+    cfg = make_cfg(tmp_path, termination_time=iso(time.time() + 86400), metadata_timeout_s=0.5)
+    slurm = Slurm(runner=slurm_with())
+    err = io.StringIO()
+    try:
+        for _ in range(60):
+            assert expiry.run_expiry_watch(cfg, NODE, once=True, out=io.StringIO(), err=err, slurm=slurm) == 0
+        down_lines = err.getvalue().splitlines()
+        fake = FakeGcp().start()
+        fake.metadata.update({"instance/maintenance-event": "NONE", "instance/preempted": "FALSE"})
+        monkeypatch.setenv("GCE_METADATA_HOST", fake.host)
+        metadata.reset_cache()
+        for _ in range(3):
+            expiry.run_expiry_watch(cfg, NODE, once=True, out=io.StringIO(), err=err, slurm=slurm)
+        fake.stop()
+    finally:
+        closed.close()
+        metadata.reset_cache()
+    assert len(down_lines) == 1 and "metadata server" in down_lines[0], down_lines
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[1].startswith(f"slurmagent expiry-watch: {NODE}: cleared: no error now (since ")
+    assert down_lines[0].split(f"{NODE}: ", 1)[1] in lines[1]
+    logged = [r for r in read_records(expiry.decision_log_path(cfg, NODE)) if r.get("event") == "expiry-watch"]
+    assert [bool(r.get("errors")) for r in logged] == [True, False], logged
+    assert logged[1]["said"][0].startswith("cleared: ")
+    assert expiry_state.SAID_KEY not in expiry_state.load(cfg, NODE)
+
+
+def test_errors_to_say_repeats_a_lasting_error_hourly_and_says_a_change_at_once():
+    said, rec = expiry_state.errors_to_say(None, ["down"], T0)
+    assert said == ["down"] and rec["errors"] == ["down"]
+    old = {expiry_state.SAID_KEY: rec}
+    assert expiry_state.errors_to_say(old, ["down"], T0 + 3599) == ([], rec)
+    again, rec2 = expiry_state.errors_to_say(old, ["down"], T0 + 3600)
+    assert again == [f"down (still, since {iso(T0)})"] and rec2["said_at"] == T0 + 3600 and rec2["since"] == iso(T0)
+    changed, rec3 = expiry_state.errors_to_say(old, ["down", "api 503"], T0 + 60)
+    assert changed == ["down", "api 503"] and rec3["errors"] == ["down", "api 503"]
+    assert expiry_state.errors_to_say(old, [], T0 + 90) == ([f"cleared: no error now (since {iso(T0)}: down)"], None)
+    assert expiry_state.errors_to_say({}, [], T0) == ([], None)
+
+
 # --- systemd units ------------------------------------------------------------------------------
 
 
