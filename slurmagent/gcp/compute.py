@@ -64,9 +64,10 @@ class ComputeError(SlurmagentError):
 
     exit_code = 1
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, *, answered: bool = False):
         super().__init__(message)
         self.status = status
+        self.answered = answered  # a reply came (malformed, say): the API is there, the request failed
 
     @property
     def retriable(self) -> bool:
@@ -205,7 +206,7 @@ class Compute:
                 err = ComputeError(f"{method}: {type(exc).__name__}: {exc}", None)
             except malformed as exc:
                 text = (str(exc).strip().splitlines() or [""])[0][:200]
-                err = ComputeError(f"{method}: malformed response ({type(exc).__name__}: {text})", None)
+                err = ComputeError(f"{method}: malformed response ({type(exc).__name__}: {text})", None, answered=True)
             if not err.retriable or attempt >= self.retries:
                 if attempt:
                     err.args = (f"{err.args[0]} (after {attempt + 1} attempts)",)
@@ -213,7 +214,8 @@ class Compute:
             delay = retry_after if retry_after is not None else self.backoff_s * (2 ** attempt) * random.uniform(0.5, 1.0)
             delay = min(delay, 30.0)
             if time.monotonic() + delay >= end:
-                raise ComputeError(f"{err.args[0]} (deadline reached after {attempt + 1} attempts)", err.status)
+                raise ComputeError(f"{err.args[0]} (deadline reached after {attempt + 1} attempts)", err.status,
+                                   answered=err.answered)
             self.sleep(delay)
             attempt += 1
 
@@ -237,7 +239,7 @@ class Compute:
         (no name: a proxy's `[]` or `{}`) is a malformed response, not a VM without facts."""
         inst = self.instance(zone, instance, deadline_s)
         if getattr(inst, "name", "") != instance:
-            raise ComputeError(f"instances.get: malformed response (not instance {instance!r})", None)
+            raise ComputeError(f"instances.get: malformed response (not instance {instance!r})", None, answered=True)
         return vm_facts(inst, zone)
 
     def find_vms(self, names: list[str], zones: list[str] | None = None,
