@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..state import config as config_mod
-from ..errors import SlurmagentError
+from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, EXIT_USAGE, SlurmagentError
 from ..state.fsutil import untrusted_reason
 from ..checkpoint.remote import parse_remote
 from ..gcp import metadata
@@ -60,6 +60,7 @@ class Result:
     fix: str = ""
     skipped: bool = False  # not applicable here (e.g. no bucket configured): never a failure
     config_error: bool = False  # the config file itself is missing or invalid: exit 2
+    unreachable: bool = False  # what it checks gave no answer (network, timeout, 5xx): exit 3
 
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "ok": self.ok, "status": self.mark.lower(), "detail": self.detail,
@@ -70,12 +71,13 @@ class Result:
         return "skip" if self.skipped else ("ok" if self.ok else "FAIL")
 
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_CONFIG = 0, 1, 2
-
-
 def exit_code(results: list[Result]) -> int:
+    """2 a config error; 3 when a service gave no answer (the verdict is incomplete, as for
+    `status` and `repair`); 1 any other failed line; 0 all good."""
     if any(r.config_error for r in results):
-        return EXIT_CONFIG
+        return EXIT_USAGE
+    if any(r.unreachable and not r.ok for r in results):
+        return EXIT_UNREACHABLE
     return EXIT_OK if all(r.ok for r in results) else EXIT_PROBLEMS
 
 
@@ -235,7 +237,7 @@ def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]
     out: list[Result] = []
     for slot, (name, fix, _) in zip(slots, checks):
         if slot is None:
-            slot = Result(name, False, f"no answer within {deadline_s:g} s", fix)
+            slot = Result(name, False, f"no answer within {deadline_s:g} s", fix, unreachable=True)
         out.extend(slot if isinstance(slot, list) else [slot])
     return out
 
@@ -251,7 +253,7 @@ def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:
         if cfg.gcp.project and cfg.gcp.zone:
             return Result(name, True, f"{host} not reachable; using [gcp] project {cfg.gcp.project!r} and zone "
                                       f"{cfg.gcp.zone!r} from the config ({_one_line(exc, 120)})")
-        return Result(name, False, _one_line(exc), FIX_METADATA)
+        return Result(name, False, _one_line(exc), FIX_METADATA, unreachable=True)
     return Result(name, True, f"{host}: project {project}, zone {zone}, instance {instance or '?'}")
 
 
@@ -286,7 +288,8 @@ def _compute_results(cfg: config_mod.Config, md_timeout: float, deadline_s: floa
         else:
             fix = (f"check [gcp] project/zone: no VM {instance!r} in {project}/{zone}" if exc.status == 404 else
                    "check the network path to the Compute API ([gcp] compute_endpoint)")
-            return [Result(name, False, f"instances.get {instance}: {_one_line(exc)}", fix),
+            no_answer = exc.retriable and not exc.answered  # network, timeout, 429/5xx
+            return [Result(name, False, f"instances.get {instance}: {_one_line(exc)}", fix, unreachable=no_answer),
                     *_permission_skips("not checked: the Compute API did not answer")]
     try:
         verdicts = permissions.check(project, zone, instance, mig, cfg.gcp.compute_endpoint, CALL_TIMEOUT_S)
@@ -348,7 +351,8 @@ def _bucket_result(cfg: config_mod.Config) -> Result:
         if code in (401, 403):
             return Result(name, False, f"{step} of gs://{bucket_name}/{obj} refused: HTTP {code}", FIX_BUCKET_IAM)
         return Result(name, False, f"{step} of gs://{bucket_name}/{obj} failed: {_one_line(f'{type(exc).__name__}: {exc}', 200)}",
-                      "check the network path to Cloud Storage (STORAGE_EMULATOR_HOST for an emulator)")
+                      "check the network path to Cloud Storage (STORAGE_EMULATOR_HOST for an emulator)",
+                      unreachable=code is None or code >= 500 or code in (408, 429))
     if got != payload:
         return Result(name, False, f"gs://{bucket_name}/{obj} read back {len(got)} bytes that differ from the "
                                    f"{len(payload)} written", "check the bucket (object versioning, a proxy)")
