@@ -121,7 +121,11 @@ def test_a_dynamic_node_whose_vm_went_away_is_not_left_down(cloud, tmp_path, mon
     wait_for(lambda: "POWERED_DOWN" in state(cluster, "c2") and "POWERING_DOWN" not in state(cluster, "c2"), 60,
              "c2 powered down")
     assert main(["--config", str(config), "repair"]) == 0
-    assert "c2: powered down but DOWN in Slurm: resumed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    if out.startswith("nothing to repair"):  # Slurm 24.11 at times clears DOWN and the reason itself once
+        assert "DOWN" not in state(cluster, "c2"), out  # the node is powered down: nothing left to resume
+    else:
+        assert "c2: powered down but DOWN in Slurm: resumed" in out
     wait_for(lambda: "DOWN" not in state(cluster, "c2"), 10, "c2 no longer DOWN")
 
     again = cluster.sbatch("-w", "c2", "-o", "/dev/null", "--wrap", "true")
