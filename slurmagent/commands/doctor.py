@@ -288,8 +288,7 @@ def _compute_results(cfg: config_mod.Config, md_timeout: float, deadline_s: floa
         else:
             fix = (f"check [gcp] project/zone: no VM {instance!r} in {project}/{zone}" if exc.status == 404 else
                    "check the network path to the Compute API ([gcp] compute_endpoint)")
-            no_answer = exc.retriable and not exc.answered  # network, timeout, 429/5xx
-            return [Result(name, False, f"instances.get {instance}: {_one_line(exc)}", fix, unreachable=no_answer),
+            return [Result(name, False, f"instances.get {instance}: {_one_line(exc)}", fix, unreachable=exc.no_answer),
                     *_permission_skips("not checked: the Compute API did not answer")]
     try:
         verdicts = permissions.check(project, zone, instance, mig, cfg.gcp.compute_endpoint, CALL_TIMEOUT_S)

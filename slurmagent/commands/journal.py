@@ -9,7 +9,6 @@ slurmctld could not be reached. A journal this user cannot read is an error (exi
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, TextIO
 
 from ..actions.executor import JournalExecutor
@@ -38,12 +37,9 @@ def replay_state(outcome: str) -> str:
 def run_journal(cfg: Config, node: str, *, replay: bool, as_json: bool, out: TextIO,
                 slurm: Slurm | None = None) -> int:
     j = Journal.for_config(cfg, node)
-    try:
-        os.listdir(j.pending_dir)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # e.g. root's 0700 journal read by a user: not "no pending actions"
-        raise SlurmagentError(f"journal: cannot read {j.pending_dir}: {exc.strerror or exc}") from None
+    why = j.unreadable()
+    if why:
+        raise SlurmagentError(f"journal: {why}")
     untrusted = j.untrusted()
     replayed: list[tuple[Entry, str]] = []
     if replay and not untrusted:

@@ -220,8 +220,7 @@ class RepairRun:
 
     def fail(self, name: str, why: str, exc: Exception | None = None) -> None:
         """`exc`: the ComputeError behind it; one that got no answer makes the exit code 3."""
-        no_answer = getattr(exc, "retriable", False) and not getattr(exc, "answered", False)  # network, 429/5xx
-        if no_answer and not self.res.unreachable:
+        if getattr(exc, "no_answer", False) and not self.res.unreachable:
             self.res.unreachable = str(exc)
         self.res.failed[name] = why
         print(f"{name}: FAILED: {why}", file=self.err)

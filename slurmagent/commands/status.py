@@ -77,12 +77,9 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
     names = sorted({n.name for n in nodes} | {local}) if "%n" in cfg.state_dir else [local]
     for name in names:
         j = Journal.for_config(cfg, name)
-        try:
-            os.listdir(j.pending_dir)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # e.g. a user reading root's 0700 journal: not "no pending actions"
-            unreadable[name] = f"cannot read {j.pending_dir}: {exc.strerror or exc}"
+        why = j.unreadable()
+        if why:
+            unreadable[name] = why
             continue
         s = j.summary()
         if s["pending"] or name == local:

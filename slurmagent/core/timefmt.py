@@ -64,16 +64,13 @@ def parse_slurm_time(text: str) -> float | None:
     """`2026-11-30T09:49:04` (slurmctld's local time, as scontrol prints it) -> epoch seconds."""
     if not text or text in ("None", "Unknown", "(null)", "N/A"):
         return None
-    if len(text) == 19 and text[4] == "-" and text[7] == "-" and text[10] == "T" and text[13] == ":" \
-            and text[16] == ":" and (text[:4] + text[5:7] + text[8:10] + text[11:13] + text[14:16] + text[17:]).isdigit():
-        # the usual form without strptime: every node of a `show node` has one, and a failing
-        # prolog reads them all twice (start-up of _strptime and its per-call cost)
-        y, mo, d, h, mi, s = (int(text[a:b]) for a, b in ((0, 4), (5, 7), (8, 10), (11, 13), (14, 16), (17, 19)))
-        if 1 <= mo <= 12 and 1 <= d <= 31 and h <= 23 and mi <= 59 and s <= 61:
-            try:
-                return time.mktime(datetime(y, mo, d, h, mi, s).timetuple())
-            except ValueError:
-                return None
+    if len(text) == 19 and text[10] == "T" and text[13] == ":" and text[16] == ":":
+        # the usual form through fromisoformat (C, no _strptime): every node of a `show node`
+        # has one, and a failing prolog reads them all twice; anything else as strptime reads it
+        try:
+            return time.mktime(datetime.fromisoformat(text).timetuple())
+        except ValueError:
+            pass
     try:
         return time.mktime(datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timetuple())
     except ValueError:

@@ -1,9 +1,8 @@
 """The Compute API: MIG repair and the VM's termination time (the only module importing
 google.cloud.compute_v1).
 
-* `instance_mig`: `instances.get` -> the `created-by` metadata item -> the MIG (zonal or
-  regional).
-* `vm` / `find_vms`: what `repair` decides by (`repair_policy.VmFacts`: MIG, machine type,
+* `instance_mig`: `instances.get` -> the `created-by` metadata item -> the MIG (zonal or regional).
+* `vm` / `find_vms`: what `repair` decides by (`policy/repair.VmFacts`: MIG, machine type,
   provisioning model, reservation affinity, status, GPUs), from one `instances.get`, or for
   VMs outside the home zone (regional MIGs) from ONE `instances.list` per listed zone or ONE
   `instances.aggregatedList` for the project (a `name eq` filter, chunks of 100 names).
@@ -72,6 +71,10 @@ class ComputeError(SlurmagentError):
     @property
     def retriable(self) -> bool:
         return self.status is None or self.status in RETRIABLE
+
+    @property
+    def no_answer(self) -> bool:  # network, timeout, 429/5xx after the retries: an outage, not a verdict
+        return self.retriable and not self.answered
 
     @property
     def refused(self) -> bool:
@@ -474,7 +477,7 @@ def instance_mig_of(inst: Any) -> MigRef | None:
 
 
 def vm_facts(inst: Any, zone: str) -> VmFacts:
-    """A compute_v1.Instance -> repair_policy.VmFacts (the zone from the instance when it says one)."""
+    """A compute_v1.Instance -> policy/repair.VmFacts (the zone from the instance when it says one)."""
     sched = inst.scheduling if _has(inst, "scheduling") else None
     model = str(sched.provisioning_model) if sched is not None and _has(sched, "provisioning_model") else ""
     ra = inst.reservation_affinity if _has(inst, "reservation_affinity") else None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from .compute import is_local_endpoint
 from .metadata import MigRef
 
 DEFAULT_ENDPOINT = "https://compute.googleapis.com"
@@ -50,8 +51,7 @@ class _Http:
         if "://" not in self.base:
             self.base = f"https://{self.base}"
         self.timeout_s = timeout_s
-        local = self.base.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]"))
-        if local:
+        if is_local_endpoint(self.base):
             import requests  # only when doctor asks: start-up speed
 
             self.session: Any = requests.Session()

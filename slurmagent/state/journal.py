@@ -375,6 +375,17 @@ class Journal:
                 return None
             time.sleep(0.05)
 
+    def unreadable(self) -> str:
+        """Why this process cannot list the pending entries ("" when it can, or none exist yet):
+        a user reading root's 0700 journal must never be told "no pending actions"."""
+        try:
+            os.listdir(self.pending_dir)
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            return f"cannot read {self.pending_dir}: {exc.strerror or exc}"
+        return ""
+
     def summary(self) -> dict[str, Any]:
         pend = self.pending() if self.pending_dir.exists() else []
         return {
