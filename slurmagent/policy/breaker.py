@@ -1,6 +1,6 @@
 """The drain circuit breaker: how many nodes slurmagent may hold drained for a fault.
 
-No I/O: nodes (`nodes.NodeInfo`, parsed from one `scontrol -o show node`), the config
+No I/O: nodes (`slurm/model.NodeInfo`, parsed from one `scontrol -o show node`), the config
 values and the clock go in, a decision comes out. `actions/` and the runtimes do the talking;
 which node `repair` fixes, and how, is decided in `policy/repair.py`.
 

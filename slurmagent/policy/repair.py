@@ -1,6 +1,6 @@
 """Pure decisions of `repair`: which drained nodes to repair, how, and what request to send.
 
-No I/O: nodes (`nodes.NodeInfo`), the breaker's state (`policy.Breaker`), a VM's facts (one
+No I/O: nodes (`slurm/model.NodeInfo`), the breaker's state (`policy/breaker.Breaker`), a VM's facts (one
 instances.get, cached) and the clock go in, a plan or a choice comes out; `commands/repair.py` and
 `actions/` do the talking. Never a deletion: a VM nobody can recreate stays drained.
 """

@@ -11,7 +11,7 @@ A child that requeues its own job (PyTorch Lightning's auto-requeue, submitit) f
 `scontrol` first on its PATH: the request is recorded and held until the final sync is
 done, then issued once, so Slurm's kill timer never starts while the upload runs.
 
-A fault flush (`nodes.FAULT_FLUSH_SIGNAL`, SIGPWR, sent by `watch`/`healthcheck` when a GPU
+A fault flush (`slurm/model.FAULT_FLUSH_SIGNAL`, SIGPWR, sent by `watch`/`healthcheck` when a GPU
 died under the job) is the same flush with at most FAULT_GRACE_S for the trainer, which may
 hang on the dead GPU: the last committed checkpoint is what counts. A child that does not
 die after SIGKILL (stuck in the kernel on that GPU) is left behind (`run/child.py`), so
