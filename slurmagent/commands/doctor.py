@@ -1,9 +1,10 @@
 """`slurmagent doctor`: each check is a pass/fail line with the fix, never an exception.
 
-It changes nothing: every check reads (the state dir is judged, never created; Compute
-permissions are asked with `testIamPermissions` or a harmless read). Exit 0: every line ok
-or skipped; 1: a check failed (an unreachable metadata server or Compute API included); 2:
-the config file named by --config/$SLURMAGENT_CONFIG is missing or invalid.
+It changes nothing: every check reads (the state dir is judged, never created; the
+permissions, Compute's and the bucket's, are asked with `testIamPermissions` or a harmless
+read). Exit 0: every line ok or skipped; 1: a check failed; 2: the config file named by
+--config/$SLURMAGENT_CONFIG is missing or invalid; 3: the metadata server, the Compute API or
+the bucket gave no answer (3 wins over 1).
 
 Local checks (config, slurm.conf, NVML, state dir) run first. The external ones (metadata
 server, Compute permission, bucket, clock) then run side by side in daemon threads with
@@ -22,7 +23,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -179,7 +179,7 @@ def _state_dir_result(state_dir: Path) -> Result:
         why = untrusted_reason(parent)
         if why:
             return Result(name, False, f"{state_dir} does not exist; {why}: root would ignore the files in it",
-                          f"set state_dir to a path under a root-only directory")
+                          "set state_dir to a path under a root-only directory")
         return Result(name, True, f"{state_dir} does not exist yet: the first slurmagent run creates it "
                                   f"(under {parent}, writable)")
     if not state_dir.is_dir():
@@ -314,7 +314,16 @@ def _permission_skips(why: str) -> list[Result]:
     return [_skip(f"permission {p}", why) for p in permissions.USES]
 
 
+# What the checkpoint path does with objects: upload and compose (create), restore (get), scan
+# (list), replace a manifest and remove compose parts (delete). roles/storage.objectUser has them.
+BUCKET_PERMISSIONS = ("storage.objects.create", "storage.objects.get", "storage.objects.list",
+                      "storage.objects.delete")
+
+
 def _bucket_result(cfg: config_mod.Config) -> Result:
+    """Lists one object name under the prefix (does the bucket exist, may this VM read it),
+    then asks the bucket's `testIamPermissions` for what the checkpoint path uses. It writes
+    nothing: an endpoint without `testIamPermissions` (an emulator) says so in the line."""
     name = "checkpoint bucket"
     remote = cfg.checkpoint.remote
     if not remote:
@@ -325,37 +334,37 @@ def _bucket_result(cfg: config_mod.Config) -> Result:
         bucket_name, prefix = parse_remote(remote)
     except SlurmagentError as exc:
         return Result(name, False, _one_line(exc), "set [checkpoint] remote = \"gs://BUCKET/PREFIX\"")
-    obj = f"{prefix}/" if prefix else ""
-    obj += f".slurmagent-doctor/{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    payload = f"slurmagent doctor {time.time():.3f}\n".encode()
+    where = f"gs://{bucket_name}/{prefix}" if prefix else f"gs://{bucket_name}"
     step = "connecting"
     try:
         client = make_client()
-        blob = client.bucket(bucket_name).blob(obj)
-        step = "write"
-        blob.upload_from_string(payload, content_type="text/plain", if_generation_match=0,
-                                timeout=CALL_TIMEOUT_S, retry=None)
-        step = "read"
-        got = client.bucket(bucket_name).blob(obj).download_as_bytes(timeout=CALL_TIMEOUT_S, retry=None)
-        step = "delete"
-        blob.delete(timeout=CALL_TIMEOUT_S, retry=None)
+        step = "objects.list"
+        next(iter(client.list_blobs(bucket_name, max_results=1, prefix=f"{prefix}/" if prefix else None,
+                                    timeout=CALL_TIMEOUT_S, retry=None)), None)
+        step = "testIamPermissions"
+        granted = set(client.bucket(bucket_name).test_iam_permissions(list(BUCKET_PERMISSIONS),
+                                                                      timeout=CALL_TIMEOUT_S, retry=None))
     except SlurmagentError as exc:  # no credentials
         return Result(name, False, _one_line(exc), "run on a VM with a service account or set "
                                                    "GOOGLE_APPLICATION_CREDENTIALS")
     except Exception as exc:  # noqa: BLE001
         code = getattr(exc, "code", None)
-        if code == 404 and step == "write":
+        if code == 404 and step == "objects.list":
             return Result(name, False, f"bucket gs://{bucket_name} does not exist (remote {remote})",
                           f"create it (gcloud storage buckets create gs://{bucket_name}) or fix [checkpoint] remote")
+        if code in (404, 501) and step == "testIamPermissions":  # the bucket exists (listed): no such method here
+            return Result(name, True, f"listed {where}; its write permissions not checked: this endpoint has no "
+                                      f"bucket testIamPermissions (HTTP {code}: an emulator?)")
         if code in (401, 403):
-            return Result(name, False, f"{step} of gs://{bucket_name}/{obj} refused: HTTP {code}", FIX_BUCKET_IAM)
-        return Result(name, False, f"{step} of gs://{bucket_name}/{obj} failed: {_one_line(f'{type(exc).__name__}: {exc}', 200)}",
+            return Result(name, False, f"{step} on gs://{bucket_name} refused: HTTP {code}", FIX_BUCKET_IAM)
+        return Result(name, False, f"{step} on gs://{bucket_name} failed: {_one_line(f'{type(exc).__name__}: {exc}', 200)}",
                       "check the network path to Cloud Storage (STORAGE_EMULATOR_HOST for an emulator)",
                       unreachable=code is None or code >= 500 or code in (408, 429))
-    if got != payload:
-        return Result(name, False, f"gs://{bucket_name}/{obj} read back {len(got)} bytes that differ from the "
-                                   f"{len(payload)} written", "check the bucket (object versioning, a proxy)")
-    return Result(name, True, f"wrote, read and deleted a small object under {remote}")
+    missing = [p for p in BUCKET_PERMISSIONS if p not in granted]
+    if missing:
+        return Result(name, False, f"this VM's account lacks {', '.join(missing)} on gs://{bucket_name}", FIX_BUCKET_IAM)
+    return Result(name, True, f"listed {where}; holds {', '.join(p.split('.')[-1] for p in BUCKET_PERMISSIONS)} "
+                              f"on gs://{bucket_name} (testIamPermissions)")
 
 
 def _clock_result(cfg: config_mod.Config, md_timeout: float, clock: Callable[[], float]) -> Result:

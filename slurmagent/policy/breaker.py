@@ -80,7 +80,8 @@ class Breaker:
         return text
 
     def to_dict(self) -> dict[str, Any]:
-        return {"state": "open" if self.open else ("off" if not self.enabled else "closed"), "total": self.total,
+        state = "off" if not self.enabled else ("open" if self.open else ("at-limit" if self.full else "closed"))
+        return {"state": state, "total": self.total,
                 "allowed": self.allowed, "max_drained_fraction": self.fraction, "drained": list(self.drained),
                 "suppressed": list(self.suppressed)}
 

@@ -97,7 +97,7 @@ def parse_table(out: str) -> dict[str, tuple[str, str, str]]:
     return rows
 
 
-def test_all_checks_pass_and_the_probe_object_is_removed(gcp, emu, tmp_path, capsys):
+def test_all_checks_pass_and_nothing_is_written(gcp, emu, tmp_path, capsys):
     cfg = make_config(tmp_path, compute_endpoint=gcp.url)
     code, rows, out = doctor(capsys, cfg)
     assert code == 0, out
@@ -111,9 +111,11 @@ def test_all_checks_pass_and_the_probe_object_is_removed(gcp, emu, tmp_path, cap
         "instanceGroupManagers/mig-a" in rows["compute API"][1]
     assert rows["permission compute.instanceGroupManagers.update"][1].startswith(
         "held (instanceGroupManagers.testIamPermissions (beta) on zones/us-central1-a/mig-a)")
-    assert "gs://ckpt/jobs" in rows["checkpoint bucket"][1]
+    # fake-gcs-server has no bucket testIamPermissions: the line says what it could not check
+    assert rows["checkpoint bucket"][1] == ("listed gs://ckpt/jobs; its write permissions not checked: this "
+                                            "endpoint has no bucket testIamPermissions (HTTP 404: an emulator?)")
     assert "within 2 s of the metadata server" in rows["clock"][1]
-    # read-only calls to Compute, never a mutation; the probe object is gone again
+    # read-only calls to Compute, never a mutation; nothing written to the bucket
     assert sorted(c.kind for c in gcp.calls if c.kind != "metadata") == [
         "instanceGroupManagers.testIamPermissions", "instances.get", "instances.list",
         "instances.testIamPermissions", "zoneOperations.get"]
@@ -169,8 +171,8 @@ def test_hung_compute_and_storage_fail_within_the_deadline(gcp, tmp_path, blackh
     assert list(rows) == NAMES
     assert rows["metadata server"][0] == "ok"
     assert rows["compute API"][0] == "FAIL" and rows["compute API"][2]
-    assert rows["checkpoint bucket"][0] == "FAIL" and "write of gs://ckpt/jobs/.slurmagent-doctor/" in \
-        rows["checkpoint bucket"][1]
+    assert rows["checkpoint bucket"][0] == "FAIL" and \
+        rows["checkpoint bucket"][1].startswith("objects.list on gs://ckpt failed: ")
     assert rows["clock"][0] == "ok"  # measured against the metadata server that did answer
 
 
@@ -184,6 +186,28 @@ def test_bucket_missing_fails_with_fix(gcp, emu, tmp_path, capsys):
     assert [n for n, (m, _, _) in rows.items() if m == "FAIL"] == ["checkpoint bucket"], out
     for line in out.splitlines():  # `MARK NAME  DETAIL` or an indented `fix:` line: scripts can grep FAIL
         assert line[:5] in ("ok   ", "FAIL ", "skip ") or line.startswith("     ") and "fix: " in line, line
+
+
+def test_bucket_permissions_are_asked_not_tried(gcp, tmp_path, capsys, monkeypatch):
+    """The bucket's testIamPermissions (here the fake's storage routes) names what the account
+    lacks; doctor lists and asks, and writes no object to find out."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcp.url)
+    gcp.buckets.add("ckpt")
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 0, out
+    assert rows["checkpoint bucket"] == ("ok", "listed gs://ckpt/jobs; holds create, get, list, delete on gs://ckpt "
+                                               "(testIamPermissions)", ""), out
+    asked = gcp.calls_of("storage.buckets.testIamPermissions")[0].query["permissions"]
+    assert sorted(asked) == ["storage.objects.create", "storage.objects.delete", "storage.objects.get",
+                             "storage.objects.list"]
+    gcp.denied |= {"storage.objects.delete", "storage.objects.create"}
+    code, rows, out = doctor(capsys, cfg)
+    assert code == 1, out
+    assert rows["checkpoint bucket"] == (
+        "FAIL", "this VM's account lacks storage.objects.create, storage.objects.delete on gs://ckpt",
+        "grant this VM's service account roles/storage.objectUser on the bucket"), out
+    assert not [c for c in gcp.calls if c.kind.startswith("storage.") and c.method != "GET"]
 
 
 def test_no_remote_configured_is_a_skip_not_a_failure(gcp, tmp_path, capsys, monkeypatch):
@@ -313,8 +337,9 @@ def test_doctor_under_a_read_only_root_changes_nothing_and_exits_1(gcp, tmp_path
 
     from slurmagent.cli import main
 
-    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
-    cfg = make_config(tmp_path, compute_endpoint=gcp.url, remote="")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcp.url)
+    gcp.buckets.add("ckpt")
+    cfg = make_config(tmp_path, compute_endpoint=gcp.url)
     ro = tmp_path / "ro"
     ro.mkdir()
     cfg.write_text(cfg.read_text().replace(f'state_dir = "{tmp_path}/state/%n"', f'state_dir = "{ro}/state/%n"'))
@@ -339,6 +364,8 @@ def test_doctor_under_a_read_only_root_changes_nothing_and_exits_1(gcp, tmp_path
                                      f"mkdir -p {state} (as root)"), out
         assert code == json_code == 1, out
     assert doc["exit_code"] == code and doc["ok"] is (code == 0)
+    assert rows["checkpoint bucket"][0] == "ok", out
+    assert not gcp.mutations and all(c.method == "GET" for c in gcp.calls_of("storage.objects.list"))
 
 
 def test_no_config_file_every_line_true_and_the_default_state_dir_is_not_created(gcp, tmp_path, capsys,

@@ -13,10 +13,13 @@ client library and google-auth talk to it through `[gcp] compute_endpoint` and
 * GET  /compute/v1/projects/P/{zones/Z|regions/R|global}/operations/O    (and POST .../O/wait)
 * POST /compute/v1/projects/P/zones/Z/instances/I/testIamPermissions    instances.testIamPermissions
 * POST /compute/beta/projects/P/{zones/Z|regions/R}/instanceGroupManagers/M/testIamPermissions
+* GET  /storage/v1/b/B/o                                                  objects.list (no objects)
+* GET  /storage/v1/b/B/iam/testPermissions?permissions=...                buckets.testIamPermissions
 * GET  /computeMetadata/v1/...                                             (Metadata-Flavor: Google)
 
-`testIamPermissions` answers the permissions asked minus those in `denied`, as Compute does
-(a subset, HTTP 200, whatever the caller lacks).
+`testIamPermissions` answers the permissions asked minus those in `denied`, as Compute and
+Cloud Storage do (a subset, HTTP 200, whatever the caller lacks). The two storage routes know
+only the buckets in `buckets` (others: 404): enough for `doctor`'s bucket line, which writes nothing.
 
 Every request is recorded (`calls`); `fail(kind, 429, 429)` makes the next requests of a
 kind answer those HTTP errors, then succeed. A `requestId` seen before returns the same
@@ -102,6 +105,7 @@ class FakeGcp:
     on_recreate: Callable[[str, list[str]], None] | None = None
     refuse_in_operation: bool = False  # reportHostAsFaulty refusals come as a failed operation, not HTTP 400
     denied: set[str] = field(default_factory=set)  # permissions testIamPermissions leaves out
+    buckets: set[str] = field(default_factory=set)  # what the storage routes know
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _request_ids: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -188,7 +192,7 @@ class FakeGcp:
 
     def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
         u = urlparse(h.path)
-        query = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        query = {k: v if k == "permissions" else v[-1] for k, v in parse_qs(u.query).items()}
         length = int(h.headers.get("Content-Length") or 0)
         raw = h.rfile.read(length) if length else b""
         try:
@@ -238,6 +242,9 @@ class FakeGcp:
             ("POST", r"/compute/beta/projects/(?P<project>[^/]+)/(?P<scope>zones|regions)/(?P<location>[^/]+)"
                      r"/instanceGroupManagers/(?P<mig>[^/]+)/testIamPermissions$",
              "instanceGroupManagers.testIamPermissions", self._test_permissions),
+            ("GET", r"/storage/v1/b/(?P<bucket>[^/]+)/o$", "storage.objects.list", self._objects_list),
+            ("GET", r"/storage/v1/b/(?P<bucket>[^/]+)/iam/testPermissions$", "storage.buckets.testIamPermissions",
+             self._bucket_test_permissions),
         ]
         for m, pattern, kind, handler in routes:
             match = re.match(pattern, path)
@@ -256,6 +263,17 @@ class FakeGcp:
     def _test_permissions(self, query, body, **where):
         asked = (body or {}).get("permissions") or []
         return 200, {"permissions": [p for p in asked if p not in self.denied]}
+
+    def _objects_list(self, query, body, bucket: str):
+        if bucket not in self.buckets:
+            return 404, "The specified bucket does not exist."
+        return 200, {"kind": "storage#objects"}
+
+    def _bucket_test_permissions(self, query, body, bucket: str):
+        if bucket not in self.buckets:
+            return 404, "The specified bucket does not exist."
+        return 200, {"kind": "storage#testIamPermissionsResponse",
+                     "permissions": [p for p in query.get("permissions", []) if p not in self.denied]}
 
     def _instance_json(self, inst: FakeInstance) -> dict:
         zone, instance = inst.zone, inst.name

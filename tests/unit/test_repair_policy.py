@@ -134,8 +134,15 @@ def test_breaker_state():
     b = breaker_policy.breaker(nodes, 0.25, now=T0 + 10)
     assert b.drained == ("n1", "n2") and b.suppressed == ("n3", "n4") and b.open and b.full
     assert "OPEN" in b.describe() and "n3, n4" in b.describe()
+    assert b.to_dict()["state"] == "open"
     calm = nodes[:2] + [view(f"n{i}") for i in (3, 4, 5)] + nodes[5:]
-    assert not breaker_policy.breaker(calm, 0.25, now=T0).open and breaker_policy.breaker(calm, 0.25, now=T0).full
+    at_limit = breaker_policy.breaker(calm, 0.25, now=T0)
+    assert not at_limit.open and at_limit.full
+    # the JSON says what the text says: no room for one more drain is not "closed"
+    assert at_limit.describe().startswith("at limit: 2 of 8") and at_limit.to_dict()["state"] == "at-limit"
+    one = breaker_policy.breaker(nodes[:1] + [view(f"n{i}") for i in range(2, 9)], 0.25, now=T0)
+    assert one.describe().startswith("closed: 1 of 8") and one.to_dict()["state"] == "closed"
+    assert breaker_policy.breaker(calm, 1.0, now=T0).to_dict()["state"] == "off"
 
 
 def test_plan_repair():
