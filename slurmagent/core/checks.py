@@ -74,6 +74,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     gpus_seen: int = 0
     expected_gpus: int | None = None
+    gpu_ids: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)  # index -> (UUID, PCI bus id)
 
     @property
     def healthy(self) -> bool:
@@ -117,7 +118,8 @@ def run_checks(
 ) -> Report:
     """All checks. `kernel_xids` are (gpu index, xid code, detail) read since the cursor."""
     seen = len({g.index for g in snap.gpus})  # a GPU listed twice is one GPU
-    report = Report(gpus_seen=seen, expected_gpus=expected_gpus)
+    report = Report(gpus_seen=seen, expected_gpus=expected_gpus,
+                    gpu_ids={g.index: (g.uuid, g.pci_bus_id) for g in snap.gpus})
     add = report.findings.append
     if snap.nvml_error:
         add(Finding("nvml-error", Severity.DRAIN, None, f"NVML cannot start ({snap.nvml_error})", snap.nvml_error))

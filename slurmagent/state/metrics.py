@@ -90,8 +90,8 @@ class Metrics:
     def record_check(self, report, drained_rule: str | None = None, requeued: bool = False) -> None:
         """Gauges from a health report; a drain and a requeue count once each."""
         bad = {f.gpu for f in report.findings if f.severity.name == "DRAIN" and f.gpu is not None}
-        gauges = {("slurmagent_gpu_healthy", (("gpu", str(i)),)): 0.0 if i in bad else 1.0
-                  for i in range(report.gpus_seen)}
+        ids = report.gpu_ids or {i: (None, None) for i in range(report.gpus_seen)}
+        gauges = {("slurmagent_gpu_healthy", gpu_labels(i, *ids[i])): 0.0 if i in bad else 1.0 for i in sorted(ids)}
         gauges[("slurmagent_node_healthy", ())] = 1.0 if report.healthy else 0.0
         gauges[("slurmagent_last_check_timestamp_seconds", ())] = time.time()
         add = {}
@@ -102,6 +102,28 @@ class Metrics:
         self.update(set_=gauges, add=add, replace_prefix="slurmagent_gpu_healthy{")
 
 
+def gpu_labels(index: int, uuid: str | None, pci_bus_id: str | None) -> tuple[tuple[str, str], ...]:
+    """dcgm-exporter's label names (`gpu`, `UUID`, `pci_bus_id`), so a dashboard joins the two."""
+    labels = [("gpu", str(index))]
+    if uuid:
+        labels.append(("UUID", uuid))
+    if pci_bus_id:
+        labels.append(("pci_bus_id", pci_bus_id))
+    return tuple(labels)
+
+
+def exact(value: float) -> str:
+    """The value as Prometheus parses it back unchanged: whole numbers as integers (a Unix time
+    of 1796130845 stays that, not 1.79613e+09), others by `repr` (shortest exact float)."""
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2 ** 63:
+        return str(int(value))
+    return repr(value)
+
+
 def render(values: dict[str, float]) -> str:
     lines = []
     for name, (kind, text) in HELP.items():
@@ -109,7 +131,7 @@ def render(values: dict[str, float]) -> str:
         if not series:
             continue
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-        lines += [f"{k} {values[k]:g}" for k in series]
+        lines += [f"{k} {exact(float(values[k]))}" for k in series]
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def test_xid79_job_requeued_pending_and_completes_elsewhere(slurm, tmp_path):
     prolog = [d for d in slurm.decisions("n1") if d.get("job") == job_id and d["event"] == "prolog"]
     assert prolog and prolog[0]["verdict"] == "unhealthy" and prolog[0]["rule"] == "xid" and prolog[0]["gpu"] == 3
     prom = (slurm.state_dir("n1") / "slurmagent.prom").read_text()  # node_exporter textfile
-    assert 'slurmagent_gpu_healthy{gpu="3"} 0' in prom and 'slurmagent_drains_total{rule="xid"}' in prom
+    assert re.search(r'slurmagent_gpu_healthy\{UUID="GPU-[^"]+",gpu="3",pci_bus_id="[^"]+"\} 0\n', prom) and 'slurmagent_drains_total{rule="xid"}' in prom
 
 
 def test_healthy_cluster_runs_jobs_without_drain(slurm):
