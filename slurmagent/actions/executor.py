@@ -302,6 +302,7 @@ class JournalExecutor(EntryHandlers):
             ops = send_repair(compute, entry.payload, live)
         except ComputeError as exc:
             instead = fallback(exc) if fallback is not None and exc.refused else ""
+            self.count_repairs(entry.payload["strategy"], "refused" if exc.refused else "failed", len(live))
             if instead:
                 self.journal.mark_done(entry, f"refused: {exc}; {instead}")
                 raise
@@ -309,7 +310,7 @@ class JournalExecutor(EntryHandlers):
             self.journal.mark_done(entry, f"failed: {exc}")
             raise
         self.journal.mark_done(entry, "requested: " + ", ".join(str(o) for o in ops))
-        self.repaired(list(live))
+        self.repaired(list(live), entry.payload["strategy"])
         return ops
 
 

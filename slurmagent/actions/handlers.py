@@ -309,8 +309,9 @@ class EntryHandlers:
             if exc.retriable:
                 raise Retry(str(exc)) from None
             self.revert_repairing(live)
+            self.count_repairs(p["strategy"], "refused" if exc.refused else "failed", len(live))
             return f"failed: {exc}"
-        self.repaired(list(live))
+        self.repaired(list(live), p["strategy"])
         return "requested: " + ", ".join(str(o) for o in ops)
 
     def _do_power_down(self, entry: Entry) -> str:
@@ -335,15 +336,23 @@ class EntryHandlers:
             return "nothing to do (not drained by slurmagent, opted out, or powered down already)"
         for reason, names in groups.items():
             self._update(names, State="POWER_DOWN_ASAP", Reason=reason)
+        self.count_repairs("power-down", "requested", sum(len(g) for g in groups.values()))
         return "powered down (POWER_DOWN_ASAP): " + hostlist.compress([n for g in groups.values() for n in g])
 
     def _do_note(self, entry: Entry) -> str:
         """A journaled fact, nothing to do (e.g. an admin's resume cancelled our repair)."""
         return str(entry.payload.get("note", "noted"))
 
-    def repaired(self, nodes: list[str]) -> None:
+    def repaired(self, nodes: list[str], action: str) -> None:
         record_history(self.state_dir, nodes, self.clock())
-        metrics.for_node(self.cfg, self.local_node).update(add={("slurmagent_repairs_total", ()): len(nodes)})
+        self.count_repairs(action, "requested", len(nodes))
+
+    def count_repairs(self, action: str, result: str, nodes: int) -> None:
+        """`slurmagent_repairs_total{action,result}`, per node: requested, refused (Google said
+        no: e.g. reportHostAsFaulty on an unsupported VM) or failed (any other error, after
+        the retries)."""
+        metrics.for_node(self.cfg, self.local_node).update(
+            add={("slurmagent_repairs_total", (("action", action), ("result", result))): nodes})
 
     def compute(self, project: str) -> Any:
         if self.compute_factory is not None:

@@ -24,7 +24,8 @@ HELP = {
     "slurmagent_last_check_timestamp_seconds": ("gauge", "Unix time of the last health check"),
     "slurmagent_drains_total": ("counter", "nodes drained by slurmagent, by rule"),
     "slurmagent_requeues_total": ("counter", "jobs requeued by slurmagent"),
-    "slurmagent_repairs_total": ("counter", "repair requests sent (MIG recreate / report faulty)"),
+    "slurmagent_repairs_total": ("counter", "nodes whose repair was asked for, by action (recreate, report-faulty, "
+                                 "power-down) and result (requested, refused, failed)"),
     "slurmagent_flush_seconds": ("gauge", "duration of the last checkpoint flush (signal to requeue)"),
     "slurmagent_bytes_synced_total": ("counter", "checkpoint bytes uploaded"),
     "slurmagent_checkpoint_lag_seconds": (

@@ -59,6 +59,15 @@ def journal_done(tmp_path, kind=None):
     return [d for d in done if kind is None or d["kind"] == kind]
 
 
+def repairs_metric(tmp_path) -> dict[tuple[str, str], float]:
+    """`slurmagent_repairs_total{action,result}` as Prometheus's parser reads the node's textfile."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (tmp_path / "state" / "ctl" / "slurmagent.prom").read_text()
+    return {(s.labels["action"], s.labels["result"]): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "slurmagent_repairs_total"}
+
+
 # --- auto: by provisioning model -------------------------------------------------------------
 
 
@@ -112,6 +121,8 @@ def test_a_refused_report_falls_back_to_recreate_journaled(tmp_path, gcp, in_ope
     assert "INSTANCES_WITHOUT_RESERVATION_NOT_SUPPORTED" in refused[0]["outcome"]
     [recreated] = [d for d in reports if d["payload"]["strategy"] == "recreate"]
     assert list(recreated["payload"]["fallback"]) == ["n1"] and recreated["outcome"].startswith("requested")
+    # the node's metrics count each node once per action and result
+    assert repairs_metric(tmp_path) == {("recreate", "requested"): 2, ("report-faulty", "refused"): 1}
     # remembered: next time (a new fault after the node came back) straight to recreate
     sc.nodes["n1"].update(State="IDLE+DRAIN", Reason=XID79)
     _, out, _ = repair(cfg, sc, "n1", dry_run=True)
@@ -162,6 +173,7 @@ def test_a_drained_dynamic_node_is_powered_down_not_recreated(tmp_path, gcp):
     assert "DRAIN" not in sc.nodes["c1"]["State"] and "POWERED_DOWN" in sc.nodes["c1"]["State"]
     assert "c1: powered down (POWER_DOWN_ASAP): c1" in out
     assert [d["outcome"] for d in journal_done(tmp_path, "power_down")] == ["powered down (POWER_DOWN_ASAP): c1"]
+    assert repairs_metric(tmp_path) == {("power-down", "requested"): 1}
 
 
 def test_a_dynamic_node_is_not_left_down_after_its_vm_went_away(tmp_path, gcp):
