@@ -39,6 +39,7 @@ from ..errors import SlurmagentError, SlurmError
 from ..policy import drain as drain_policy
 from ..slurm.commands import Slurm, conf_value, read_conf_lines, slurm_conf_path
 from ..slurm.model import NodeInfo
+from ..state import metrics
 from ..state.config import Config
 from ..state.decisionlog import warn
 from ..state.host import node_name, slurmagent_argv
@@ -97,7 +98,11 @@ class JournalExecutor(EntryHandlers):
     def replay(self, deadline_s: float = REPLAY_DEADLINE_S, lock_wait_s: float = 0.0) -> list[tuple[Entry, str]]:
         if self.journal is None:
             return []
-        return self.journal.replay(self.handlers(), deadline_s, lock_wait_s)
+        results = self.journal.replay(self.handlers(), deadline_s, lock_wait_s)
+        # the backlog for monitoring: actions Slurm or Compute did not take yet (retried later)
+        metrics.for_node(self.cfg, self.local_node).update(
+            set_={("slurmagent_journal_pending", ()): self.journal.pending_count()})
+        return results
 
     def _act(self, kind: str, *, lock_wait_s: float | None = None, **payload: Any) -> str:
         """Journal one action, then replay (older pending entries first, then this one).

@@ -71,7 +71,7 @@ from datetime import datetime
 from typing import Any, Callable, TextIO
 
 from ..actions.executor import JournalExecutor
-from ..state import expiry_state
+from ..state import expiry_state, metrics
 from ..policy import expiry as expiry_policy
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for as decision_log_path
@@ -182,7 +182,15 @@ class ExpiryWatch:
             if res.to_say is not None:  # nothing is remembered: this one is said every run
                 res.to_say.append(res.errors[-1])
         res.state = state
+        self._gauge(res)
         return res
+
+    def _gauge(self, res: CheckResult) -> None:
+        """`slurmagent_termination_timestamp_seconds` while a termination time is known (gone
+        when it is not: an alert then counts down only real deadlines)."""
+        name = "slurmagent_termination_timestamp_seconds"
+        when = {(name, (("source", res.source or "unknown"),)): res.termination.timestamp()} if res.termination else {}
+        metrics.for_node(self.cfg, self.node).update(set_=when, replace_prefix=name)
 
     def _api(self, now: float, cached: dict[str, Any] | None, res: CheckResult, metadata_down: str,
              event_changed: bool = False) -> dict[str, Any] | None:

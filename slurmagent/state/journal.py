@@ -229,6 +229,14 @@ class Journal:
         except OSError:
             return False
 
+    def pending_count(self) -> int:
+        """One directory listing (0 when the directory cannot be read)."""
+        try:
+            with os.scandir(self.pending_dir) as it:
+                return sum(1 for e in it if e.name.endswith(".json") and not e.name.startswith("."))
+        except OSError:
+            return 0
+
     def _load_dir(self, d: Path) -> list[Entry]:
         out = []
         try:

@@ -32,6 +32,12 @@ HELP = {
         "gauge", "how long the bucket has been behind a running job's checkpoint dir: age of the oldest "
         "checkpoint file change not yet committed (0: all committed)"),
     "slurmagent_checkpoint_sync_errors_total": ("counter", "checkpoint syncs that failed (background and final)"),
+    "slurmagent_termination_timestamp_seconds": (
+        "gauge", "Unix time at which this VM will be stopped or deleted (flex-start/spot expiry, maintenance, "
+        "preemption), by source; absent when none is known"),
+    "slurmagent_journal_pending": (
+        "gauge", "journaled actions (drain, requeue, repair...) not carried out yet: Slurm or the Compute API "
+        "did not take them; retried on the next run"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
     "slurmagent_jobs_requeued_on_fault_total": (
         "counter", "jobs that left a node whose GPU failed under them, requeued (by: slurmagent, or the job's wrapper)"),

@@ -168,6 +168,18 @@ def test_three_hours_left_not_drained(tmp_path):
     assert cli.argvs == [] and res.actions == [] and "DRAIN" not in cli.state
     assert res.state["termination_time"] == iso(T0 + 3 * 3600)
     assert res.next_check_s == pytest.approx(3 * 3600 - 1800)
+    # the countdown's metric, exact, with where the time came from
+    prom = (tmp_path / "state" / NODE / "slurmagent.prom").read_text()
+    assert f'slurmagent_termination_timestamp_seconds{{source="compute-api"}} {int(T0 + 3 * 3600)}\n' in prom, prom
+
+
+def test_the_termination_metric_goes_away_when_no_time_is_known(tmp_path):
+    cli, clock = slurm_with(), Clock()
+    watch(tmp_path, cli, T0 + 3 * 3600, clock=clock).check(Events())
+    prom = tmp_path / "state" / NODE / "slurmagent.prom"
+    assert "slurmagent_termination_timestamp_seconds{" in prom.read_text()
+    watch(tmp_path, cli, None, clock=clock, boot="next-boot").check(Events())  # a new VM: no termination time
+    assert "slurmagent_termination_timestamp_seconds" not in prom.read_text()
 
 
 def test_no_termination_time_nothing_to_do_and_cached(tmp_path):

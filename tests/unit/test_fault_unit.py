@@ -331,3 +331,19 @@ def test_an_executor_without_a_journal_acts_once_and_raises_slurms_refusal(tmp_p
     with pytest.raises(SlurmError, match="pending execution"):
         user.requeue_jobs(["7"])
     assert calls[1] == ["requeue", "7"] and not (tmp_path / "state").exists()
+
+
+def test_the_journal_backlog_is_a_metric_that_empties_when_slurm_is_back(tmp_path):
+    """A drain Slurm could not take stays journaled; `slurmagent_journal_pending` says so
+    until a replay carries it out (the alert on a backlog that does not drain needs it)."""
+    sc = FakeSlurm(("n1", "n2"))
+    executor = JournalExecutor(cfg_for(tmp_path), Slurm(runner=sc), "n1")
+    prom = tmp_path / "state" / "n1" / "slurmagent.prom"
+    sc.down = True
+    outcome = executor.drain_fault("slurmagent: xid 79 on gpu 3 (fallen off the bus)", node="n1")
+    assert "DRAIN" not in sc.nodes["n1"]["State"], outcome
+    assert "slurmagent_journal_pending 1\n" in prom.read_text()
+    sc.down = False
+    executor.replay()
+    assert "DRAIN" in sc.nodes["n1"]["State"]
+    assert "slurmagent_journal_pending 0\n" in prom.read_text()
