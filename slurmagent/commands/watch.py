@@ -434,9 +434,22 @@ def run_watch(cfg: Config, node: str, *, interval: float = DEFAULT_INTERVAL_S, u
     previous: dict[int, Callable | int | None] = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, watcher.stop)
+    channel = None
+    if cfg.watch.channel_socket:  # the node's wrapped jobs ask root here (per-job metrics, hang drains)
+        from ..actions.job_channel import ChannelServer  # only where a channel is configured: start-up speed
+
+        channel = ChannelServer(cfg, node, watcher.slurm, watcher.log, say=watcher.say)
+        try:
+            channel.start()
+        except OSError as exc:
+            watcher.say(f"no channel for wrapped jobs at {channel.path}: {exc.strerror or exc} (their per-job "
+                        "metrics and hang drains are not taken; the watch goes on)")
+            channel = None
     try:
         return watcher.run()
     finally:
+        if channel is not None:
+            channel.stop()
         for sig, handler in previous.items():
             with contextlib.suppress(Exception):
                 signal.signal(sig, handler)

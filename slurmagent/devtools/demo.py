@@ -155,6 +155,7 @@ def run_demo(keep: bool = False) -> int:
         f'[repair]\nstrategy = "recreate"\nmax_drained_fraction = 0.7\n'
         f'[checkpoint]\nremote = "gs://demo-ckpt/jobs"\nsync_interval_s = 2.0\ngrace_s = 20.0\n'
         f'[expiry]\ndrain_lead_s = 60.0\nflush_lead_s = 40.0\npublish_run_file = false\n'
+        f'[watch]\nchannel_socket = "{root}/run/%n/channel.sock"\n'
     )
     hooks = {}
     for hook in ("prolog", "epilog"):

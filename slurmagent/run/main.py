@@ -122,7 +122,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         if hold is not None:
             hold.cleanup()
         raise
-    metrics = _job_metrics(cfg, slurm_env.slurmd_node(env))
+    metrics = _job_metrics(cfg, slurm_env.slurmd_node(env), ident)
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
     job_store = whole_job or (QuietCutStore(store) if store is not None else None)
     report = checkpoint_report(env, ident, options, store is not None)
@@ -185,12 +185,21 @@ def _requeue_hold(cfg: Config, env, ident: JobIdentity) -> RequeueHold | None:
     return RequeueHold(ident.aliases, os.path.abspath(real))
 
 
-def _job_metrics(cfg: Config, node: str | None):
-    """The node's metrics when this (possibly unprivileged) job may write them, else None."""
+def _job_metrics(cfg: Config, node: str | None, ident: JobIdentity):
+    """The node's metrics when this job may write them (root); else root's `watch` takes them
+    over its channel (the job's user: a default install); None outside Slurm or without it."""
     from ..state import metrics  # only for a job that may write them: start-up speed
 
     m = metrics.for_node(cfg, node)
-    return m if os.access(m.state_dir, os.W_OK) else None
+    if os.access(m.state_dir, os.W_OK):
+        return m
+    socket_path = cfg.node_path(cfg.watch.channel_socket, node)
+    if ident.platform != "slurm" or not node or not socket_path or not os.path.exists(socket_path):
+        return None
+    from .root_channel import ChannelMetrics  # only for a job that may not write them: start-up speed
+
+    return ChannelMetrics(socket_path, ident.job_id, node,
+                          lambda line: print(f"slurmagent run: {line}", file=sys.stderr, flush=True))
 
 
 def _record_metrics(m, outcome) -> None:

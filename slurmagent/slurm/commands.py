@@ -23,7 +23,7 @@ from ..core.timefmt import parse_time_limit
 if TYPE_CHECKING:
     import subprocess
 
-    from .model import JobInfo, NodeInfo, RunningJob
+    from .model import JobInfo, JobOwner, NodeInfo, RunningJob
 
 # The healthy prolog imports this module for its names and slurm.conf readers only: `subprocess`
 # and `model` (the parsers of scontrol's answers) are imported by the calls that need them.
@@ -205,6 +205,19 @@ class Slurm:
         fmt = ",".join(f"{f}:|" for f in RUNNING_JOB_FIELDS)
         proc = self._call(self.squeue, ["-h", "-w", node, "-t", "RUNNING", "-O", fmt])
         return running_jobs_from_text(proc.stdout)
+
+    def job_owner(self, job_id: str) -> JobOwner | None:
+        """Who runs the job, in what state, where: `squeue -h -j JOB -o %i|%U|%T|%N` (numeric uid;
+        no field a job's own text could imitate). None when Slurm does not know the job."""
+        from .model import owner_from_squeue  # off the healthy prolog: start-up speed
+
+        proc = self._call(self.squeue, ["-h", "-j", job_id, "-o", "%i|%U|%T|%N"], check=False)
+        if proc.returncode != 0:
+            if "Invalid job id" in (proc.stderr or ""):
+                return None
+            raise SlurmError(f"squeue -j {job_id}: {(proc.stderr or 'failed').strip()}")
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        return owner_from_squeue(lines[0]) if len(lines) == 1 else None
 
     def job_is_wrapped(self, job_id: str) -> bool:
         """Does the job's batch script exec the slurmagent wrapper (so a signal to its batch step

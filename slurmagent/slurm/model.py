@@ -12,7 +12,7 @@ import re
 import signal
 from dataclasses import dataclass, field
 
-from ..core import reasons
+from ..core import hostlist, reasons
 from ..core.reasons import COMMENT_TAG
 from ..core.timefmt import parse_slurm_time
 
@@ -356,3 +356,25 @@ def running_jobs_from_text(text: str) -> list[RunningJob]:
             num_nodes=int(num_nodes) if num_nodes.isdigit() else 1,
         ))
     return list(jobs.values())
+
+
+@dataclass(frozen=True)
+class JobOwner:
+    """The job as root read it from Slurm (squeue's numeric fields: no free text)."""
+    job: str
+    uid: int
+    state: str
+    nodes: tuple[str, ...]
+
+
+def owner_from_squeue(line: str) -> JobOwner | None:
+    """One `squeue -h -o %i|%U|%T|%N` line (numeric uid, state, node list: no job text)."""
+    parts = line.strip().split("|")
+    if len(parts) != 4 or not parts[1].isdigit():
+        return None
+    job, uid, state, nodes = parts
+    try:
+        names = tuple(hostlist.expand(nodes)) if nodes and nodes != "(null)" else ()
+    except ValueError:
+        names = ()
+    return JobOwner(job, int(uid), state, names)

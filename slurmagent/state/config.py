@@ -204,6 +204,10 @@ class WatchConfig:
     flush_deadline_s: float = _key(
         60.0, "a wrapped job told to flush for a GPU fault that is still on the node after this long is requeued",
         low=1, high=3600)
+    channel_socket: str = _key(
+        "/run/slurmagent/%n/channel.sock",
+        "where `watch` listens for its node's wrapped jobs (per-job metrics, hang/straggler drains; judged by the "
+        "caller's uid and the job as Slurm shows it; `%n` = node name); empty = no channel")
 
 
 @dataclass(frozen=True)

@@ -246,8 +246,8 @@ def test_two_node_job_with_one_node_faulting_is_requeued_once_and_both_nodes_fil
         (tmp_path / "kern").mkdir(exist_ok=True)
         (tmp_path / "kern" / f"{n}.log").touch()
     config = tmp_path / "c.toml"
-    config.write_text(cluster_config_text(tmp_path) + '[checkpoint]\nremote = "gs://ckpt/jobs"\n'
-                      'sync_interval_s = 1.0\ngrace_s = 20.0\n[watch]\nflush_deadline_s = 120.0\n'
+    config.write_text(cluster_config_text(tmp_path).replace("[watch]\n", "[watch]\nflush_deadline_s = 120.0\n")
+                      + '[checkpoint]\nremote = "gs://ckpt/jobs"\nsync_interval_s = 1.0\ngrace_s = 20.0\n'
                       '[expiry]\npublish_run_file = false\n')
     env = SlurmEnv(cl, tmp_path, config)
     for n in cl.nodes:

@@ -140,4 +140,5 @@ def cluster_config_text(root: Path, **health: object) -> str:
     keys = {"snapshot": f"{root}/snap/%n.json", "kernel_log": f"{root}/kern/%n.log", "expected_gpus": 8,
             "timeout_s": 5, **health}
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if v is not None)
-    return f'state_dir = "{root}/state/%n"\n[health]\n{lines}[hooks]\nsyslog = false\n'
+    return (f'state_dir = "{root}/state/%n"\n[health]\n{lines}[hooks]\nsyslog = false\n'
+            f'[watch]\nchannel_socket = "{root}/run/%n/channel.sock"\n')

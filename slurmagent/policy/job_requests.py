@@ -1,0 +1,131 @@
+"""What a job's wrapper may ask of root on its node, and whether root grants it.
+
+The wrapper runs as the job's user: it may not drain a node or write root's state dir. It
+asks the `watch` service over a local socket instead (DESIGN: "Wrapper -> root"). Everything
+in a request is untrusted input: it is parsed here with hard limits, then judged against
+what root read itself: the asking process's uid (the kernel's SO_PEERCRED, never the
+request) and the job as Slurm shows it (owner uid, state, nodes). A request is granted
+only for a RUNNING job of the asking uid, about this node, which must be one of the job's.
+
+Two operations:
+
+- `metrics`: per-job checkpoint figures folded into the node's textfile. Only the names in
+  `JOB_METRICS`, each with the one label `job` that root sets itself from the judged job id.
+- `drain`: this node out, for a rule in `JOB_DRAIN_RULES` (a hang or a straggler the wrapper
+  saw), with a cleaned detail; root still decides through the breaker and the journal.
+
+Pure: the socket, Slurm and the actions are the runtime's (actions/job_channel.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import reasons
+from ..slurm.model import JobOwner
+
+MAX_REQUEST_BYTES = 16 * 1024
+# name -> "set" (a gauge) or "add" (a counter); the wrapper's own figures, nothing else
+JOB_METRICS = {
+    "slurmagent_checkpoint_lag_seconds": "set",
+    "slurmagent_flush_seconds": "set",
+    "slurmagent_bytes_synced_total": "add",
+    "slurmagent_checkpoint_sync_errors_total": "add",
+    "slurmagent_requeues_total": "add",
+}
+PER_JOB = ("slurmagent_checkpoint_lag_seconds",)  # labelled {job}; the others are node totals
+JOB_DRAIN_RULES = ("hang", "straggler")
+MAX_VALUE = 1e15  # a value past this is a lie or a bug: refused, never written
+_JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,9})?$")
+
+
+class RequestError(ValueError):
+    """The request is malformed: refused with this one line."""
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    op: str  # "metrics" | "drain"
+    job: str
+    node: str
+    set_: dict[str, float] = field(default_factory=dict)
+    add: dict[str, float] = field(default_factory=dict)
+    rule: str = ""
+    detail: str = ""
+    clear: bool = False  # metrics: the job's own per-job series go (the job ends)
+
+
+def parse_request(raw: bytes) -> JobRequest:
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise RequestError(f"request over {MAX_REQUEST_BYTES} bytes")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise RequestError("request is not one JSON object") from None
+    if not isinstance(doc, dict):
+        raise RequestError("request is not one JSON object")
+    op, job, node = doc.get("op"), doc.get("job"), doc.get("node")
+    if op not in ("metrics", "drain"):
+        raise RequestError(f"unknown op {str(op)[:20]!r} (metrics, drain)")
+    if not isinstance(job, str) or not _JOB_ID.match(job):
+        raise RequestError("job must be a Slurm job id")
+    if not isinstance(node, str) or not 0 < len(node) <= 255:  # judged against this node's own name
+        raise RequestError("node must be a node name")
+    if op == "metrics":
+        return JobRequest(op, job, node, set_=_values(doc.get("set"), "set"), add=_values(doc.get("add"), "add"),
+                          clear=doc.get("clear") is True)
+    rule, detail = doc.get("rule"), doc.get("detail", "")
+    if rule not in JOB_DRAIN_RULES:
+        raise RequestError(f"drain rule must be one of {', '.join(JOB_DRAIN_RULES)}")
+    if not isinstance(detail, str):
+        raise RequestError("detail must be text")
+    return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150])
+
+
+def _values(doc: Any, kind: str) -> dict[str, float]:
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or len(doc) > len(JOB_METRICS):
+        raise RequestError(f"{kind} must be an object of metric names")
+    out = {}
+    for name, value in doc.items():
+        if JOB_METRICS.get(name) != kind:
+            raise RequestError(f"{str(name)[:60]!r} is not a job metric one may {kind}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not 0 <= value <= MAX_VALUE:
+            raise RequestError(f"{name}: value must be a number in [0, {MAX_VALUE:g}]")
+        out[name] = float(value)
+    return out
+
+
+def judge(req: JobRequest, peer_uid: int, owner: JobOwner | None, this_node: str) -> str:
+    """Why root refuses the request ("" = granted)."""
+    if req.node != this_node:
+        return f"node {req.node} is not this node ({this_node})"
+    if owner is None:
+        return f"job {req.job} is not known to Slurm"
+    if peer_uid != 0 and owner.uid != peer_uid:
+        return f"job {req.job} does not belong to uid {peer_uid}"
+    if owner.state != "RUNNING":
+        return f"job {req.job} is {owner.state or 'not running'}, not RUNNING"
+    if this_node not in owner.nodes:
+        return f"job {req.job} does not run on {this_node}"
+    return ""
+
+
+def metric_update(req: JobRequest) -> tuple[dict, dict, str | None]:
+    """(set_, add, replace_prefix) for `Metrics.update`: per-job gauges labelled with the judged
+    job id; `clear` removes that job's per-job series (no other job's)."""
+    def key(name: str) -> tuple:
+        return (name, (("job", req.job),)) if name in PER_JOB else (name, ())
+
+    clear = f'slurmagent_checkpoint_lag_seconds{{job="{req.job}"}}' if req.clear else None
+    return {key(n): v for n, v in req.set_.items()}, {key(n): v for n, v in req.add.items()}, clear
+
+
+def drain_reason(req: JobRequest) -> str:
+    return reasons.make_reason(req.rule, f"job {req.job}: {req.detail}" if req.detail else f"job {req.job}")

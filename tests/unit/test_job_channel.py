@@ -1,0 +1,189 @@
+"""The wrapper -> root channel: a job's wrapper asks `watch` (root) for what it may not do itself.
+
+Real Unix sockets and real uids (a child that drops to another uid connects, so SO_PEERCRED
+tells the server who asks), the in-memory Slurm (tests/support/fakes/slurm.py) for the job's
+owner, state and nodes, and the node's real metrics textfile.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from support.fakes.slurm import FakeSlurm
+from slurmagent.actions.job_channel import ChannelServer
+from slurmagent.policy import job_requests
+from slurmagent.policy.job_requests import RequestError, judge, parse_request
+from slurmagent.run.root_channel import ChannelMetrics, ask_root
+from slurmagent.slurm.commands import Slurm
+from slurmagent.slurm.model import JobOwner
+from slurmagent.state.config import parse
+from slurmagent.state.decisionlog import DecisionLog, read_records
+
+NOBODY = 65534
+
+
+def req(**kw) -> bytes:
+    return json.dumps({"op": "metrics", "job": "7", "node": "n1", **kw}).encode()
+
+
+# --- the pure rules -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b"x" * (job_requests.MAX_REQUEST_BYTES + 1), "request over 16384 bytes"),
+    (b"not json", "request is not one JSON object"),
+    (b"[1]", "request is not one JSON object"),
+    (req(op="resume"), "unknown op 'resume' (metrics, drain)"),
+    (req(job="7; scontrol update"), "job must be a Slurm job id"),
+    (req(set={"slurmagent_breaker_open": 0}), "'slurmagent_breaker_open' is not a job metric one may set"),
+    (req(add={"slurmagent_checkpoint_lag_seconds": 1}), "'slurmagent_checkpoint_lag_seconds' is not a job metric one may add"),
+    (req(set={"slurmagent_checkpoint_lag_seconds": -1}), "slurmagent_checkpoint_lag_seconds: value must be a number in [0, 1e+15]"),
+    (req(set={"slurmagent_checkpoint_lag_seconds": "NaN"}), "slurmagent_checkpoint_lag_seconds: value must be a number in [0, 1e+15]"),
+    (req(op="drain", rule="xid"), "drain rule must be one of hang, straggler"),
+])
+def test_a_malformed_request_is_refused_with_one_line(raw, why):
+    with pytest.raises(RequestError) as exc:
+        parse_request(raw)
+    assert str(exc.value) == why
+
+
+def test_only_a_running_job_of_the_asking_uid_on_this_node_is_granted():
+    r = parse_request(req(set={"slurmagent_checkpoint_lag_seconds": 5}))
+    mine = JobOwner("7", 1000, "RUNNING", ("n1", "n2"))
+    assert judge(r, 1000, mine, "n1") == ""
+    assert judge(r, 0, mine, "n1") == ""  # root's own wrapper
+    assert judge(r, 1001, mine, "n1") == "job 7 does not belong to uid 1001"
+    assert judge(r, 1000, None, "n1") == "job 7 is not known to Slurm"
+    assert judge(r, 1000, JobOwner("7", 1000, "COMPLETING", ("n1",)), "n1") == "job 7 is COMPLETING, not RUNNING"
+    assert judge(r, 1000, JobOwner("7", 1000, "RUNNING", ("n2",)), "n1") == "job 7 does not run on n1"
+    assert judge(r, 1000, mine, "n2") == "node n1 is not this node (n2)"
+
+
+def test_the_job_label_is_roots_and_a_drain_reason_is_cleaned():
+    r = parse_request(req(set={"slurmagent_checkpoint_lag_seconds": 5}, add={"slurmagent_bytes_synced_total": 10}))
+    set_, add, clear = job_requests.metric_update(r)
+    assert set_ == {("slurmagent_checkpoint_lag_seconds", (("job", "7"),)): 5.0}
+    assert add == {("slurmagent_bytes_synced_total", ()): 10.0} and clear is None
+    d = parse_request(req(op="drain", rule="hang", detail="rank 1 stopped\nReason=evil State=RESUME"))
+    assert job_requests.drain_reason(d) == "slurmagent: hang: job 7: rank 1 stopped Reason evil State RESUME"
+
+
+# --- the server on a real socket ----------------------------------------------------------------
+
+
+@pytest.fixture
+def served(tmp_path):
+    sc = FakeSlurm(("n1", "n2", "n3", "n4"))
+    run = Path(tempfile.mkdtemp(prefix="sa-run-", dir="/tmp"))  # pytest's tmp_path is 0700: no other uid gets in
+    run.chmod(0o755)
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
+                 "watch": {"channel_socket": str(run / "%n" / "channel.sock")},
+                 "repair": {"max_drained_fraction": 0.5}})
+    err = io.StringIO()
+    server = ChannelServer(cfg, "n1", Slurm(runner=sc), DecisionLog(tmp_path / "state" / "n1" / "hooks.log"),
+                           say=lambda line: err.write(line + "\n"))
+    server.start()
+    yield server, sc, tmp_path
+    server.stop()
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def as_uid(uid: int, path, request: dict) -> dict:
+    """Ask from a child process running as `uid` (the kernel tells the server who asks)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(w, json.dumps(ask_root(path, request)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def prom(tmp_path) -> str:
+    p = tmp_path / "state" / "n1" / "slurmagent.prom"
+    return p.read_text() if p.exists() else ""
+
+
+def test_the_socket_is_open_to_all_in_a_directory_only_root_changes(served):
+    server, _, _ = served
+    assert oct(server.path.stat().st_mode & 0o777) == "0o666"
+    assert oct(server.path.parent.stat().st_mode & 0o777) == "0o755" and server.path.parent.stat().st_uid == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to ask as another uid")
+def test_a_job_of_its_own_user_gets_its_metrics_into_the_node_textfile_another_user_does_not(served):
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid=str(NOBODY))
+    sc.add_job("8", node="n1", Uid="1000")
+    lag = {"op": "metrics", "job": "7", "node": "n1", "set": {"slurmagent_checkpoint_lag_seconds": 42.5}}
+    assert as_uid(NOBODY, server.path, lag) == {"ok": True, "why": ""}
+    assert 'slurmagent_checkpoint_lag_seconds{job="7"} 42.5\n' in prom(tmp_path)
+    # another user's job: refused and logged, nothing written
+    other = dict(lag, job="8", set={"slurmagent_checkpoint_lag_seconds": 1})
+    assert as_uid(NOBODY, server.path, other) == {"ok": False, "why": f"job 8 does not belong to uid {NOBODY}"}
+    assert 'job="8"' not in prom(tmp_path)
+    [refused] = [r for r in read_records(tmp_path / "state" / "n1" / "hooks.log") if r["event"] == "job-request"]
+    assert refused["verdict"] == "refused" and refused["uid"] == NOBODY and refused["job"] == "8"
+    # the job ends: its own series goes, through the wrapper's sink
+    sink = ChannelMetrics(server.path, "7", "n1", say=print)
+    sink.update(replace_prefix='slurmagent_checkpoint_lag_seconds{job="7"}')
+    assert "slurmagent_checkpoint_lag_seconds" not in prom(tmp_path)
+
+
+def test_a_hang_drain_goes_through_the_breaker_once_per_job(served):
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid="0")
+    ask = {"op": "drain", "job": "7", "node": "n1", "rule": "hang", "detail": "rank 1 stopped at step 40"}
+    answer = ask_root(server.path, ask)
+    assert answer["ok"] is True, answer
+    assert sc.nodes["n1"]["Reason"] == "slurmagent: hang: job 7: rank 1 stopped at step 40"
+    assert "DRAIN" in sc.nodes["n1"]["State"]
+    again = ask_root(server.path, ask)
+    assert again == {"ok": False, "why": "job 7 already asked for a drain of n1"}
+    assert len(sc.of("scontrol", "update")) == 1
+
+
+def test_a_flood_of_garbage_is_answered_and_the_server_still_serves(served):
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    for raw in (b"x" * 20000, b"\xff\xfe\n", b"{}\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(server.path))
+            s.sendall(raw)
+            s.shutdown(socket.SHUT_WR)
+            answer = json.loads(s.makefile().readline())
+            assert answer["ok"] is False and answer["why"]
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # connects and says nothing: timed out
+    silent.connect(str(server.path))
+    assert ask_root(server.path, {"op": "metrics", "job": "7", "node": "n1",
+                                  "add": {"slurmagent_bytes_synced_total": 3}}, timeout_s=10)["ok"] is True
+    silent.close()
+    assert "slurmagent_bytes_synced_total 3\n" in prom(tmp_path)
+    assert server.counts["malformed"] == 3
+
+
+def test_no_watch_running_costs_the_job_one_line(tmp_path):
+    said = []
+    sink = ChannelMetrics(tmp_path / "absent.sock", "7", "n1", say=said.append)
+    sink.update(set_={("slurmagent_flush_seconds", ()): 3.0})
+    sink.update(set_={("slurmagent_flush_seconds", ()): 4.0})
+    assert len(said) == 1 and "did not take this job's figures: no answer from" in said[0]
