@@ -91,7 +91,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     plan = repair_policy.plan_repair(nodes, names, force=force, breaker_state=b, now=now,
                               retry_after_s=float(cfg.repair.retry_after_s),
                               history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day),
-                              strategy=cfg.repair.strategy)
+                              strategy=cfg.repair.strategy, adopt_reasons=tuple(cfg.repair.adopt_reasons))
     by_name = {n.name: n for n in nodes}
     for name in [n for n in plan.todo if executor.opted_out(by_name[n], n)]:
         plan.todo.remove(name)
@@ -118,6 +118,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     reason_of = {n: by_name[n].reason for n in plan.todo}
     if not dry_run:
         _force_drains(executor, plan, by_name, reason_of, res, out)
+        _adopt(executor, plan, by_name, reason_of, res, out, force)
     if strategy == "none":
         for name in plan.todo:
             print(f"{name}: drained only ([repair] strategy = none): {reason_of[name]}", file=out)
@@ -127,7 +128,8 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     choices = run.choose(plan.todo, by_name)
     if dry_run:
         for name, (choice, target) in choices.items():
-            facts = (name, choice.action, target, name in plan.needs_drain, by_name[name].reason, choice.why)
+            facts = (name, choice.action, target, name in plan.needs_drain or name in plan.adopt,
+                     by_name[name].reason, choice.why)
             print(repair_policy.dry_run_line(*facts), file=out)
             res.ok[name], res.plan[name] = f"dry-run: {choice.action}", plan_entry(*facts)
         return res
@@ -181,6 +183,24 @@ def _force_drains(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_
         if not outcome.action.startswith("drained"):
             plan.todo.remove(name)
             res.failed[name] = f"could not drain it: {outcome.action}"
+
+
+def _adopt(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo],
+           reason_of: dict[str, str], res: RepairResult, out: TextIO, force: bool) -> None:
+    """`[repair] adopt_reasons`: another tool's drain becomes ours (`slurmagent: adopted: <its
+    reason>`), through the circuit breaker like any fault drain, then it is repaired as ours."""
+    for name in list(plan.adopt):
+        theirs = by_name[name].reason
+        reason_of[name] = reasons.adopted_reason(theirs)
+        outcome = executor.drain_fault(reason_of[name], node=name, source="repair (adopt_reasons)", force=force,
+                                       takeover_reason=theirs, lock_wait_s=REPLAY_DEADLINE_S)
+        print(f"{name}: {outcome.action}: adopted {theirs!r}", file=out)
+        if not outcome.action.startswith("drained"):
+            plan.todo.remove(name)
+            if outcome.action.startswith("suppressed"):
+                res.skipped[name] = "suppressed by the circuit breaker"
+            else:
+                res.failed[name] = f"could not adopt it: {outcome.action}"
 
 
 Choice = tuple[repair_policy.RepairChoice, dict[str, Any]]  # what to do, and where (zone, mig)
