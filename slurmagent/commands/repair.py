@@ -117,8 +117,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     strategy = cfg.repair.strategy
     reason_of = {n: by_name[n].reason for n in plan.todo}
     if not dry_run:
-        _force_drains(executor, plan, by_name, reason_of, res, out)
-        _adopt(executor, plan, by_name, reason_of, res, out, force)
+        _take_over(executor, plan, by_name, reason_of, res, out, force)
     if strategy == "none":
         for name in plan.todo:
             print(f"{name}: drained only ([repair] strategy = none): {reason_of[name]}", file=out)
@@ -171,36 +170,25 @@ def _dynamic_cleanup(executor: JournalExecutor, cleanup: tuple[list[str], list[s
         res.ok[n] = outcome
 
 
-def _force_drains(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo], reason_of: dict[str, str],
-                  res: RepairResult, out: TextIO) -> None:
-    """--force on a node the breaker kept from draining: drain it now, with its fault."""
-    for name in list(plan.needs_drain):
+def _take_over(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo],
+               reason_of: dict[str, str], res: RepairResult, out: TextIO, force: bool) -> None:
+    """Nodes to repair that are not drained as ours yet: --force on a node the breaker kept from
+    draining (drained now, with its fault), and `[repair] adopt_reasons` nodes (another tool's
+    drain becomes `slurmagent: adopted: <its reason>`, through the breaker unless --force)."""
+    for name in [*plan.needs_drain, *plan.adopt]:
+        adopt, theirs = name in plan.adopt, by_name[name].reason
         fault = by_name[name].marks.suppressed_summary or "unhealthy (breaker override)"
-        reason_of[name] = reasons.clean_reason(f"{reasons.PREFIX} {fault}")
-        outcome = executor.drain_fault(reason_of[name], node=name, source="repair --force", force=True,
-                                       takeover_prolog_error=True, lock_wait_s=REPLAY_DEADLINE_S)
-        print(f"{name}: {outcome.action} (--force)", file=out)
-        if not outcome.action.startswith("drained"):
-            plan.todo.remove(name)
-            res.failed[name] = f"could not drain it: {outcome.action}"
-
-
-def _adopt(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo],
-           reason_of: dict[str, str], res: RepairResult, out: TextIO, force: bool) -> None:
-    """`[repair] adopt_reasons`: another tool's drain becomes ours (`slurmagent: adopted: <its
-    reason>`), through the circuit breaker like any fault drain, then it is repaired as ours."""
-    for name in list(plan.adopt):
-        theirs = by_name[name].reason
-        reason_of[name] = reasons.adopted_reason(theirs)
-        outcome = executor.drain_fault(reason_of[name], node=name, source="repair (adopt_reasons)", force=force,
-                                       takeover_reason=theirs, lock_wait_s=REPLAY_DEADLINE_S)
-        print(f"{name}: {outcome.action}: adopted {theirs!r}", file=out)
+        reason_of[name] = reasons.adopted_reason(theirs) if adopt else reasons.clean_reason(f"{reasons.PREFIX} {fault}")
+        outcome = executor.drain_fault(reason_of[name], node=name, source="repair (adopt_reasons)" if adopt else
+                                       "repair --force", force=force or not adopt, takeover_prolog_error=not adopt,
+                                       takeover_reason=theirs if adopt else "", lock_wait_s=REPLAY_DEADLINE_S)
+        print(f"{name}: {outcome.action}" + (f": adopted {theirs!r}" if adopt else " (--force)"), file=out)
         if not outcome.action.startswith("drained"):
             plan.todo.remove(name)
             if outcome.action.startswith("suppressed"):
                 res.skipped[name] = "suppressed by the circuit breaker"
             else:
-                res.failed[name] = f"could not adopt it: {outcome.action}"
+                res.failed[name] = f"could not drain it: {outcome.action}"
 
 
 Choice = tuple[repair_policy.RepairChoice, dict[str, Any]]  # what to do, and where (zone, mig)
