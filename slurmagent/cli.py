@@ -402,7 +402,10 @@ def journal_cmd(state: State, replay: bool, as_json: bool, node: str | None) -> 
 @cli.command()
 @click.option("--root", "root_dir", default="/", show_default=True, metavar="DIR", help="install into this staging tree")
 @click.option("--dry-run", is_flag=True, help="say what would change, change nothing")
-def install(root_dir: str, dry_run: bool) -> None:
+@click.option("--prolog-dir", metavar="DIR", help="also put the prolog shim in DIR (a prolog.d/ that "
+              "`Prolog=DIR/*` runs, e.g. /slurm/custom_scripts/prolog.d on Cluster Toolkit)")
+@click.option("--epilog-dir", metavar="DIR", help="also put the epilog shim in DIR (an epilog.d/ for `Epilog=DIR/*`)")
+def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: str | None) -> None:
     """Install hook shims, systemd units and a config template (idempotent)."""
     from pathlib import Path
 
@@ -411,7 +414,7 @@ def install(root_dir: str, dry_run: bool) -> None:
     from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
-    for step in do_install(root, dry_run=dry_run):
+    for step in do_install(root, dry_run=dry_run, prolog_dir=prolog_dir, epilog_dir=epilog_dir):
         verb = f"would {step.action}" if dry_run and step.action in ("install", "update") else step.action
         click.echo(f"{verb:<14} {step.path}" + (f"  ({step.note})" if step.note else ""))
     conf = root / "etc/slurm/slurm.conf" if root_dir != "/" else slurm_conf_path()

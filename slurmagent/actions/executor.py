@@ -140,7 +140,8 @@ class JournalExecutor(EntryHandlers):
 
     def drain_fault(self, reason: str, findings: Iterable[Any] = (), *, node: str | None = None, source: str = "",
                     job: str | None = None, takeover_prolog_error: bool = False, force: bool = False,
-                    lock_wait_s: float = HOOK_LOCK_WAIT_S, verify_in_background: bool = False) -> DrainOutcome:
+                    lock_wait_s: float = HOOK_LOCK_WAIT_S, verify_in_background: bool = False,
+                    takeover_reason: str = "") -> DrainOutcome:
         """An unplanned drain (a fault, or slurmagent's own internal error), through the breaker.
 
         `blocks_job`: may a job still run here when the breaker held the drain back? Not when
@@ -151,7 +152,8 @@ class JournalExecutor(EntryHandlers):
         findings = list(findings)  # read here and again for `blocks_job` below
         if verify_in_background and drain_policy.blocks_job(findings) and self.detach is None:
             self.detach = run_detached
-        flags = {"job": job, "takeover_prolog_error": takeover_prolog_error, "force": force}
+        flags = {"job": job, "takeover_prolog_error": takeover_prolog_error, "force": force,
+                 "takeover_reason": takeover_reason}  # that exact foreign reason may be replaced (adoption)
         outcome = self._act("drain", lock_wait_s=lock_wait_s, node=node or self.local_node, reason=reason,
                             source=source, **{k: v for k, v in flags.items() if v})
         if outcome.startswith("pending"):  # e.g. slurmctld unreachable: the journal retries it

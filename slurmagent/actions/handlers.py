@@ -129,7 +129,8 @@ class EntryHandlers:
     def _drain_fault(self, p: dict[str, Any]) -> str:
         node, reason = p["node"], reasons.clean_reason(p["reason"])
         nodes = self._nodes()
-        takeover = PROLOG_FAILURE_REASONS if p.get("takeover_prolog_error") else ()
+        takeover = (PROLOG_FAILURE_REASONS if p.get("takeover_prolog_error") else ()) + (
+            (p["takeover_reason"],) if p.get("takeover_reason") else ())
         decision = drain_policy.decide_drain(nodes, node, reason, self.fraction, takeover_reasons=takeover)
         me = next((n for n in nodes if n.name == node), None)
         why = self.opted_out(me, node)

@@ -38,6 +38,7 @@ from ..gcp.metadata import parse_created_by
 from .health import expected_gpus, read_snapshot
 from ..state.host import node_name
 from ..slurm.commands import conf_value, read_conf_lines, slurm_conf_path, valid_node_name
+from ..slurm.hookfiles import Verdict, conf_values, healthcheck_verdict, hook_verdict
 
 METADATA_TIMEOUT_S = 2.0  # one metadata request (capped by [expiry] metadata_timeout_s)
 CALL_TIMEOUT_S = 4.0  # one Compute / Cloud Storage / clock request
@@ -102,12 +103,10 @@ def slurm_conf_results(conf: Path) -> list[Result]:
     lines = read_conf_lines(conf)
     if not lines:
         return [Result("slurm.conf", False, f"cannot read {conf}", "set SLURM_CONF or [slurm] conf")]
-    out = []
-    for key in ("Prolog", "Epilog"):
-        value = conf_value(lines, key) or ""
-        ok = "slurmagent" in value
-        out.append(Result(f"slurm.conf {key}", ok, value or "not set",
-                          f"{key}=/etc/slurmagent/hooks/{key.lower()}"))
+    out = [_from_verdict(f"slurm.conf {key}", hook_verdict(key, conf_values(lines, key), conf.parent))
+           for key in ("Prolog", "Epilog")]
+    out.append(_from_verdict("slurm.conf HealthCheckProgram",
+                             healthcheck_verdict(conf_value(lines, "HealthCheckProgram"), conf.parent)))
     flags = (conf_value(lines, "PrologFlags") or "").lower().split(",")
     out.append(Result("slurm.conf PrologFlags", "alloc" in flags, ",".join(f for f in flags if f) or "not set",
                       "PrologFlags=Alloc (check the node when the job is allocated, before it starts)"))
@@ -119,6 +118,10 @@ def slurm_conf_results(conf: Path) -> list[Result]:
     out.append(Result("slurm.conf PrologEpilogTimeout", bool(timeout), timeout or "not set (hooks may hang forever)",
                       "PrologEpilogTimeout=120"))
     return out
+
+
+def _from_verdict(name: str, v: Verdict) -> Result:
+    return Result(name, v.ok, v.detail, v.fix, skipped=v.skipped)
 
 
 def missing_slurm_conf_lines(conf: Path) -> list[str]:

@@ -17,6 +17,11 @@ from ..errors import SlurmagentError
 from ..state.fsutil import atomic_write_text
 
 PLACEHOLDER_BIN = "/opt/slurmagent/venv/bin/slurmagent"
+# Our shim's name in a slurm-gcp style prolog.d/ epilog.d/ (`Prolog=/slurm/custom_scripts/prolog.d/*`).
+# slurmd runs a glob's scripts in reverse alphabetical order and stops at the first that fails
+# (slurm.conf(5) of 24.11; measured on 22.05 too): `zz-` runs ours first, so a sick GPU is
+# drained with our precise reason before slower checks (the Toolkit's a_chs_gpu_health_check.sh).
+HOOK_DIR_NAME = "zz-slurmagent"
 
 
 class InstallError(SlurmagentError):
@@ -85,11 +90,15 @@ def config_template() -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan(root: Path, binary: str) -> list[tuple[Path, str, int, bool]]:
+def plan(root: Path, binary: str, prolog_dir: str | None = None,
+         epilog_dir: str | None = None) -> list[tuple[Path, str, int, bool]]:
     """(target, content, mode, never_overwrite) for every file to put in place."""
     files: list[tuple[Path, str, int, bool]] = []
     for hook in ("prolog", "epilog", "healthcheck"):
         files.append((root / "etc/slurmagent/hooks" / hook, shim_text(hook, binary), 0o755, False))
+    for hook, hook_dir in (("prolog", prolog_dir), ("epilog", epilog_dir)):
+        if hook_dir:  # the Toolkit layout: one script among the others of its prolog.d/
+            files.append((root / hook_dir.lstrip("/") / HOOK_DIR_NAME, shim_text(hook, binary), 0o755, False))
     units = data_dir("systemd")
     for unit in sorted(units.iterdir()):
         if unit.suffix in (".service", ".timer"):
@@ -100,12 +109,16 @@ def plan(root: Path, binary: str) -> list[tuple[Path, str, int, bool]]:
     return files
 
 
-def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = None) -> list[Step]:
+def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = None,
+            prolog_dir: str | None = None, epilog_dir: str | None = None) -> list[Step]:
     binary = binary or slurmagent_bin()
     if "\n" in binary or "\r" in binary:
         raise InstallError(f"cannot install: the slurmagent path {binary!r} has a line break")
+    for flag, hook_dir in (("--prolog-dir", prolog_dir), ("--epilog-dir", epilog_dir)):
+        if hook_dir is not None and not hook_dir.startswith("/"):
+            raise InstallError(f"{flag} {hook_dir!r}: give an absolute path (slurmd runs Prolog= paths as written)")
     steps: list[Step] = []
-    for target, content, mode, keep_existing in plan(root, binary):
+    for target, content, mode, keep_existing in plan(root, binary, prolog_dir, epilog_dir):
         try:
             steps.append(_put(target, content, mode, keep_existing, dry_run))
         except OSError as exc:  # a read-only or full root: one line, whatever the call

@@ -91,7 +91,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     plan = repair_policy.plan_repair(nodes, names, force=force, breaker_state=b, now=now,
                               retry_after_s=float(cfg.repair.retry_after_s),
                               history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day),
-                              strategy=cfg.repair.strategy)
+                              strategy=cfg.repair.strategy, adopt_reasons=tuple(cfg.repair.adopt_reasons))
     by_name = {n.name: n for n in nodes}
     for name in [n for n in plan.todo if executor.opted_out(by_name[n], n)]:
         plan.todo.remove(name)
@@ -117,7 +117,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     strategy = cfg.repair.strategy
     reason_of = {n: by_name[n].reason for n in plan.todo}
     if not dry_run:
-        _force_drains(executor, plan, by_name, reason_of, res, out)
+        _take_over(executor, plan, by_name, reason_of, res, out, force)
     if strategy == "none":
         for name in plan.todo:
             print(f"{name}: drained only ([repair] strategy = none): {reason_of[name]}", file=out)
@@ -127,7 +127,8 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     choices = run.choose(plan.todo, by_name)
     if dry_run:
         for name, (choice, target) in choices.items():
-            facts = (name, choice.action, target, name in plan.needs_drain, by_name[name].reason, choice.why)
+            facts = (name, choice.action, target, name in plan.needs_drain or name in plan.adopt,
+                     by_name[name].reason, choice.why)
             print(repair_policy.dry_run_line(*facts), file=out)
             res.ok[name], res.plan[name] = f"dry-run: {choice.action}", plan_entry(*facts)
         return res
@@ -169,18 +170,25 @@ def _dynamic_cleanup(executor: JournalExecutor, cleanup: tuple[list[str], list[s
         res.ok[n] = outcome
 
 
-def _force_drains(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo], reason_of: dict[str, str],
-                  res: RepairResult, out: TextIO) -> None:
-    """--force on a node the breaker kept from draining: drain it now, with its fault."""
-    for name in list(plan.needs_drain):
+def _take_over(executor: JournalExecutor, plan: repair_policy.RepairPlan, by_name: dict[str, NodeInfo],
+               reason_of: dict[str, str], res: RepairResult, out: TextIO, force: bool) -> None:
+    """Nodes to repair that are not drained as ours yet: --force on a node the breaker kept from
+    draining (drained now, with its fault), and `[repair] adopt_reasons` nodes (another tool's
+    drain becomes `slurmagent: adopted: <its reason>`, through the breaker unless --force)."""
+    for name in [*plan.needs_drain, *plan.adopt]:
+        adopt, theirs = name in plan.adopt, by_name[name].reason
         fault = by_name[name].marks.suppressed_summary or "unhealthy (breaker override)"
-        reason_of[name] = reasons.clean_reason(f"{reasons.PREFIX} {fault}")
-        outcome = executor.drain_fault(reason_of[name], node=name, source="repair --force", force=True,
-                                       takeover_prolog_error=True, lock_wait_s=REPLAY_DEADLINE_S)
-        print(f"{name}: {outcome.action} (--force)", file=out)
+        reason_of[name] = reasons.adopted_reason(theirs) if adopt else reasons.clean_reason(f"{reasons.PREFIX} {fault}")
+        outcome = executor.drain_fault(reason_of[name], node=name, source="repair (adopt_reasons)" if adopt else
+                                       "repair --force", force=force or not adopt, takeover_prolog_error=not adopt,
+                                       takeover_reason=theirs if adopt else "", lock_wait_s=REPLAY_DEADLINE_S)
+        print(f"{name}: {outcome.action}" + (f": adopted {theirs!r}" if adopt else " (--force)"), file=out)
         if not outcome.action.startswith("drained"):
             plan.todo.remove(name)
-            res.failed[name] = f"could not drain it: {outcome.action}"
+            if outcome.action.startswith("suppressed"):
+                res.skipped[name] = "suppressed by the circuit breaker"
+            else:
+                res.failed[name] = f"could not drain it: {outcome.action}"
 
 
 Choice = tuple[repair_policy.RepairChoice, dict[str, Any]]  # what to do, and where (zone, mig)

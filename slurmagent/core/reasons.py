@@ -57,6 +57,14 @@ def reason_for(report: Any) -> str:
     return reason_from_summary(worst.summary)
 
 
+ADOPTED_RULE = "adopted"
+
+
+def adopted_reason(their_reason: str) -> str:
+    """Another tool's drain handed to `repair` by `[repair] adopt_reasons`: ours from now on, its text kept."""
+    return make_reason(ADOPTED_RULE, their_reason)
+
+
 def internal_error_reason(what: str) -> str:
     """slurmagent itself failed (fail-closed hooks): said apart from any GPU fault."""
     return make_reason(INTERNAL_ERROR_RULE, what)

@@ -14,12 +14,17 @@ Without it every slurmd shares the host's file systems, which hides multi-node b
 VM" through a ResumeProgram that starts their slurmd (`-b`: it reports a boot of now, as a
 fresh VM would) and "deletes" it through a SuspendProgram that kills that slurmd; both are
 shell scripts under the cluster's base directory, and every such slurmd's pid is kept there.
+
+`configless` (as on Cluster Toolkit / slurm-gcp): slurmctld runs with `enable_configless` and
+each slurmd starts with `--conf-server 127.0.0.1:PORT`, no `-f` and no SLURM_CONF: it fetches
+slurm.conf (and the gres.conf beside it) into `<spool>/conf-cache/`, the SLURM_CONF its
+Prolog/Epilog get. `gpus=N` gives every node `Gres=gpu:N` from a gres.conf whose `File=` are N
+distinct character devices of the host (slurmd counts a gpu gres only with `File=`).
 """
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..slurm.model import parse_kv
+from .ports import free_ports
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo", "munge", "unmunge")
 
@@ -44,56 +50,6 @@ def slurm_available() -> str | None:
     if os.geteuid() != 0:
         return "the local Slurm cluster needs root"
     return None
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free TCP ports on 127.0.0.1, for servers that bind them later (a CLOUD
-    node's slurmd binds its port minutes later, when powered up). Drawn below the kernel's
-    ephemeral range, so no outgoing connection on this machine takes one meanwhile (seen:
-    "Unable to bind listen port ... Address already in use" with several clusters running);
-    from the ephemeral range only when there is no room below it."""
-    low = _ephemeral_range()[0]
-    if low - _LOW_PORTS_FROM < 1000:
-        return _kernel_ports(n)
-    ports: list[int] = []
-    for port in random.sample(range(_LOW_PORTS_FROM, low), min(low - _LOW_PORTS_FROM, 50 * n)):
-        if _bindable(port):
-            ports.append(port)
-            if len(ports) == n:
-                return ports
-    return ports + _kernel_ports(n - len(ports))
-
-
-_LOW_PORTS_FROM = 10000
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _kernel_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _sbin(name: str) -> str:
@@ -111,6 +67,8 @@ class LocalSlurmCluster:
     cred_expire: int = 20
     node_local: Path | None = None  # ROOT: per-node ROOT/localssd (see the module doc)
     cloud_nodes: list[str] = field(default_factory=list)  # State=CLOUD: powered up for a job, down when told
+    configless: bool = False  # slurmd fetches its config from slurmctld (see the module doc)
+    gpus: int = 0  # Gres=gpu:N per node, from gres.conf File= (at most len(GPU_STAND_INS))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     munged: subprocess.Popen | None = None
 
@@ -184,6 +142,14 @@ class LocalSlurmCluster:
             lines += [f"Prolog={self.prolog}", "PrologFlags=Alloc"]
         if self.epilog:
             lines.append(f"Epilog={self.epilog}")
+        if self.configless:
+            lines.append("SlurmctldParameters=enable_configless")
+        node_extra = self.node_extra
+        if self.gpus:
+            lines.append("GresTypes=gpu")
+            node_extra = f"Gres=gpu:{self.gpus} {node_extra}"
+            (b / "gres.conf").write_text(f"NodeName={','.join(self.nodes)} Name=gpu "
+                                         f"File={','.join(GPU_STAND_INS[:self.gpus])}\n")
         lines += self.extra_conf
         if self.cloud_nodes:
             lines += self._power_saving()
@@ -191,7 +157,7 @@ class LocalSlurmCluster:
             state = "CLOUD" if name in self.cloud_nodes else "UNKNOWN"
             lines.append(
                 f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 "
-                f"State={state} Port={port} {self.node_extra}".rstrip()
+                f"State={state} Port={port} {node_extra}".rstrip()
             )
         lines.append(f"PartitionName=gpu Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
@@ -255,7 +221,7 @@ class LocalSlurmCluster:
         for path in (self.munge_dir, key):
             shutil.chown(path, "munge", "munge")
         key.chmod(0o400)
-        self.munge_socket = self.munge_dir / "munge.sock"
+        self.munge_socket = self.munge_dir / MUNGE_SOCKET_NAME  # munge's default name: see start_node
         d = self.munge_dir
         self.munged = subprocess.Popen(
             ["setpriv", "--reuid=munge", "--regid=munge", "--clear-groups", _sbin("munged"), "--foreground",
@@ -274,6 +240,8 @@ class LocalSlurmCluster:
             raise
 
     def _start(self) -> LocalSlurmCluster:
+        if self.configless and self.cloud_nodes:
+            raise ValueError("configless cloud nodes are not supported (their ResumeProgram passes -f)")
         self.ensure_munge()
         self.write_conf()
         self.procs["ctld"] = subprocess.Popen(
@@ -289,16 +257,30 @@ class LocalSlurmCluster:
         self.wait_nodes_idle(self.nodes)
         return self
 
+    def conf_cache(self, name: str) -> Path:
+        """Where a configless slurmd of node `name` keeps the config it fetched."""
+        return self.base / "d" / name / "conf-cache"
+
     def start_node(self, name: str) -> None:
         argv = [_sbin("slurmd"), "-D", "-N", name, "-f", str(self.conf)]
+        env = self.env
+        if self.configless:  # nothing of its own: the config comes from slurmctld
+            argv = [_sbin("slurmd"), "-D", "-N", name, "--conf-server", f"127.0.0.1:{self.ctld_port}"]
+            env = {k: v for k, v in env.items() if k != "SLURM_CONF"}
+        binds: list[str] = []  # source, target, ...: mounted in the slurmd's own mount namespace
+        if self.configless:  # before it has a config, slurmd knows only munge's default socket
+            Path(DEFAULT_MUNGE_DIR).mkdir(parents=True, exist_ok=True)
+            binds += [str(self.munge_dir), DEFAULT_MUNGE_DIR]
         if self.node_local is not None:
             self.local_path.mkdir(parents=True, exist_ok=True)
             self.node_dir(name).mkdir(parents=True, exist_ok=True)
+            binds += [str(self.node_dir(name)), str(self.local_path)]
+        if binds:
             argv = ["unshare", "-m", "--propagation", "private", sys.executable, "-c", _BIND_AND_EXEC,
-                    str(self.node_dir(name)), str(self.local_path), *argv]
+                    *binds, "--", *argv]
         self.procs[name] = subprocess.Popen(
             argv,
-            env=self.env,
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=open(self.base / f"d-{name}.err", "wb"),
         )
@@ -432,6 +414,13 @@ class LocalSlurmCluster:
               interval=0.5)
 
 
+DEFAULT_MUNGE_DIR = "/run/munge"  # where libmunge looks when no socket is configured
+MUNGE_SOCKET_NAME = "munge.socket.2"
+
+# Character devices every Linux host has: a GPU gres needs File=, and slurmd wants distinct devices.
+GPU_STAND_INS = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx",
+                 "/dev/kmsg")
+
 # Node flags (State split on + and *) that keep a node from taking jobs.
 _HELD = frozenset({"DRAIN", "DOWN", "FAIL"})
 _UNSETTLED = frozenset({"UNKNOWN", "NOT_RESPONDING", "COMPLETING", "POWERING_UP", "REBOOT_ISSUED"})
@@ -448,8 +437,10 @@ def _takes_jobs(flags: frozenset[str]) -> bool:
 # Runs inside the new mount namespace: bind the node's own directory, then become slurmd.
 _BIND_AND_EXEC = """
 import os, subprocess, sys
-source, target, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-subprocess.run(["mount", "--bind", source, target], check=True, timeout=30)
+end = sys.argv.index("--")
+binds, argv = sys.argv[1:end], sys.argv[end + 1:]
+for source, target in zip(binds[::2], binds[1::2]):
+    subprocess.run(["mount", "--bind", source, target], check=True, timeout=30)
 os.execv(argv[0], argv)
 """
 

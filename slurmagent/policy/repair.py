@@ -8,6 +8,7 @@ instances.get, cached) and the clock go in, a plan or a choice comes out; `comma
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -48,14 +49,25 @@ class RepairPlan:
     skipped: dict[str, str] = field(default_factory=dict)  # not now, not an error
     refused: dict[str, str] = field(default_factory=dict)  # named but not ours: an error
     suppressed: list[str] = field(default_factory=list)  # held back by the open breaker
+    adopt: list[str] = field(default_factory=list)  # another tool's drain, re-drained as ours first
+
+
+def adopted(node: NodeInfo, adopt_reasons: tuple[str, ...]) -> bool:
+    """Drained or down by someone else for a Reason an admin handed to repair (`[repair] adopt_reasons`,
+    `re.search`). The one exception to "only `slurmagent:` reasons": nothing else is ever taken."""
+    return (bool(adopt_reasons) and node.held_by_other and bool(node.reason)
+            and any(re.search(p, node.reason) for p in adopt_reasons))
 
 
 def plan_repair(nodes: list[NodeInfo], requested: list[str], *, force: bool, breaker_state: Breaker, now: float,
                 retry_after_s: float = 3600.0, history: dict[str, list[float]] | None = None,
-                max_per_day: int = 3, strategy: str = "") -> RepairPlan:
+                max_per_day: int = 3, strategy: str = "", adopt_reasons: tuple[str, ...] = ()) -> RepairPlan:
     """What to repair now, skip or refuse. A busy node waits for its jobs to end, except one
-    that is powered down (`strategy`): POWER_DOWN_ASAP lets its jobs finish first by itself."""
+    that is powered down (`strategy`): POWER_DOWN_ASAP lets its jobs finish first by itself.
+    A node `adopted` (another tool's drain an admin handed over) is repaired as ours once
+    re-drained with its reason kept (`plan.adopt`); every other foreign drain or DOWN stays."""
     plan = RepairPlan()
+    adopting = {n.name for n in nodes if adopted(n, adopt_reasons)}
     by_name = {n.name: n for n in nodes}
     history = history or {}
     if requested:
@@ -64,7 +76,7 @@ def plan_repair(nodes: list[NodeInfo], requested: list[str], *, force: bool, bre
             n = by_name.get(name)
             if n is None:
                 plan.refused[name] = "no such node in Slurm"
-            elif n.ours:
+            elif n.ours or n.name in adopting:
                 candidates.append(n)
             elif force and n.name in breaker_state.suppressed and (
                     not n.held_by_other or n.reason in ("Prolog error", "Prolog failed")):
@@ -76,9 +88,9 @@ def plan_repair(nodes: list[NodeInfo], requested: list[str], *, force: bool, bre
             else:
                 plan.refused[name] = f"not drained by slurmagent (state {n.state})"
     else:
-        candidates = [n for n in nodes if n.ours]
+        candidates = [n for n in nodes if n.ours or n.name in adopting]
     for n in candidates:
-        fresh = n.name in plan.needs_drain
+        fresh = n.name in plan.needs_drain or n.name in adopting  # its reason is not ours (yet)
         if not fresh and not reasons.repairable(n.reason):
             plan.skipped[n.name] = f"{reasons.rule_of(n.reason)!r} is not a hardware fault a new VM fixes: left drained"
             continue
@@ -95,9 +107,11 @@ def plan_repair(nodes: list[NodeInfo], requested: list[str], *, force: bool, bre
                                     "left drained for an admin (or --force)")
             continue
         plan.todo.append(n.name)
+        if n.name in adopting:
+            plan.adopt.append(n.name)
     if breaker_state.open and not force:
         plan.suppressed, plan.todo = plan.todo, []
-        plan.needs_drain = []
+        plan.needs_drain, plan.adopt = [], []
     return plan
 
 

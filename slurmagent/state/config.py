@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,9 +25,10 @@ ENV_VAR = "SLURMAGENT_CONFIG"
 
 
 def _key(default: Any, doc: str, choices: tuple[str, ...] = (), *, low: float | None = None,
-         high: float | None = None) -> Any:
-    """A config key; a number's `low`..`high` (inclusive) is checked at load and shown in docs/admin/configuration.md."""
-    return field(default=default, metadata={"doc": doc, "choices": choices, "range": (low, high)})
+         high: float | None = None, regex: bool = False) -> Any:
+    """A config key; a number's `low`..`high` (inclusive) is checked at load and shown in docs/admin/configuration.md;
+    `regex`: each string must compile (checked at load, not when a node first matches)."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "range": (low, high), "regex": regex})
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,11 @@ class RepairConfig:
     exclude_nodes: tuple[str, ...] = _key(
         (), "nodes (hostlists allowed) slurmagent never drains, requeues or repairs; the Slurm node feature "
         "`slurmagent_off` does the same per node")
+    adopt_reasons: tuple[str, ...] = _key(
+        (), "regular expressions (Python `re.search`) over the Reason of a node drained or down by someone else: "
+        "a match hands it to `repair` (re-drained `slurmagent: adopted: <reason>`, then repaired like ours), "
+        "e.g. `^Prolog error` for Cluster Toolkit's GPU health prolog. Empty: only `slurmagent:` reasons",
+        regex=True)
     max_drained_fraction: float = _key(0.25, "circuit breaker: most nodes slurmagent may hold drained", low=0, high=1)
     retry_after_s: float = _key(
         3600.0, "ask the MIG again when a node is still `repairing` after this long (0: at every run)",
@@ -344,6 +351,12 @@ def _coerce(cls: type, key: str, value: Any, source: str, dotted: str) -> Any:
     if choices and value not in choices:
         raise ConfigError(f"config {source}: '{dotted}' must be one of {', '.join(choices)}, not {value!r}")
     if typ == "tuple[str, ...]":
+        for pattern in value if f.metadata.get("regex") else ():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(f"config {source}: '{dotted}' entry {pattern!r} is not a valid regular "
+                                  f"expression: {exc}") from None
         return tuple(value)
     return float(value) if typ == "float" else value
 

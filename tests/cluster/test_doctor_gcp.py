@@ -16,18 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, healthy_snapshot_dict, write_json
+from support import REPO, healthy_snapshot_dict, hook_shim, write_json
 from support.fake_gcp import FakeGcp
 
 ZONE = "us-central1-a"
-NAMES = ["config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf PrologFlags",
+NAMES = ["config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf HealthCheckProgram", "slurm.conf PrologFlags",
          "slurm.conf nohold_on_prolog_fail", "slurm.conf PrologEpilogTimeout", "GPUs", "state dir",
          "metadata server", "compute API", "permission compute.instances.get",
          "permission compute.instances.reportHostAsFaulty", "permission compute.instances.list",
          "permission compute.instanceGroupManagers.update", "permission compute.zoneOperations.get",
          "permission compute.regionOperations.get", "checkpoint bucket", "clock"]
 PERMISSIONS = [n for n in NAMES if n.startswith("permission ")]
-GOOD_SLURM_CONF = ("Prolog=/etc/slurmagent/hooks/prolog\nEpilog=/etc/slurmagent/hooks/epilog\nPrologFlags=Alloc\n"
+GOOD_SLURM_CONF = ("Prolog={hooks}/prolog\nEpilog={hooks}/epilog\nPrologFlags=Alloc\n"
                    "SchedulerParameters=nohold_on_prolog_fail,bf_interval=2\nPrologEpilogTimeout=120\n"
                    "NodeName=n1 Gres=gpu:8 CPUs=2\n")
 
@@ -55,7 +55,10 @@ def make_config(tmp_path: Path, *, compute_endpoint: str, remote: str = "gs://ck
                 slurm_conf: str = GOOD_SLURM_CONF, gcp_extra: str = "") -> Path:
     d = tmp_path / "etc"
     d.mkdir(exist_ok=True)
-    (d / "slurm.conf").write_text(slurm_conf)
+    (d / "hooks").mkdir(exist_ok=True)
+    for hook in ("prolog", "epilog"):  # doctor reads the shims Prolog=/Epilog= name
+        hook_shim(d / "hooks" / hook, hook, d / "config.toml")
+    (d / "slurm.conf").write_text(slurm_conf.replace("{hooks}", str(d / "hooks")))
     write_json(d / "n1.json", healthy_snapshot_dict(hostname="n1"))
     cfg = d / "config.toml"
     cfg.write_text(f'state_dir = "{tmp_path}/state/%n"\n'
@@ -103,8 +106,9 @@ def test_all_checks_pass_and_nothing_is_written(gcp, emu, tmp_path, capsys):
     assert code == 0, out
     assert list(rows) == NAMES, out
     regional_ops = "permission compute.regionOperations.get"  # the MIG is zonal: not needed
+    not_set = "slurm.conf HealthCheckProgram"
     assert {name: mark for name, (mark, _, _) in rows.items()} == {
-        name: "skip" if name == regional_ops else "ok" for name in NAMES}, out
+        name: "skip" if name in (regional_ops, not_set) else "ok" for name in NAMES}, out
     assert rows[regional_ops][1] == "not needed: the MIG is zonal"
     assert "project test-proj, zone us-central1-a, instance n1" in rows["metadata server"][1]
     assert "instances.get test-proj/us-central1-a/n1: in MIG projects/123456789/zones/us-central1-a/" \

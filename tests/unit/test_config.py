@@ -449,3 +449,26 @@ def test_list_keys_take_lists_of_strings_only(tmp_path) -> None:
             parse({"gcp": {"zones": bad}})
     for strategy in ("auto", "recreate", "report-faulty", "power-down", "none"):
         assert parse({"repair": {"strategy": strategy}}).repair.strategy == strategy
+
+
+def test_adopt_reasons_are_regexes_checked_at_load():
+    cfg = parse({"repair": {"adopt_reasons": ["^Prolog error", "Instance (stopped|deleted)"]}})
+    assert cfg.repair.adopt_reasons == ("^Prolog error", "Instance (stopped|deleted)")
+    assert Config().repair.adopt_reasons == ()
+    with pytest.raises(ConfigError) as err:
+        parse({"repair": {"adopt_reasons": ["GPU (unhealthy"]}}, source="/etc/slurmagent/config.toml")
+    assert str(err.value) == ("config /etc/slurmagent/config.toml: 'repair.adopt_reasons' entry 'GPU (unhealthy' is "
+                              "not a valid regular expression: missing ), unterminated subpattern at position 4")
+
+
+def test_a_bad_adopt_reason_is_exit_2_with_one_line(tmp_path):
+    from support import REPO
+
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[repair]\nadopt_reasons = ["[unclosed"]\n')
+    out = subprocess.run([sys.executable, "-m", "slurmagent.entry", "--config", str(cfg), "repair", "--dry-run"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"slurmagent: config {cfg}: 'repair.adopt_reasons' entry '[unclosed' is not a valid regular expression: "
+        "unterminated character set at position 0"]

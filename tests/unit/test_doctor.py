@@ -20,3 +20,123 @@ def test_external_checks_are_bounded_even_when_one_never_returns():
     assert [(r.name, r.ok, r.detail, r.fix) for r in rows] == [
         ("fast", True, "fine", ""), ("stuck", False, "no answer within 0.5 s", "fix-b"),
         ("broken", False, "ZeroDivisionError: division by zero", "fix-c")]
+
+
+# --- Prolog / Epilog / HealthCheckProgram: judged from the files they run ------------------
+
+TOOLKIT_PROLOG_D = "/slurm/custom_scripts/prolog.d"  # slurm-gcp v6: Prolog=/slurm/custom_scripts/prolog.d/*
+TOOLKIT_EPILOG_D = "/slurm/custom_scripts/epilog.d"
+CHS = "#!/bin/bash\n# the Toolkit's GPU health check\ndcgmi diag -r 1 || exit 1\n"
+
+
+def fake_binary(tmp_path):
+    binary = tmp_path / "venv/bin/slurmagent"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    return binary
+
+
+def toolkit_node(tmp_path, conf_extra: str = "", install_ours: bool = True):
+    """A staging root laid out as a Cluster Toolkit node: the Toolkit's own prolog, ours beside it."""
+    from slurmagent.commands.install import install
+
+    root = tmp_path / "root"
+    binary = fake_binary(tmp_path)
+    if install_ours:
+        install(root, binary=str(binary), prolog_dir=TOOLKIT_PROLOG_D, epilog_dir=TOOLKIT_EPILOG_D)
+    chs = root / TOOLKIT_PROLOG_D.lstrip("/") / "a_chs_gpu_health_check.sh"
+    chs.parent.mkdir(parents=True, exist_ok=True)
+    chs.write_text(CHS)
+    chs.chmod(0o755)
+    conf = root / "etc/slurm/slurm.conf"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(f"Prolog={root}{TOOLKIT_PROLOG_D}/*\nEpilog={root}{TOOLKIT_EPILOG_D}/*\nPrologFlags=Alloc\n"
+                    f"{conf_extra}")
+    return root, conf, binary
+
+
+def rows(conf):
+    from slurmagent.commands.doctor import slurm_conf_results
+
+    return {r.name: r for r in slurm_conf_results(conf)}
+
+
+def test_a_toolkit_glob_passes_when_it_runs_our_shim_among_others(tmp_path):
+    root, conf, binary = toolkit_node(tmp_path)
+    got = rows(conf)
+    prolog, epilog = got["slurm.conf Prolog"], got["slurm.conf Epilog"]
+    assert prolog.mark == "ok", prolog
+    assert f"{root}{TOOLKIT_PROLOG_D}/* -> 2 script(s), ours {root}{TOOLKIT_PROLOG_D}/zz-slurmagent" in prolog.detail
+    assert f"(runs {binary} prolog)" in prolog.detail
+    assert epilog.mark == "ok" and epilog.detail.endswith(f"(runs {binary} epilog)"), epilog
+    health = got["slurm.conf HealthCheckProgram"]
+    assert health.mark == "skip" and health.detail.startswith("not set"), health
+
+
+def test_a_glob_without_our_shim_fails_with_the_install_command(tmp_path):
+    root, conf, _ = toolkit_node(tmp_path, install_ours=False)
+    prolog = rows(conf)["slurm.conf Prolog"]
+    assert prolog.mark == "FAIL"
+    assert prolog.detail == f"{root}{TOOLKIT_PROLOG_D}/*: no program there is slurmagent's prolog shim"
+    assert "slurmagent install --prolog-dir DIR" in prolog.fix
+    assert rows(conf)["slurm.conf Epilog"].detail == f"{root}{TOOLKIT_EPILOG_D}/* matches no file"
+
+
+def test_the_word_slurmagent_in_the_value_is_not_enough(tmp_path):
+    fake = tmp_path / "opt/slurmagent/prolog"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"Prolog={fake}\n")
+    assert rows(conf)["slurm.conf Prolog"].mark == "FAIL"
+
+
+def test_a_shim_whose_slurmagent_is_gone_fails_it_would_pass_every_node_unchecked(tmp_path):
+    root, conf, binary = toolkit_node(tmp_path)
+    binary.unlink()
+    prolog = rows(conf)["slurm.conf Prolog"]
+    assert prolog.mark == "FAIL"
+    assert f"runs {binary}, which is missing: the node is not checked" in prolog.detail
+
+
+def test_a_directory_value_fails_with_the_glob_to_use(tmp_path):
+    root, conf, _ = toolkit_node(tmp_path)
+    conf.write_text(f"Prolog={root}{TOOLKIT_PROLOG_D}/\nEpilog={root}{TOOLKIT_EPILOG_D}/*\n")
+    prolog = rows(conf)["slurm.conf Prolog"]
+    assert prolog.mark == "FAIL" and "is a directory" in prolog.detail
+    assert prolog.fix == f"Prolog={root}{TOOLKIT_PROLOG_D}/*"
+
+
+def test_epilog_pointing_at_the_prolog_shim_fails(tmp_path):
+    root, conf, _ = toolkit_node(tmp_path)
+    conf.write_text(f"Prolog={root}{TOOLKIT_PROLOG_D}/*\nEpilog={root}{TOOLKIT_PROLOG_D}/zz-slurmagent\n")
+    epilog = rows(conf)["slurm.conf Epilog"]
+    assert epilog.mark == "FAIL" and "is slurmagent's prolog shim, not its epilog" in epilog.detail
+
+
+def test_a_relative_glob_is_read_beside_slurm_conf_and_several_prolog_lines_count(tmp_path):
+    """Slurm 24.11: a relative path is beside slurm.conf (configless ships it); Prolog= may repeat."""
+    root, conf, binary = toolkit_node(tmp_path)
+    (conf.parent / "prolog.d").symlink_to(root / TOOLKIT_PROLOG_D.lstrip("/"))
+    conf.write_text(f"Prolog=/usr/local/bin/site-prolog\nProlog=prolog.d/*\nEpilog={root}{TOOLKIT_EPILOG_D}/*\n")
+    prolog = rows(conf)["slurm.conf Prolog"]
+    assert prolog.mark == "ok", prolog
+    assert prolog.detail.startswith("prolog.d/* -> 2 script(s), ours ")
+
+
+def test_health_check_program_is_checked_when_set(tmp_path):
+    root, conf, binary = toolkit_node(tmp_path)
+    base = conf.read_text()
+    conf.write_text(base + "HealthCheckProgram=/etc/slurmagent/hooks/healthcheck\n")
+    assert rows(conf)["slurm.conf HealthCheckProgram"].mark == "FAIL"  # not in this staging root
+    conf.write_text(base + f"HealthCheckProgram={root}/etc/slurmagent/hooks/healthcheck\n")
+    health = rows(conf)["slurm.conf HealthCheckProgram"]
+    assert health.mark == "ok" and health.detail.endswith(f"(runs {binary} healthcheck)"), health
+    nhc = tmp_path / "nhc"
+    nhc.write_text("#!/bin/sh\nexit 0\n")
+    nhc.chmod(0o755)
+    conf.write_text(base + f"HealthCheckProgram={nhc}\n")
+    health = rows(conf)["slurm.conf HealthCheckProgram"]
+    assert health.mark == "skip" and "is not slurmagent's" in health.detail

@@ -141,3 +141,28 @@ def test_install_on_a_read_only_root_is_one_line_exit_2(tmp_path, state):
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(rf"slurmagent: cannot write {re.escape(str(root))}/\S+: Read-only file system\n", proc.stderr)
     assert {p: p.stat().st_mode for p in root.rglob("*")} == before  # nothing changed, nothing lost
+
+
+def test_prolog_and_epilog_dirs_get_our_shim_as_one_script_among_others(tmp_path):
+    """The Cluster Toolkit layout: `Prolog=/slurm/custom_scripts/prolog.d/*` runs every script there."""
+    args = ("install", "--root", str(tmp_path), "--prolog-dir", "/slurm/custom_scripts/prolog.d",
+            "--epilog-dir", "/slurm/custom_scripts/epilog.d")
+    first = cli(*args)
+    assert first.returncode == 0, first.stderr
+    for hook in ("prolog", "epilog"):
+        shim = tmp_path / f"slurm/custom_scripts/{hook}.d/zz-slurmagent"
+        assert (shim.stat().st_mode & 0o777) == 0o755
+        assert re.search(rf"exec \S+/slurmagent {hook}$", shim.read_text(), re.M)
+        assert re.search(rf"^install\s+{re.escape(str(shim))}$", first.stdout, re.M), first.stdout
+    assert (tmp_path / "etc/slurmagent/hooks/prolog").exists()  # the classic path stays for Prolog= one file
+    second = cli(*args)
+    assert re.search(rf"^unchanged\s+{re.escape(str(tmp_path))}/slurm/custom_scripts/prolog.d/zz-slurmagent$",
+                     second.stdout, re.M), second.stdout
+
+
+def test_a_relative_prolog_dir_is_refused_in_one_line(tmp_path):
+    out = cli("install", "--root", str(tmp_path), "--prolog-dir", "custom_scripts/prolog.d")
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "slurmagent: --prolog-dir 'custom_scripts/prolog.d': give an absolute path (slurmd runs Prolog= paths as written)"]
+    assert not (tmp_path / "etc").exists()

@@ -40,7 +40,7 @@ FOLDER_LAYERS = {
 MODULE_LAYERS = {
     "errors": PURE, "slurm.model": PURE, "slurm.env": PURE, "run.agent_channel": PURE,
     "run.agent_reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
-    "slurm.commands": ADAPTERS,
+    "slurm.commands": ADAPTERS, "slurm.hookfiles": ADAPTERS,
     "trainer": RUNTIMES,
     "cli": FACE, "entry": FACE, "hookmain": FACE,
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import socket
 import subprocess
 import time
@@ -76,3 +77,19 @@ def test_the_resume_program_returns_only_once_its_slurmd_survives_a_kill_of_its_
         c.stop()
     assert all(survived), survived
     assert c.power_log() == ["resume c1"] * 5
+
+
+def test_a_configless_cluster_gives_slurmd_no_config_of_its_own_and_gpus_from_gres_files(tmp_path):
+    """As on Cluster Toolkit: the config lives with slurmctld only; a gpu gres counts only with File=."""
+    c = LocalSlurmCluster(tmp_path / "slurm", nodes=["n1", "n2"], configless=True, gpus=8)
+    c.munge_socket = tmp_path / "munge.sock"  # written into slurm.conf only
+    c.write_conf()
+    conf = c.conf.read_text().splitlines()
+    assert "SlurmctldParameters=enable_configless" in conf and "GresTypes=gpu" in conf
+    assert all("Gres=gpu:8" in line for line in conf if line.startswith("NodeName="))
+    [gres] = (c.base / "gres.conf").read_text().splitlines()
+    files = gres.split("File=", 1)[1].split(",")
+    assert gres.startswith("NodeName=n1,n2 Name=gpu ") and len(set(files)) == 8
+    assert all(stat.S_ISCHR(os.stat(f).st_mode) for f in files)
+    with pytest.raises(ValueError, match="configless cloud nodes"):
+        LocalSlurmCluster(tmp_path / "x", nodes=["c1"], cloud_nodes=["c1"], configless=True).start()

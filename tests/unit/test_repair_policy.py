@@ -347,3 +347,68 @@ def test_a_busy_dynamic_node_is_powered_down_asap_a_busy_static_one_waits():
     assert plan.todo == ["c1"] and "jobs still running" in plan.skipped["n1"]
     plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, strategy="recreate")
     assert plan.todo == [] and set(plan.skipped) == {"c1", "n1"}
+
+
+# --- [repair] adopt_reasons: the one way another tool's drain reaches repair --------------
+
+TOOLKIT_GPU_PROLOG = "Prolog error"  # Cluster Toolkit's a_chs_gpu_health_check.sh exits 1: Slurm's own reason
+SLURMSYNC_DOWN = "Instance terminated"  # slurm-gcp slurmsync: `scontrol update state=down reason=...`
+
+
+def adoption_cluster():
+    return cluster(12, n1=view("n1", "IDLE+DRAIN", TOOLKIT_GPU_PROLOG, T0),
+                   n2=view("n2", "DOWN+NOT_RESPONDING", SLURMSYNC_DOWN, T0),
+                   n3=view("n3", "IDLE+DRAIN", "admin: swap PSU", T0),
+                   n4=view("n4", "IDLE+DRAIN", "slurmagent: xid 79 on gpu 3", T0))
+
+
+def test_without_adopt_reasons_foreign_drains_and_slurmsync_downs_stay_untouched():
+    nodes = adoption_cluster()
+    b = breaker_policy.breaker(nodes, 1.0, now=T0)
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0)
+    assert plan.todo == ["n4"] and plan.adopt == []
+    named = repair_policy.plan_repair(nodes, ["n1", "n2"], force=False, breaker_state=b, now=T0)
+    assert named.todo == [] and set(named.refused) == {"n1", "n2"}
+
+
+def test_an_adopted_drain_is_repaired_after_being_re_drained_as_ours():
+    nodes = adoption_cluster()
+    b = breaker_policy.breaker(nodes, 1.0, now=T0)
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, adopt_reasons=(r"^Prolog error",))
+    assert plan.todo == ["n1", "n4"] and plan.adopt == ["n1"]
+    assert "n2" not in plan.todo and "n3" not in plan.todo  # slurmsync's DOWN and the admin's drain stay
+    assert reasons.adopted_reason(TOOLKIT_GPU_PROLOG) == "slurmagent: adopted: Prolog error"
+    down = repair_policy.plan_repair(nodes, ["n2"], force=False, breaker_state=b, now=T0,
+                                     adopt_reasons=(r"^Instance (terminated|stopped)",))
+    assert down.todo == ["n2"] and down.adopt == ["n2"]  # adopted explicitly: a DOWN node too
+
+
+def test_an_adopted_node_obeys_the_open_breaker_and_the_daily_limit():
+    nodes = cluster(8, n1=view("n1", "IDLE+DRAIN", TOOLKIT_GPU_PROLOG, T0),
+                    n2=view("n2", "IDLE+DRAIN", "slurmagent: xid 79", T0),
+                    n3=view("n3", "IDLE+DRAIN", "slurmagent: xid 48", T0),
+                    n4=view("n4", "IDLE+DRAIN", "slurmagent: xid 48", T0))
+    b = breaker_policy.breaker(nodes, 0.25, now=T0)
+    assert b.open
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=b, now=T0, adopt_reasons=("Prolog",))
+    assert plan.todo == [] and plan.adopt == [] and "n1" in plan.suppressed
+    calm = cluster(8, n1=view("n1", "IDLE+DRAIN", TOOLKIT_GPU_PROLOG, T0))
+    limited = repair_policy.plan_repair(calm, [], force=False, breaker_state=breaker_policy.breaker(calm, 0.25, now=T0),
+                                        now=T0, history={"n1": [T0 - 60] * 3}, adopt_reasons=("Prolog",))
+    assert limited.todo == [] and "3 times" in limited.refused["n1"]
+
+
+def test_a_busy_adopted_node_waits_for_its_jobs():
+    nodes = cluster(4, n1=view("n1", "MIXED+DRAIN", TOOLKIT_GPU_PROLOG, T0))
+    plan = repair_policy.plan_repair(nodes, [], force=False, breaker_state=breaker_policy.breaker(nodes, 1.0, now=T0),
+                                     now=T0, adopt_reasons=("Prolog",))
+    assert plan.todo == [] and "jobs still running" in plan.skipped["n1"]
+
+
+def test_the_takeover_of_exactly_the_adopted_reason_is_allowed_and_nothing_else():
+    nodes = adoption_cluster()
+    assert drain_policy.decide_drain(nodes, "n1", "slurmagent: adopted: Prolog error", 1.0) == "kept-admin-drain"
+    assert drain_policy.decide_drain(nodes, "n1", "slurmagent: adopted: Prolog error", 1.0,
+                                     takeover_reasons=(TOOLKIT_GPU_PROLOG,)) == "drain"
+    assert drain_policy.decide_drain(nodes, "n3", "slurmagent: adopted: admin: swap PSU", 1.0,
+                                     takeover_reasons=(TOOLKIT_GPU_PROLOG,)) == "kept-admin-drain"

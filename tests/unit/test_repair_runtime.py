@@ -153,3 +153,29 @@ def test_a_reason_left_on_a_resumed_node_is_not_a_drain(tmp_path):
     assert sorted(rows) == ["n1", "n2", "n3"]
     assert rows["n1"]["repair"] == rows["n2"]["repair"] == "drained"
     assert rows["n3"]["repair"] == "suppressed by breaker" and rows["n3"]["state"] == "IDLE"
+
+
+def test_an_adopted_foreign_drain_becomes_ours_and_a_slurmsync_down_stays(tmp_path):
+    """[repair] adopt_reasons: the Toolkit's GPU prolog drain is re-drained as ours, reason kept."""
+    sc = FakeSlurm.cluster(8)
+    sc.nodes["n2"].update(State="IDLE+DRAIN", Reason="Prolog error")
+    sc.nodes["n3"].update(State="DOWN+NOT_RESPONDING", Reason="Instance terminated")
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "gcp": {"project": "p", "zone": "z"},
+                 "repair": {"strategy": "none", "max_drained_fraction": 1.0, "adopt_reasons": ["^Prolog error$"]}})
+    out = io.StringIO()
+    res = run_repair(cfg, [], slurm=Slurm(runner=sc), local_node="ctl", out=out, err=io.StringIO())
+    assert sc.nodes["n2"]["Reason"] == "slurmagent: adopted: Prolog error" and "DRAIN" in sc.nodes["n2"]["State"]
+    assert "n2: drained: adopted 'Prolog error'" in out.getvalue()
+    assert res.skipped == {"n2": "strategy none"}
+    assert sc.nodes["n3"]["Reason"] == "Instance terminated"  # not adopted: untouched
+
+
+def test_adoption_goes_through_the_circuit_breaker(tmp_path):
+    sc = FakeSlurm.cluster(4)
+    sc.nodes["n1"].update(State="IDLE+DRAIN", Reason=XID79)  # the one drain 25 % of 4 allows
+    sc.nodes["n2"].update(State="IDLE+DRAIN", Reason="Prolog error")
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "gcp": {"project": "p", "zone": "z"},
+                 "repair": {"strategy": "none", "max_drained_fraction": 0.25, "adopt_reasons": ["Prolog"]}})
+    res = run_repair(cfg, [], slurm=Slurm(runner=sc), local_node="ctl", out=io.StringIO(), err=io.StringIO())
+    assert sc.nodes["n2"]["Reason"] == "Prolog error"  # still theirs: adopting it would exceed the breaker
+    assert res.skipped["n2"] == "suppressed by the circuit breaker"

@@ -1,0 +1,104 @@
+"""A node laid out as on Cluster Toolkit / slurm-gcp v6, on a real local cluster: configless slurmd
+(`--conf-server`, no slurm.conf of its own), `Gres=gpu:8` from a gres.conf with `File=`, and
+`Prolog=.../prolog.d/*` running our shim (written by `install --prolog-dir`) beside another script.
+
+The same subjects without a cluster: tests/unit/test_doctor.py (the glob), tests/unit/test_install.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slurmagent.commands.install import HOOK_DIR_NAME, install
+from slurmagent.devtools.localcluster import LocalSlurmCluster
+from support import REPO, cluster_config_text, healthy_snapshot_dict, need_slurm, wait_for, write_json
+
+pytestmark = pytest.mark.slurm
+
+PROLOG_D, EPILOG_D = "/slurm/custom_scripts/prolog.d", "/slurm/custom_scripts/epilog.d"  # slurm-gcp's dirs
+
+
+@pytest.fixture(scope="module")
+def toolkit(tmp_path_factory):
+    need_slurm()
+    root = tmp_path_factory.mktemp("toolkit")
+    root.chmod(0o755)
+    config = root / "config.toml"
+    config.write_text(cluster_config_text(root, expected_gpus=None))  # the count: gres.conf in the conf cache
+    for node in ("n1", "n2"):
+        write_json(root / "snap" / f"{node}.json", healthy_snapshot_dict(hostname=node))
+        (root / "kern").mkdir(exist_ok=True)
+        (root / "kern" / f"{node}.log").touch()
+    binary = root / "venv/bin/slurmagent"  # this checkout, with the test's config, as the shims' slurmagent
+    binary.parent.mkdir(parents=True)
+    binary.write_text(f"#!/bin/sh\nexport SLURMAGENT_CONFIG='{config}' PYTHONPATH='{REPO}'\n"
+                      f'exec {sys.executable} -m slurmagent.entry "$@"\n')
+    binary.chmod(0o755)
+    node_root = root / "node"
+    install(node_root, binary=str(binary), prolog_dir=PROLOG_D, epilog_dir=EPILOG_D)
+    other = node_root / PROLOG_D.lstrip("/") / "a_chs_gpu_health_check.sh"  # the Toolkit's own prolog, a stand-in
+    other.write_text(f'#!/bin/sh\necho "$SLURMD_NODENAME $SLURM_CONF" >> {root}/other-prolog.log\nexit 0\n')
+    other.chmod(0o755)
+    cluster = LocalSlurmCluster(root / "slurm", nodes=["n1", "n2"], configless=True, gpus=8,
+                                prolog=f"{node_root}{PROLOG_D}/*", epilog=f"{node_root}{EPILOG_D}/*")
+    cluster.start()
+    yield cluster, root
+    cluster.stop()
+
+
+def test_doctor_passes_the_prolog_and_epilog_of_the_toolkit_layout(toolkit):
+    cluster, root = toolkit
+    cache = cluster.conf_cache("n1") / "slurm.conf"  # what a configless node has
+    assert not any(arg == "-f" for arg in _cmdline(cluster.procs["n1"].pid)), "slurmd got a slurm.conf of its own"
+    cfg = root / "doctor.toml"
+    cfg.write_text(cluster_config_text(root, expected_gpus=None) + f'[slurm]\nconf = "{cache}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    env.update(PYTHONPATH=str(REPO), SLURMD_NODENAME="n1", GCE_METADATA_HOST="127.0.0.1:9")
+    proc = subprocess.run([sys.executable, "-m", "slurmagent.entry", "--config", str(cfg), "doctor", "--json"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    rows = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    for name in ("slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf PrologFlags", "slurm.conf nohold_on_prolog_fail"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert f"{PROLOG_D}/{HOOK_DIR_NAME} (runs {root}/venv/bin/slurmagent prolog)" in rows["slurm.conf Prolog"]["detail"]
+    assert rows["GPUs"]["detail"] == "8 GPU(s) seen, 8 expected", rows["GPUs"]
+
+
+def test_seven_of_eight_gpus_drains_n1_and_the_job_completes_on_n2(toolkit):
+    cluster, root = toolkit
+    snap = healthy_snapshot_dict(hostname="n1")
+    snap["gpus"] = snap["gpus"][:7]
+    write_json(root / "snap" / "n1.json", snap)
+    out = root / "job.out"
+    cluster.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=test: hold"])  # meet n1 first
+    job_id = cluster.sbatch("-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
+    wait_for(lambda: "DRAIN" in cluster.node("n1")["State"], 60, "the prolog to drain n1")
+    assert cluster.node("n1")["Reason"].startswith("slurmagent: gpu-count: found 7 of 8"), cluster.node("n1")
+    seen = {cluster.job(job_id)["JobState"]}
+    cluster.resume("n2")
+    end = time.monotonic() + 120
+    while time.monotonic() < end and (state := cluster.job(job_id)["JobState"]) not in ("COMPLETED", "FAILED"):
+        seen.add(state)
+        time.sleep(0.3)
+    job = cluster.job(job_id)
+    assert job["JobState"] == "COMPLETED" and job["NodeList"] == "n2", job
+    assert "PENDING" in seen and int(job["Restarts"]) >= 1, seen
+    assert out.read_text().strip() == "ran on n2"
+    # the other script of prolog.d ran on n2 with slurmd's SLURM_CONF: its conf cache, not a slurm.conf of its own
+    ran = (root / "other-prolog.log").read_text().split("\n")
+    conf_of = dict(line.split(" ", 1) for line in ran if line)
+    expected = str(cluster.conf_cache("n2") / "slurm.conf")
+    assert conf_of.get("n2") == expected, f"slurmd handed the prolog SLURM_CONF={conf_of.get('n2')!r}, not {expected}"
+    # slurmd runs a glob's scripts in reverse order and stops at the first failure: ours ran first on n1
+    assert "n1" not in conf_of, ran
+
+
+def _cmdline(pid: int) -> list[str]:
+    """The slurmd's own argv (under `unshare ... python -c` that exec'd it)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]
