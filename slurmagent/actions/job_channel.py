@@ -66,6 +66,8 @@ class ChannelServer:
         """Bind and serve in a daemon thread. The directory is made root-owned 0755; a stale
         socket of an earlier run is replaced."""
         self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if self.path.parent.stat().st_uid == os.geteuid():
+            os.chmod(self.path.parent, 0o755)  # whatever the umask (the watch unit's is 0027): jobs must get in
         with contextlib.suppress(FileNotFoundError):
             if self.path.is_socket():
                 self.path.unlink()

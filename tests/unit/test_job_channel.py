@@ -90,7 +90,11 @@ def served(tmp_path):
     err = io.StringIO()
     server = ChannelServer(cfg, "n1", Slurm(runner=sc), DecisionLog(tmp_path / "state" / "n1" / "hooks.log"),
                            say=lambda line: err.write(line + "\n"))
-    server.start()
+    old = os.umask(0o027)  # the watch unit's
+    try:
+        server.start()
+    finally:
+        os.umask(old)
     yield server, sc, tmp_path
     server.stop()
     shutil.rmtree(run, ignore_errors=True)

@@ -123,6 +123,8 @@ def test_sandbox_keeps_what_the_command_needs(unit):
     rw = writable(keys)
     assert under(cfg.state_dir, rw), rw
     assert under(str(cfg.state_path("n1") / "hooks.log"), rw)
+    if unit == "slurmagent-watch.service":  # the wrapped jobs' channel lives there
+        assert under(str(Path(cfg.node_path(cfg.watch.channel_socket, "n1")).parent), rw), rw
     if unit == "slurmagent-expiry.service":
         assert under(str(Path(cfg.node_path(cfg.expiry.run_file, "n1")).parent), rw), rw
         assert last(keys, "UMask") == "0022"  # the run file is world-readable for the job's user
