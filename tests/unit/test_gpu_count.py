@@ -376,3 +376,52 @@ def test_findings_keep_severity_warn_for_unknown_count(node):
     report = evaluate(node.cfg(snapshot=str(write_json(node.root / "s.json", healthy_snapshot_dict(n=8)))),
                       NODE, commit_cursor=False)
     assert report.healthy and [f.severity for f in report.findings] == [Severity.WARN]
+
+
+# --- the healthy prolog stays light -------------------------------------------------------------
+
+PROLOG_PROBE = """
+import json, sys
+from pathlib import Path
+from slurmagent.commands import health
+spec = json.loads(sys.argv[1])
+health.SOURCES = health.CountSources(conf_search=tuple(Path(p) for p in spec["search"]), sysfs=Path(spec["sysfs"]),
+                                     boot_id_path=spec["boot"], env={})
+from slurmagent.entry import main
+code = main(["prolog"])
+print(sorted(m for m in sys.modules if m.startswith(("google", "click", "urllib.request", "http."))
+             or m in ("subprocess", "slurmagent.gcp.metadata")))
+print(code)
+"""
+
+
+@pytest.mark.parametrize("answer", ["conf-cache", "machine-type"])
+def test_healthy_prolog_finds_the_count_without_network_or_heavy_imports(tmp_path, answer):
+    """With the count from the configless cache, or from the cached machine type when Slurm is
+    silent: no metadata client, no HTTP library, no subprocess on the healthy prolog path."""
+    import os
+    import subprocess
+    import sys
+
+    from support import REPO
+
+    n = Node(tmp_path)
+    if answer == "conf-cache":
+        slurm_conf(n.spool_cache, "gpu:8")
+    else:
+        n.cache_machine_type("a3-ultragpu-8g")
+    write_json(tmp_path / "snap.json", healthy_snapshot_dict(n=8))
+    config = tmp_path / "config.toml"
+    config.write_text(f'state_dir = "{tmp_path}/state/%n"\n[health]\nsnapshot = "{tmp_path}/snap.json"\n'
+                      f'kernel_log_enabled = false\n[hooks]\nsyslog = false\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "GOOGLE", "CLOUDSDK", "GCE_"))}
+    env.update(SLURMAGENT_CONFIG=str(config), SLURMD_NODENAME=NODE, SLURM_JOB_ID="7", PYTHONPATH=str(REPO))
+    spec = json.dumps({"search": [str(p) for p in (n.run_cache, n.spool_cache, n.etc)], "sysfs": str(n.sysfs),
+                       "boot": str(n.boot_file)})
+    proc = subprocess.run([sys.executable, "-c", PROLOG_PROBE, spec], capture_output=True, text=True, env=env,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    modules, code = proc.stdout.splitlines()[-2:]
+    assert (modules, code) == ("[]", "0"), proc.stdout + proc.stderr
+    [d] = read_records(tmp_path / "state" / NODE / "hooks.log")
+    assert d["verdict"] == "healthy" and not d.get("warnings")  # the count was known: no warning
