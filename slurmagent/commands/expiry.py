@@ -452,7 +452,7 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
     while not stop.is_set():
         wake.clear()
         snap = events.snapshot()
-        machine_type_note(snap.error)  # a file read once cached: one metadata read per boot
+        metadata_down = snap.error
         snap.error = ""  # outages are reported by the watcher itself, once
         failure = ""
         try:
@@ -466,6 +466,7 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
         last_failure = failure
         if res is not None:
             report(res)
+        machine_type_note(metadata_down)  # after the check; a file read once cached: one metadata read per boot
         delay = interval_s
         if res is not None and res.next_check_s is not None:
             delay = min(delay, max(res.next_check_s + 0.05, 0.05))
