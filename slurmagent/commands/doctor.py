@@ -35,7 +35,7 @@ from ..gcp import metadata
 from ..gcp import permissions
 from ..gcp.compute import Compute, ComputeError
 from ..gcp.metadata import parse_created_by
-from .health import expected_gpus, read_snapshot
+from .health import expected, read_snapshot
 from ..state.host import node_name
 from ..slurm.commands import conf_value, read_conf_lines, slurm_conf_path, valid_node_name
 from ..slurm.hookfiles import Verdict, conf_values, healthcheck_verdict, hook_verdict
@@ -165,9 +165,14 @@ def _gpu_result(cfg: config_mod.Config, node: str) -> Result:
         return Result("GPUs", False, str(exc), "check the NVIDIA driver (nvidia-smi) or [health] snapshot")
     if snap.nvml_error:
         return Result("GPUs", False, f"NVML cannot start: {snap.nvml_error}", "install/load the NVIDIA driver")
-    expected = expected_gpus(cfg, node)
-    ok = expected is None or len(snap.gpus) >= expected
-    detail = f"{len(snap.gpus)} GPU(s) seen" + (f", {expected} expected" if expected is not None else "")
+    exp = expected(cfg, node)
+    if exp.count is None:  # the gpu-count rule would be off: a missing GPU would pass as healthy
+        return Result("GPUs", False, f"{len(snap.gpus)} GPU(s) seen, expected count unknown: tried "
+                      + "; ".join(exp.tried),
+                      "set [health] expected_gpus, or make slurm.conf/gres.conf readable here "
+                      "([slurm] conf, e.g. the configless cache /var/spool/slurmd/conf-cache/slurm.conf)")
+    ok = len(snap.gpus) >= exp.count
+    detail = f"{len(snap.gpus)} GPU(s) seen, {exp.count} expected ({exp.source})"
     return Result("GPUs", ok, detail, "set Gres=gpu:N for this node or [health] expected_gpus")
 
 

@@ -331,6 +331,47 @@ def flush_jobs(cfg: Config, slurm: Slurm, node: str, done: set[str], unwrapped: 
     return out
 
 
+# --- the machine type, cached per boot for the expected GPU count -------------------------------
+
+
+def read_machine_type(timeout_s: float) -> str:
+    from ..gcp.metadata import machine_type  # where it is used, for start-up speed
+
+    return machine_type(timeout_s)
+
+
+def cache_machine_type(cfg: Config, node: str, boot_id: str, timeout_s: float,
+                       reader: Callable[[float], str] = read_machine_type) -> tuple[bool, str] | None:
+    """Once per boot: the VM's machine type into `<state_dir>/machine-type.json`, where the
+    prolog, `check`, `doctor` and `watch` read it (they make no network call) when Slurm does
+    not say how many GPUs the node has. Here because this command already asks the metadata
+    server, as root, and runs once at boot before slurmd: the first prolog finds it. Returns
+    (said on stdout?, the line to say); None when there is nothing new to say."""
+    # once per boot only, for start-up speed
+    from ..core.machine_gpus import gpus_for_machine_type
+    from ..state import machine_type
+
+    path = machine_type.cache_file(cfg.state_path(node))
+    entry = machine_type.read_entry(path, boot_id)
+    if not boot_id or (entry and (entry.get("machine_type") or entry.get("final"))):
+        return None
+    try:
+        try:
+            value = reader(timeout_s)
+        except SlurmagentError as exc:
+            # HTTP 404: this metadata server has no machine type (not GCE): said once, not asked
+            # again this boot; another failure is asked again next run, said when it changes
+            final = "HTTP 404" in str(exc)
+            msg = f"machine type unknown ({exc}); the expected GPU count cannot come from it"
+            machine_type.write(path, boot_id, "", error=msg, final=final)
+            return None if entry and entry.get("error") == msg else (final, msg)
+        machine_type.write(path, boot_id, value)
+    except OSError as exc:
+        return False, f"cannot write {path}: {exc.strerror or exc}"
+    gpus = gpus_for_machine_type(value)
+    return True, f"machine type {value} ({gpus if gpus is not None else 'no fixed number of'} GPUs) cached for this boot"
+
+
 # --- the command ------------------------------------------------------------------------------
 
 
@@ -348,12 +389,27 @@ def _internal(exc: Exception) -> str:
 
 def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: float = 30.0,
                      out: TextIO | None = None, err: TextIO | None = None, slurm: Slurm | None = None,
-                     stop: threading.Event | None = None) -> int:
+                     stop: threading.Event | None = None,
+                     machine_type_reader: Callable[[float], str] = read_machine_type) -> int:
     """`slurmagent expiry-watch [--once]`: exit 0 (errors are logged, the timer runs again)."""
     out, err = out or sys.stdout, err or sys.stderr
     watch = ExpiryWatch(cfg, node, slurm)
     timeout = float(cfg.expiry.metadata_timeout_s)
     said: set[str] = set()
+    said_machine_type = [""]
+
+    def machine_type_note(metadata_down: str) -> None:
+        """The machine type once per boot (not while the metadata server is known to be down);
+        a failure is said once per change, on stderr."""
+        if metadata_down:
+            return
+        try:
+            note = cache_machine_type(cfg, node, watch.boot_id, timeout, machine_type_reader)
+        except Exception as exc:  # noqa: BLE001 - never the end of the expiry check
+            note = (False, f"machine type: {_internal(exc)}")
+        if note and note[1] != said_machine_type[0]:
+            print(f"slurmagent expiry-watch: {node}: {note[1]}", file=out if note[0] else err, flush=True)
+            said_machine_type[0] = note[1]
 
     def report(res: CheckResult) -> None:
         if res.actions:
@@ -374,7 +430,11 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
 
     if once:
         try:
-            report(watch.check(probe_events(timeout), remember_said=True))
+            events = probe_events(timeout)
+            try:
+                report(watch.check(events, remember_said=True))
+            finally:  # after the check: its drain and flush never wait on this
+                machine_type_note(events.error)
         except SlurmagentError as exc:
             print(f"slurmagent expiry-watch: {node}: {exc}", file=err, flush=True)
         except Exception as exc:  # noqa: BLE001 - a bad value from outside must not end the timer's unit in a traceback
@@ -400,6 +460,7 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
     while not stop.is_set():
         wake.clear()
         snap = events.snapshot()
+        metadata_down = snap.error
         snap.error = ""  # outages are reported by the watcher itself, once
         failure = ""
         try:
@@ -413,6 +474,7 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
         last_failure = failure
         if res is not None:
             report(res)
+        machine_type_note(metadata_down)  # after the check; a file read once cached: one metadata read per boot
         delay = interval_s
         if res is not None and res.next_check_s is not None:
             delay = min(delay, max(res.next_check_s + 0.05, 0.05))

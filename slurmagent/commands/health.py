@@ -1,20 +1,28 @@
 """Gather a node's health: snapshot (replay file or NVML with a deadline) + kernel-log XIDs -> Report.
 
-The healthy path imports no google library and makes no slurmctld call: the expected GPU
-count comes from the local slurm.conf/gres.conf.
+The healthy path imports no google library and makes no slurmctld or network call. The
+expected GPU count (`expected`), first answer wins: `[health] expected_gpus`; the node's gpu
+gres in slurm.conf/gres.conf at `[slurm] conf`, $SLURM_CONF, the configless cache
+(`slurm.commands.CONF_SEARCH`), /etc/slurm; else the larger of the machine type's GPUs (from
+the per-boot cache `expiry-watch` writes) and the NVIDIA GPUs on the PCI bus. None of them: a
+`gpu-count-unknown` warning that names what was tried, never silence.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Protocol
 
 from ..gpu import kernlog
-from ..core.checks import Limits, Report, run_checks, timeout_report
+from ..core.checks import Limits, Report, count_unknown_finding, run_checks, timeout_report
 from ..state.config import Config
 from ..errors import NvmlTimeout
 from ..core.kernel_xid import KernelXid, map_to_gpus
-from ..slurm.commands import expected_gpus_for, slurm_conf_path
+from ..slurm.commands import CONF_SEARCH, conf_candidates, gres_gpu_count
+from ..state.host import BOOT_ID_PATH, boot_id
 from ..core.snapshot import NodeSnapshot, load
 
 
@@ -24,10 +32,58 @@ class SnapshotReader(Protocol):
     def read(self, timeout_s: float, hostname: str | None = None) -> NodeSnapshot: ...
 
 
-def expected_gpus(cfg: Config, node: str) -> int | None:
+@dataclass(frozen=True)
+class CountSources:
+    """Where the expected GPU count is looked for on this machine: data, so tests point every
+    source at a temporary tree (they never touch /run, /var, /sys or the real boot id)."""
+    conf_search: tuple[Path, ...] = CONF_SEARCH
+    sysfs: Path = Path("/sys")
+    boot_id_path: str = BOOT_ID_PATH
+    env: Mapping[str, str] | None = None  # None: os.environ when asked
+
+
+SOURCES = CountSources()
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The expected GPU count, where it came from, and (when unknown) every source tried."""
+    count: int | None
+    source: str = ""
+    tried: tuple[str, ...] = ()
+
+
+def expected(cfg: Config, node: str, sources: CountSources | None = None) -> Expected:
+    """First answer wins: the config, then Slurm's files (the prolog finds the configless cache
+    through $SLURM_CONF at once). Without them the larger of the machine type and the PCI bus:
+    a GPU missing at boot is absent from the bus, a GPU NVML lost is still on it."""
+    src = sources or SOURCES
     if cfg.health.expected_gpus:
-        return cfg.health.expected_gpus
-    return expected_gpus_for(node, slurm_conf_path(cfg.slurm.conf))
+        return Expected(cfg.health.expected_gpus, "[health] expected_gpus")
+    env = os.environ if src.env is None else src.env
+    count, conf, tried = gres_gpu_count(node, conf_candidates(cfg.slurm.conf, env, src.conf_search))
+    if count:
+        return Expected(count, f"gres of {node} in {conf}")
+    # Slurm is silent: the fallbacks only, for start-up speed of the healthy prolog
+    from ..core.machine_gpus import gpus_for_machine_type
+    from ..gpu.pci import count_nvidia_gpus
+    from ..state import machine_type
+
+    cache = machine_type.cache_file(cfg.state_path(node))
+    mtype = machine_type.read(cache, boot_id(src.boot_id_path))
+    by_type = gpus_for_machine_type(mtype) if mtype else None
+    if mtype is None:
+        tried.append(f"machine type (no cache of this boot at {cache}: expiry-watch writes it)")
+    elif by_type is None:
+        tried.append(f"machine type {mtype} (no fixed GPU count)")
+    on_bus = count_nvidia_gpus(src.sysfs)
+    if not on_bus:
+        tried.append(f"PCI bus ({'no NVIDIA GPU' if on_bus == 0 else 'cannot read'} under {src.sysfs}/bus/pci/devices)")
+    if by_type or on_bus:
+        if (by_type or 0) >= (on_bus or 0):
+            return Expected(by_type, f"machine type {mtype}")
+        return Expected(on_bus, "NVIDIA GPUs on the PCI bus")
+    return Expected(None, "", ("[health] expected_gpus (0: unset)", *tried))
 
 
 def read_snapshot(cfg: Config, node: str | None, reader: SnapshotReader | None = None) -> NodeSnapshot:
@@ -49,11 +105,19 @@ def kernel_source(cfg: Config, node: str | None) -> kernlog.Source:
 def evaluate(cfg: Config, node: str, commit_cursor: bool) -> Report:
     """Run every check. With `commit_cursor` the XIDs read are marked judged (hooks, watch);
     without it (`check`) the kernel-log cursor is left where it was."""
-    expected = expected_gpus(cfg, node)
+    exp = expected(cfg, node)
     try:
-        snap = read_snapshot(cfg, node)
+        report = _evaluate(cfg, node, commit_cursor, exp.count)
     except NvmlTimeout:
-        return timeout_report(cfg.health.timeout_s, expected)
+        report = timeout_report(cfg.health.timeout_s, exp.count)
+    report.expected_source = exp.source or None
+    if exp.count is None:  # never silently off: said in check, --json and the decision log
+        report.findings.append(count_unknown_finding(exp.tried))
+    return report
+
+
+def _evaluate(cfg: Config, node: str, commit_cursor: bool, expected: int | None) -> Report:
+    snap = read_snapshot(cfg, node)
     xids: list[tuple[int | None, int, str]] = []
     limits = Limits.from_health(cfg.health)
     if cfg.health.kernel_log_enabled:

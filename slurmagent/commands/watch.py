@@ -47,11 +47,11 @@ from ..actions.executor import JournalExecutor
 from ..actions.eviction import FaultEviction
 from ..actions.fault import FaultResponse, respond_to_fault
 from ..gpu import kernlog
-from ..core.checks import Finding, Report, Severity, xid_finding
+from ..core.checks import Finding, Report, Severity, count_unknown_finding, xid_finding
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for as decision_log_path
 from ..errors import SlurmagentError, SlurmError
-from .health import read_snapshot
+from .health import expected, read_snapshot
 from ..state.host import sd_notify, watchdog_interval
 from ..core.kernel_xid import map_to_gpus
 from ..gpu.kernlog_changes import change_detector
@@ -190,6 +190,7 @@ class Watcher:
         if not following:
             self.say("nothing to follow: [health] kernel_log_enabled is false and NVML is off", "nothing")
         self.say(f"node {self.node}: following {' and '.join(following) or 'nothing'}")
+        self._say_expected()
         ping_every = watchdog_interval(self.env)
         next_ping = 0.0
         first = True
@@ -219,6 +220,15 @@ class Watcher:
                 self._thread.join(timeout=self.nvml_events.wait_ms / 1000 + 1)
         self.say(f"stopped ({self.judged} XID events judged, {self.drains} drains, {self.app_xids} application XIDs)")
         return 0
+
+    def _say_expected(self) -> None:
+        """What the hooks and the health check will expect (files only, no network): said at
+        start, so a node whose count is unknown is visible in the daemon's journal too."""
+        exp = expected(self.cfg, self.node)
+        if exp.count is None:
+            self.say(f"warning: {count_unknown_finding(exp.tried).detail}")
+        else:
+            self.say(f"{exp.count} GPU(s) expected ({exp.source})")
 
     # --- NVML thread -------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ class Report:
     gpus_seen: int = 0
     expected_gpus: int | None = None
     gpu_ids: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)  # index -> (UUID, PCI bus id)
+    expected_source: str | None = None  # where the expected count came from (None: unknown or not asked)
 
     @property
     def healthy(self) -> bool:
@@ -93,6 +94,7 @@ class Report:
             "healthy": self.healthy,
             "gpus_seen": self.gpus_seen,
             "expected_gpus": self.expected_gpus,
+            "expected_source": self.expected_source,
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -191,6 +193,14 @@ def check_gpu(g: GpuState, limits: Limits) -> list[Finding]:
     if g.persistence_mode is False:
         warn("persistence-mode", "persistence mode off (slower job start, lost state between jobs)", False)
     return out
+
+
+def count_unknown_finding(tried: Iterable[str]) -> Finding:
+    """No source gave the expected GPU count: the `gpu-count` rule cannot run. A warning (a job
+    never fails for it) that names every source tried and the fix."""
+    return Finding("gpu-count-unknown", Severity.WARN, None,
+                   "expected GPU count unknown, a missing GPU goes unnoticed; tried " + "; ".join(tried)
+                   + "; set [health] expected_gpus or make slurm.conf readable", None)
 
 
 def timeout_report(timeout_s: float, expected_gpus: int | None) -> Report:

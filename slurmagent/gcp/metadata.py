@@ -113,6 +113,15 @@ def read(path: str, timeout_s: float, *, wait_s: float = 0.0, last_etag: str = "
         raise MetadataError(f"metadata server {host} did not answer ({why}; deadline {timeout_s + wait_s:g} s)") from None
 
 
+def machine_type(timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """`instance/machine-type` (`projects/N/machineTypes/a3-highgpu-8g`) -> `a3-highgpu-8g`.
+    Not cached here: a daemon retries after an outage (the caller keeps it per boot)."""
+    value = read("instance/machine-type", timeout_s)[0]
+    if not value:
+        raise MetadataError("metadata server has an empty 'instance/machine-type'")
+    return last_segment(value)
+
+
 @dataclass(frozen=True)
 class MigRef:
     """A managed instance group: zonal (`zones/Z`) or regional (`regions/R`)."""

@@ -12,7 +12,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, TypeVar
 
 from ..core import hostlist
 from ..errors import SlurmError
@@ -322,6 +322,43 @@ class Slurm:
 
 def slurm_conf_path(configured: str = "") -> Path:
     return Path(configured or slurm_env.conf(os.environ) or "/etc/slurm/slurm.conf")
+
+
+# Where slurm.conf is looked for after `[slurm] conf` and $SLURM_CONF (which only slurmd's own
+# children, the prolog and epilog, get on a configless node): the configless cache where Slurm
+# links it, the cache in the default SlurmdSpoolDir, then the classic path. Data, so tests
+# point it at a temporary tree.
+CONF_SEARCH: tuple[Path, ...] = (
+    Path("/run/slurm/conf/slurm.conf"),
+    Path("/var/spool/slurmd/conf-cache/slurm.conf"),
+    Path("/etc/slurm/slurm.conf"),
+)
+
+
+def conf_candidates(configured: str = "", env: Mapping[str, str] = os.environ,
+                    search: tuple[Path, ...] = CONF_SEARCH) -> list[Path]:
+    """Every slurm.conf to try, in order, each once."""
+    out: list[Path] = []
+    for p in (configured, slurm_env.conf(env), *search):
+        if p and Path(p) not in out:
+            out.append(Path(p))
+    return out
+
+
+def gres_gpu_count(node: str, candidates: list[Path]) -> tuple[int | None, Path | None, list[str]]:
+    """The node's GPU count from the first candidate whose slurm.conf/gres.conf says it:
+    (count, that slurm.conf, what each candidate tried gave, for a message)."""
+    tried = []
+    for conf in candidates:
+        if not os.path.exists(conf) and not os.path.exists(conf.parent / "gres.conf"):
+            tried.append(f"{conf} (absent)")
+            continue
+        count = expected_gpus_for(node, conf)
+        if count:
+            return count, conf, tried
+        unreadable = os.path.exists(conf) and not os.access(conf, os.R_OK)
+        tried.append(f"{conf} (not readable)" if unreadable else f"{conf} (no gpu gres for {node})")
+    return None, None, tried
 
 
 def read_conf_lines(path: Path, _depth: int = 0) -> list[str]:

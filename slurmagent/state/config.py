@@ -36,7 +36,9 @@ class HealthConfig:
     """[health]: where the health check reads and what it warns or drains on."""
     snapshot: str = _key("", "replay snapshot to read instead of NVML (`%n` = node name)")
     expected_gpus: int = _key(
-        0, "0 = the node's GPU count from slurm.conf/gres.conf, else this number",
+        0, "0 = find it: slurm.conf/gres.conf (`[slurm] conf`, `$SLURM_CONF`, the configless cache, "
+        "/etc/slurm), else the machine type and the PCI bus ([order](health.md#the-expected-gpu-count)); "
+        "none: a `gpu-count-unknown` warning",
         low=0, high=1024,
     )
     timeout_s: float = _key(
@@ -78,7 +80,8 @@ class SlurmConfig:
     squeue: str = _key("squeue", "squeue binary (the expiry watch and `watch` list the jobs running on the node)")
     scancel: str = _key("scancel", "scancel binary (wrapped jobs are signalled to flush; `watch` cancels a job it cannot requeue)")
     timeout_s: float = _key(10.0, "deadline of one scontrol/squeue/scancel/sbatch call", low=0.5, high=3600)
-    conf: str = _key("", "slurm.conf path; default `$SLURM_CONF` or /etc/slurm/slurm.conf")
+    conf: str = _key("", "slurm.conf path; default `$SLURM_CONF` or /etc/slurm/slurm.conf (the expected GPU "
+                     "count also looks in the configless cache: [health](health.md#the-expected-gpu-count))")
 
 
 @dataclass(frozen=True)

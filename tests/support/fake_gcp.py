@@ -132,6 +132,7 @@ class FakeGcp:
             "instance/zone": f"projects/{self.project_number}/zones/{zone}",
             "instance/name": instance,
             "instance/hostname": f"{instance}.c.{self.project}.internal",
+            "instance/machine-type": f"projects/{self.project_number}/machineTypes/a3-highgpu-8g",
         })
         if created_by:
             self.metadata["instance/attributes/created-by"] = created_by
