@@ -8,8 +8,8 @@ renamed metric or label (e.g. a series' own `job` label, which Prometheus stores
 
 Needs Debian's `prometheus` (with promtool) and `prometheus-node-exporter`: skipped where
 they are missing, failed in CI (`CI` set) except in ci/trixie-lane.sh's chroot, which does not
-install them (it runs the same checks' host twin; the lane is told by the marker file it
-writes at the chroot's root, or a Debian 13 os-release).
+install them (the host lane runs these tests). The chroot is recognised by the marker file the
+lane writes at its root, `/.slurmagent-ci-complete`, or by a Debian 13 os-release.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -85,9 +86,38 @@ def test_promtool_checks_and_unit_tests_the_alert_rules():
     alerts = set(re.findall(r"^\s*- alert: (\w+)", ALERTS.read_text(), re.M))
     tested = ALERTS_TEST.read_text()
     for alert in alerts:
-        blocks = re.findall(rf"alertname: {alert}\n\s*exp_alerts:(.*?)(?=\n\s*- eval_time|\n\s*- name|\Z)", tested, re.S)
+        blocks = re.findall(rf"alertname: {alert}\n\s*exp_alerts:(.*?)(?=\n\s*- eval_time|\n\s*- name|\Z)",
+                            tested, re.S)
         assert any(b.strip() == "[]" for b in blocks), f"{alert}: no evaluation where it does not fire"
         assert any("exp_labels" in b for b in blocks), f"{alert}: no evaluation where it fires"
+
+
+def test_dashboard_and_alerts_name_only_metrics_slurmagent_exports_and_filter_by_node():
+    """No Prometheus needed: every metric the two files name is one slurmagent writes (or the
+    build info another part adds), every panel asks the chosen data source, and every query
+    honours the `node` variable."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["schemaVersion"] >= 39
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["node"]["includeAll"] and variables["node"]["allValue"] == ".*"
+    known = set(metrics.HELP) | {"slurmagent_build_info"}
+    named = set(re.findall(r"slurmagent_[a-z_]+", ALERTS.read_text() + DASHBOARD.read_text()))
+    assert named - known == set() and len(named) >= 15
+    ids, cells = set(), set()
+    for title, expr in _dashboard_queries():
+        assert 'instance=~"$node"' in expr, f"{title}: {expr} ignores the node variable"
+    for p in dash["panels"]:
+        assert p["id"] not in ids
+        ids.add(p["id"])
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        mine = {(g["x"] + dx, g["y"] + dy) for dx in range(g["w"]) for dy in range(g["h"])}
+        assert not mine & cells, f"{p['title']} overlaps another panel"
+        cells |= mine
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}"
+            assert all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"]), p["title"]
 
 
 # --- the dashboard against a real Prometheus ------------------------------------------------------
