@@ -31,10 +31,16 @@ class Step:
 
 
 def data_dir(name: str) -> Path:
-    """`hooks/` or `systemd/` from a checkout, else from the wheel's share/slurmagent."""
-    for base in (Path(__file__).resolve().parents[2], Path(sys.prefix) / "share" / "slurmagent"):
-        if (base / name).is_dir():
-            return base / name
+    """`hooks/` or `systemd/` from a checkout, else the wheel's copy inside the package
+    (`slurmagent/data/<name>`, package data read with importlib.resources)."""
+    from importlib import resources  # start-up speed: install only
+
+    checkout = Path(__file__).resolve().parents[2] / name
+    if checkout.is_dir():
+        return checkout
+    packaged = resources.files("slurmagent").joinpath("data", name)
+    if packaged.is_dir():
+        return Path(str(packaged))
     raise InstallError(f"cannot find the {name}/ files of this slurmagent installation")
 
 
