@@ -421,18 +421,24 @@ def journal_cmd(state: State, replay: bool, as_json: bool, node: str | None) -> 
 @cli.command()
 @click.option("--root", "root_dir", default="/", show_default=True, metavar="DIR", help="install into this staging tree")
 @click.option("--dry-run", is_flag=True, help="say what would change, change nothing")
-def install(root_dir: str, dry_run: bool) -> None:
-    """Install hook shims, systemd units and a config template (idempotent)."""
+@click.option("--uninstall", is_flag=True, help="remove exactly what install wrote (an edited file is kept)")
+def install(root_dir: str, dry_run: bool, uninstall: bool) -> None:
+    """Install hook shims, systemd units, logrotate and a config template (idempotent; a file an
+    admin edited is kept, the new version written beside it as FILE.slurmagent-new)."""
     from pathlib import Path
 
     from .commands.doctor import missing_slurm_conf_lines  # start-up speed
-    from .commands.install import install as do_install  # start-up speed
+    from .commands.install import install as do_install, uninstall as do_uninstall  # start-up speed
     from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
-    for step in do_install(root, dry_run=dry_run):
-        verb = f"would {step.action}" if dry_run and step.action in ("install", "update") else step.action
+    for step in (do_uninstall if uninstall else do_install)(root, dry_run=dry_run):
+        verb = f"would {step.action}" if dry_run and step.action in ("install", "update", "remove") else step.action
         click.echo(f"{verb:<14} {step.path}" + (f"  ({step.note})" if step.note else ""))
+    if uninstall:
+        click.echo("then: systemctl disable --now the slurmagent units; systemctl daemon-reload; remove slurmagent's "
+                   "lines from slurm.conf and scontrol reconfigure")
+        return
     conf = root / "etc/slurm/slurm.conf" if root_dir != "/" else slurm_conf_path()
     missing = missing_slurm_conf_lines(conf)
     if missing:

@@ -28,7 +28,7 @@ def wheel(tmp_path_factory) -> tuple[Path, str]:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, src / name)
-    for name in ("slurmagent", "hooks", "systemd"):
+    for name in ("slurmagent", "hooks", "systemd", "contrib"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     pyproject = (src / "pyproject.toml").read_text()
     assert len(re.findall(r'(?m)^version = "[^"]+"', pyproject)) == 1
@@ -56,7 +56,8 @@ def test_the_wheel_is_apache_2_with_its_license_and_has_every_package(wheel):
     assert f"slurmagent-{VERSION}.dist-info/licenses/LICENSE" in names
     tree = {str(p.relative_to(REPO)) for p in (REPO / "slurmagent").rglob("*.py") if "__pycache__" not in p.parts}
     assert tree - names == set()  # a new package not listed in pyproject would be missing here
-    for name in ("hooks/prolog", "hooks/epilog", "hooks/slurm.conf.example", "systemd/slurmagent-watch.service"):
+    for name in ("hooks/prolog", "hooks/epilog", "hooks/slurm.conf.example", "systemd/slurmagent-watch.service",
+                 "logrotate/slurmagent"):
         assert f"slurmagent/data/{name}" in names
     assert not [n for n in names if n.startswith(("share/", "slurmagent-" + VERSION + ".data/"))]  # no data-files
 
