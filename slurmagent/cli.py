@@ -422,7 +422,9 @@ def journal_cmd(state: State, replay: bool, as_json: bool, node: str | None) -> 
 @click.option("--root", "root_dir", default="/", show_default=True, metavar="DIR", help="install into this staging tree")
 @click.option("--dry-run", is_flag=True, help="say what would change, change nothing")
 @click.option("--uninstall", is_flag=True, help="remove exactly what install wrote (an edited file is kept)")
-def install(root_dir: str, dry_run: bool, uninstall: bool) -> None:
+@click.option("--binary", metavar="PATH", help="the slurmagent the shims and units run (default: this one); "
+              "for upgrades by symlink: /opt/slurmagent/current/bin/slurmagent")
+def install(root_dir: str, dry_run: bool, uninstall: bool, binary: str | None) -> None:
     """Install hook shims, systemd units, logrotate and a config template (idempotent; a file an
     admin edited is kept, the new version written beside it as FILE.slurmagent-new)."""
     from pathlib import Path
@@ -432,7 +434,8 @@ def install(root_dir: str, dry_run: bool, uninstall: bool) -> None:
     from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
-    for step in (do_uninstall if uninstall else do_install)(root, dry_run=dry_run):
+    steps = do_uninstall(root, dry_run=dry_run) if uninstall else do_install(root, dry_run=dry_run, binary=binary)
+    for step in steps:
         verb = f"would {step.action}" if dry_run and step.action in ("install", "update", "remove") else step.action
         click.echo(f"{verb:<14} {step.path}" + (f"  ({step.note})" if step.note else ""))
     if uninstall:

@@ -44,3 +44,10 @@ def test_logrotate_names_the_decision_log_where_the_agent_writes_it():
     paths = LOGROTATE.read_text().split("{")[0].split("\n")[-1].split()
     assert str(path_for(Config(), "n1")) in paths  # the default state dir
     assert any(re.fullmatch(r".*/\*/hooks\.log", p) for p in paths)  # a per-node state dir (%n)
+
+
+def test_the_observability_page_shows_the_snippet_as_shipped():
+    page = (REPO / "docs/admin/observability.md").read_text()
+    (block,) = re.findall(r"```yaml\n(.*?)```", page, re.S)
+    shipped = "".join(line + "\n" for line in OPS.read_text().splitlines() if not line.startswith("#"))
+    assert yaml.safe_load(block) == yaml.safe_load(shipped) and block == shipped

@@ -245,3 +245,11 @@ def test_the_installed_logrotate_file_rotates_the_decision_log_and_logging_goes_
     assert not (state / "n1/hooks.log").exists() and (state / "n1/hooks.log.1").exists()
     DecisionLog(state / "n1/hooks.log", use_syslog=False).write("prolog", node="n1", verdict="healthy")
     assert len(read_records(state / "n1/hooks.log")) == 1  # the next line starts the new file
+
+
+def test_binary_option_points_shims_and_units_at_the_current_link(tmp_path):
+    out = cli("install", "--root", str(tmp_path), "--binary", "/opt/slurmagent/current/bin/slurmagent")
+    assert out.returncode == 0, out.stderr
+    assert "exec /opt/slurmagent/current/bin/slurmagent prolog" in (tmp_path / "etc/slurmagent/hooks/prolog").read_text()
+    unit = (tmp_path / "usr/lib/systemd/system/slurmagent-watch.service").read_text()
+    assert "ExecStart=/opt/slurmagent/current/bin/slurmagent watch" in unit.splitlines()
