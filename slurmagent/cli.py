@@ -31,14 +31,33 @@ class State:
         return config_mod.load(self.config_path, for_root_hook=root)
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """The same version as status, doctor, the decision log and build_info (state.build)."""
+    if value and not ctx.resilient_parsing:
+        from .state.build import version  # start-up speed
+
+        click.echo(f"slurmagent, version {version()}")
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", metavar="FILE", help="config file (default $SLURMAGENT_CONFIG or /etc/slurmagent/config.toml)")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-@click.version_option(package_name="slurmagent")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and exit.")
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, debug: bool) -> None:
     """Keep long GPU jobs alive on Slurm clusters of Google Cloud VMs."""
     ctx.obj = State(config_path, debug)
+
+
+def echo_json(doc: object) -> None:
+    """A `--json` answer; an object says which slurmagent wrote it (`version`)."""
+    from .state.build import version  # start-up speed
+
+    if isinstance(doc, dict) and "version" not in doc:
+        doc = {"version": version(), **doc}
+    click.echo(json.dumps(doc, indent=1, default=str))
 
 
 def _node_name(node: str | None) -> str:
@@ -68,7 +87,7 @@ def check(state: State, snapshot_file: str | None, as_json: bool, node: str | No
         cfg = replace(cfg, health=replace(cfg.health, snapshot=snapshot_file, kernel_log_enabled=False))
     report = evaluate(cfg, name, commit_cursor=False)
     if as_json:
-        click.echo(json.dumps({"node": name, **report.to_dict()}, indent=1))
+        echo_json({"node": name, **report.to_dict()})
     else:
         verdict = "healthy" if report.healthy else "UNHEALTHY"
         seen = f"{report.gpus_seen} GPU(s)" + (f", {report.expected_gpus} expected" if report.expected_gpus is not None else "")
@@ -167,7 +186,7 @@ def doctor(state: State, as_json: bool) -> None:
 
     results = run_doctor(state.config_path)
     if as_json:
-        click.echo(json.dumps(doctor_json(results), indent=1))
+        echo_json(doctor_json(results))
         sys.exit(exit_code(results))
     width = max(len(r.name) for r in results)
     for r in results:
@@ -325,7 +344,7 @@ def repair(state: State, dry_run: bool, as_json: bool, force: bool, nodes: tuple
             doc = dry_run_json(result, cfg.repair.strategy, time.time())
         except SlurmUnreachable as exc:
             doc = dry_run_json(None, cfg.repair.strategy, time.time(), slurm_error=exc.slurm_error)
-        click.echo(json.dumps(doc, indent=1))
+        echo_json(doc)
         sys.exit(doc["exit_code"])
     result = run_repair(cfg, names, dry_run=dry_run, force=force, out=sys.stdout, err=sys.stderr)
     sys.exit(result.exit_code)
@@ -378,12 +397,12 @@ def status(state: State, as_json: bool, job_id: str | None, remote: str | None) 
             click.echo(f"slurmagent status: {bad}", err=True)
             sys.exit(2)
         st = collect_job_status(state.config(), job_id, remote=remote)
-        click.echo(json.dumps(st, indent=1, default=str) if as_json else format_job_status(st))
+        echo_json(st) if as_json else click.echo(format_job_status(st))
         sys.exit(st["exit_code"])
     from .commands.status import collect_status, format_status  # start-up speed
 
     st = collect_status(state.config())
-    click.echo(json.dumps(st, indent=1, default=str) if as_json else format_status(st))
+    echo_json(st) if as_json else click.echo(format_status(st))
     sys.exit(st["exit_code"])
 
 
@@ -405,18 +424,30 @@ def journal_cmd(state: State, replay: bool, as_json: bool, node: str | None) -> 
 @click.option("--prolog-dir", metavar="DIR", help="also put the prolog shim in DIR (a prolog.d/ that "
               "`Prolog=DIR/*` runs, e.g. /slurm/custom_scripts/prolog.d on Cluster Toolkit)")
 @click.option("--epilog-dir", metavar="DIR", help="also put the epilog shim in DIR (an epilog.d/ for `Epilog=DIR/*`)")
-def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: str | None) -> None:
-    """Install hook shims, systemd units and a config template (idempotent)."""
+@click.option("--uninstall", is_flag=True, help="remove exactly what install wrote (an edited file is kept)")
+@click.option("--binary", metavar="PATH", help="the slurmagent the shims and units run (default: this one); "
+              "for upgrades by symlink: /opt/slurmagent/current/bin/slurmagent")
+def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: str | None, uninstall: bool,
+            binary: str | None) -> None:
+    """Install hook shims (also into a prolog.d/ epilog.d/), systemd units, logrotate and a config
+    template (idempotent; a file an admin edited is kept, the new version written beside it as
+    FILE.slurmagent-new)."""
     from pathlib import Path
 
     from .commands.doctor import missing_slurm_conf_lines  # start-up speed
-    from .commands.install import install as do_install  # start-up speed
+    from .commands.install import install as do_install, uninstall as do_uninstall  # start-up speed
     from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
-    for step in do_install(root, dry_run=dry_run, prolog_dir=prolog_dir, epilog_dir=epilog_dir):
-        verb = f"would {step.action}" if dry_run and step.action in ("install", "update") else step.action
+    steps = do_uninstall(root, dry_run=dry_run) if uninstall else do_install(
+        root, dry_run=dry_run, binary=binary, prolog_dir=prolog_dir, epilog_dir=epilog_dir)
+    for step in steps:
+        verb = f"would {step.action}" if dry_run and step.action in ("install", "update", "remove") else step.action
         click.echo(f"{verb:<14} {step.path}" + (f"  ({step.note})" if step.note else ""))
+    if uninstall:
+        click.echo("then: systemctl disable --now the slurmagent units; systemctl daemon-reload; remove slurmagent's "
+                   "lines from slurm.conf and scontrol reconfigure")
+        return
     conf = root / "etc/slurm/slurm.conf" if root_dir != "/" else slurm_conf_path()
     missing = missing_slurm_conf_lines(conf)
     if missing:

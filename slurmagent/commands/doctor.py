@@ -29,6 +29,7 @@ from typing import Callable
 
 from ..state import config as config_mod
 from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, EXIT_USAGE, SlurmagentError
+from ..state.build import version
 from ..state.fsutil import untrusted_reason
 from ..checkpoint.remote import parse_remote
 from ..gcp import metadata
@@ -85,7 +86,7 @@ def exit_code(results: list[Result]) -> int:
 def as_json(results: list[Result]) -> dict[str, object]:
     """`doctor --json`: the same lines as the table, and the exit code they give."""
     code = exit_code(results)
-    return {"ok": code == EXIT_OK, "exit_code": code, "checks": [r.to_dict() for r in results]}
+    return {"ok": code == EXIT_OK, "exit_code": code, "version": version(), "checks": [r.to_dict() for r in results]}
 
 
 def _skip(name: str, detail: str) -> Result:
@@ -131,7 +132,7 @@ def missing_slurm_conf_lines(conf: Path) -> list[str]:
 
 def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.time,
                external_deadline_s: float = EXTERNAL_DEADLINE_S) -> list[Result]:
-    results: list[Result] = []
+    results: list[Result] = [Result("version", True, f"slurmagent {version()}")]  # which one runs on this node
     path, required = config_mod.config_path(config_path)
     try:
         cfg = config_mod.load(config_path, for_root_hook=True)

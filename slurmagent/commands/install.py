@@ -1,7 +1,14 @@
-"""`slurmagent install [--root DIR] [--dry-run]`: hooks, systemd units and a config template.
+"""`slurmagent install [--root DIR] [--dry-run] [--uninstall]`: hooks, systemd units, a
+logrotate file and a config template.
 
-Idempotent: a file already as it should be is left alone; an edited config is never
-overwritten; the paths inside the shims and units point at this installation.
+Idempotent, and an admin's edit survives: install records what it wrote (path, sha256) in
+`<root>/var/lib/slurmagent/installed.json` (state/installed); a file whose content is no longer
+what install last wrote is kept, and the new version is written beside it as
+`<file>.slurmagent-new` (the dpkg conffile rule, for every file). Units are vendor units in
+`/usr/lib/systemd/system` (admins customise them with drop-ins in `/etc/systemd/system/<unit>.d/`).
+`--uninstall` removes exactly what the manifest lists (an edited file is kept and said), the
+directories install created when empty, and the manifest. The paths inside the shims and units
+point at this installation.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from pathlib import Path
 
 from ..state.config import reference_markdown
 from ..errors import SlurmagentError
+from ..state.build import version
 from ..state.fsutil import atomic_write_text
+from ..state.installed import Manifest, digest, digest_of, load as load_manifest
 
 PLACEHOLDER_BIN = "/opt/slurmagent/venv/bin/slurmagent"
 # Our shim's name in a slurm-gcp style prolog.d/ epilog.d/ (`Prolog=/slurm/custom_scripts/prolog.d/*`).
@@ -22,6 +31,12 @@ PLACEHOLDER_BIN = "/opt/slurmagent/venv/bin/slurmagent"
 # (slurm.conf(5) of 24.11; measured on 22.05 too): `zz-` runs ours first, so a sick GPU is
 # drained with our precise reason before slower checks (the Toolkit's a_chs_gpu_health_check.sh).
 HOOK_DIR_NAME = "zz-slurmagent"
+UNIT_DIR = "usr/lib/systemd/system"  # vendor units; /etc/systemd/system/<unit>.d/ is the admin's
+ADMIN_UNIT_DIR = "etc/systemd/system"
+NEW_SUFFIX = ".slurmagent-new"
+STATE_DIR = "var/lib/slurmagent"
+# where data_dir finds each set of files in a checkout (the wheel has them in slurmagent/data/<name>)
+CHECKOUT_DIRS = {"hooks": "hooks", "systemd": "systemd", "logrotate": "contrib/logrotate"}
 
 
 class InstallError(SlurmagentError):
@@ -31,15 +46,21 @@ class InstallError(SlurmagentError):
 @dataclass(frozen=True)
 class Step:
     path: Path
-    action: str  # "install" | "update" | "unchanged" | "kept"
+    action: str  # "install" | "update" | "unchanged" | "kept" | "remove" | "obsolete" | "shadowed" | "gone"
     note: str = ""
 
 
 def data_dir(name: str) -> Path:
-    """`hooks/` or `systemd/` from a checkout, else from the wheel's share/slurmagent."""
-    for base in (Path(__file__).resolve().parents[2], Path(sys.prefix) / "share" / "slurmagent"):
-        if (base / name).is_dir():
-            return base / name
+    """`hooks/`, `systemd/` or `contrib/logrotate/` from a checkout, else the wheel's copy inside
+    the package (`slurmagent/data/<name>`, package data read with importlib.resources)."""
+    from importlib import resources  # start-up speed: install only
+
+    checkout = Path(__file__).resolve().parents[2] / CHECKOUT_DIRS[name]
+    if checkout.is_dir():
+        return checkout
+    packaged = resources.files("slurmagent").joinpath("data", name)
+    if packaged.is_dir():
+        return Path(str(packaged))
     raise InstallError(f"cannot find the {name}/ files of this slurmagent installation")
 
 
@@ -103,9 +124,10 @@ def plan(root: Path, binary: str, prolog_dir: str | None = None,
     for unit in sorted(units.iterdir()):
         if unit.suffix in (".service", ".timer"):
             text = unit.read_text().replace(PLACEHOLDER_BIN, systemd_word(binary))
-            files.append((root / "etc/systemd/system" / unit.name, text, 0o644, False))
+            files.append((root / UNIT_DIR / unit.name, text, 0o644, False))
     files.append((root / "etc/slurmagent/config.toml", config_template(), 0o644, True))
     files.append((root / "etc/slurmagent/slurm.conf.example", (data_dir("hooks") / "slurm.conf.example").read_text(), 0o644, False))
+    files.append((root / "etc/logrotate.d/slurmagent", (data_dir("logrotate") / "slurmagent").read_text(), 0o644, False))
     return files
 
 
@@ -117,36 +139,134 @@ def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = 
     for flag, hook_dir in (("--prolog-dir", prolog_dir), ("--epilog-dir", epilog_dir)):
         if hook_dir is not None and not hook_dir.startswith("/"):
             raise InstallError(f"{flag} {hook_dir!r}: give an absolute path (slurmd runs Prolog= paths as written)")
+    manifest = _manifest(root)
     steps: list[Step] = []
-    for target, content, mode, keep_existing in plan(root, binary, prolog_dir, epilog_dir):
-        try:
-            steps.append(_put(target, content, mode, keep_existing, dry_run))
-        except OSError as exc:  # a read-only or full root: one line, whatever the call
-            raise InstallError(f"cannot write {exc.filename or target}: {exc.strerror or exc}") from None
-    state = root / "var/lib/slurmagent"
-    if not state.is_dir():
-        steps.append(Step(state, "install", "state dir, mode 0750"))
+    try:
+        steps += _state_dir(manifest, root / STATE_DIR, dry_run)
+        planned = plan(root, binary, prolog_dir, epilog_dir)
+        for target, content, mode, keep_mode in planned:
+            steps += _put(manifest, target, content, mode, keep_mode, dry_run)
+        steps += _leftovers(manifest, {t for t, *_ in planned})
         if not dry_run:
-            try:
-                state.mkdir(parents=True, exist_ok=True)
-                state.chmod(0o750)
-            except OSError as exc:
-                raise InstallError(f"cannot create {exc.filename or state}: {exc.strerror or exc}") from None
+            manifest.save(version())
+    except OSError as exc:  # a read-only or full root: one line, whatever the call
+        raise InstallError(f"cannot write {exc.filename or root}: {exc.strerror or exc}") from None
     return steps
 
 
-def _put(target: Path, content: str, mode: int, keep_existing: bool, dry_run: bool) -> Step:
-    """One file in place. A file the admin owns (the config) keeps its content and its mode:
-    a config narrowed to 0600 is never widened again."""
-    current = target.read_text() if target.exists() else None
-    if current is not None and keep_existing:
-        if current == content:
-            return Step(target, "unchanged")
-        return Step(target, "kept", "exists (edited config is never overwritten)")
-    if current == content:
-        if not dry_run and (target.stat().st_mode & 0o777) != mode:
-            os.chmod(target, mode)
-        return Step(target, "unchanged")
+def uninstall(root: Path = Path("/"), dry_run: bool = False) -> list[Step]:
+    """Remove what the manifest lists: a file edited since install wrote it is kept (and said);
+    then the manifest, then the directories install created, where empty."""
+    manifest = _manifest(root)
+    if not manifest.path.exists():
+        raise InstallError(f"nothing to uninstall: no install manifest at {manifest.path}")
+    steps: list[Step] = []
+    try:
+        for rel, written in sorted(manifest.files.items()):
+            path = manifest.abs(rel)
+            current = digest_of(path)
+            if current is None:
+                steps.append(Step(path, "gone"))
+            elif current != written:
+                steps.append(Step(path, "kept", "edited since install wrote it: remove it by hand"))
+            else:
+                steps.append(Step(path, "remove"))
+                if not dry_run:
+                    path.unlink()
+        steps.append(Step(manifest.path, "remove", "the install manifest"))
+        if not dry_run:
+            manifest.path.unlink()
+        for rel in sorted(manifest.dirs, key=lambda d: len(Path(d).parts), reverse=True):
+            path = manifest.abs(rel)
+            if not path.is_dir():
+                continue
+            if any(path.iterdir()) and not (dry_run and _only_ours(path, steps)):
+                steps.append(Step(path, "kept", "directory not empty"))
+                continue
+            steps.append(Step(path, "remove", "directory"))
+            if not dry_run:
+                path.rmdir()
+    except OSError as exc:
+        raise InstallError(f"cannot remove {exc.filename or root}: {exc.strerror or exc}") from None
+    return steps
+
+
+def _manifest(root: Path) -> Manifest:
+    try:
+        return load_manifest(root)
+    except ValueError as exc:
+        raise InstallError(f"{exc} (move it away to install afresh)") from None
+
+
+def _only_ours(directory: Path, steps: list[Step]) -> bool:
+    """In a dry run: would the directory be empty once the planned removals were done?"""
+    removed = {s.path for s in steps if s.action == "remove"}
+    return all(p in removed or (p.is_dir() and _only_ours(p, steps)) for p in directory.iterdir())
+
+
+def _state_dir(manifest: Manifest, state: Path, dry_run: bool) -> list[Step]:
+    if state.is_dir():
+        return []
     if not dry_run:
-        atomic_write_text(target, content, mode)
-    return Step(target, "update" if current is not None else "install")
+        _make_dirs(manifest, state)
+        state.chmod(0o750)
+    return [Step(state, "install", "state dir, mode 0750")]
+
+
+def _make_dirs(manifest: Manifest, directory: Path) -> None:
+    """mkdir -p, recording each directory it creates (uninstall removes them when empty)."""
+    missing = []
+    d = directory
+    while not d.exists() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        d.mkdir()
+        manifest.created(d)
+
+
+def _put(manifest: Manifest, target: Path, content: str, mode: int, keep_mode: bool, dry_run: bool) -> list[Step]:
+    """One file in place, unless an admin edited it since install wrote it (it is kept and the new
+    content goes beside it). `keep_mode`: the admin owns the mode (a config narrowed to 0600 is
+    never widened again)."""
+    current, wanted, last = digest_of(target), digest(content.encode()), manifest.written(target)
+    beside = target.with_name(target.name + NEW_SUFFIX)
+    if current is not None and current != wanted and current != last:  # edited (or there before any manifest)
+        if last == wanted:
+            return [Step(target, "kept", "edited since install wrote it")]
+        if not dry_run:
+            _write(manifest, beside, content, mode)
+        return [Step(target, "kept", f"edited since install wrote it; the new version is beside it: {beside.name}")]
+    steps = [Step(target, "unchanged" if current == wanted else "update" if current is not None else "install")]
+    if not dry_run:
+        if current != wanted:
+            _write(manifest, target, content, mode)
+        elif not keep_mode and (target.stat().st_mode & 0o777) != mode:
+            os.chmod(target, mode)
+        manifest.record(target, content)
+    if digest_of(beside) is not None and digest_of(beside) == manifest.written(beside):  # reconciled: ours is stale
+        steps.append(Step(beside, "remove", "stale: the file is current again"))
+        if not dry_run:
+            beside.unlink()
+            manifest.forget(beside)
+    return steps
+
+
+def _write(manifest: Manifest, target: Path, content: str, mode: int) -> None:
+    _make_dirs(manifest, target.parent)
+    atomic_write_text(target, content, mode)
+    manifest.record(target, content)
+
+
+def _leftovers(manifest: Manifest, planned: set[Path]) -> list[Step]:
+    """Files an earlier install wrote that this one does not (kept: `--uninstall` removes them),
+    and full unit copies in /etc/systemd/system that hide the vendor units."""
+    steps = [Step(manifest.abs(rel), "obsolete", "no longer installed; `install --uninstall` removes it")
+             for rel in sorted(manifest.files)
+             if manifest.abs(rel) not in planned and not rel.endswith(NEW_SUFFIX) and manifest.abs(rel).exists()]
+    for target in sorted(planned):
+        if target.parent == manifest.root / UNIT_DIR and (manifest.root / ADMIN_UNIT_DIR / target.name).exists():
+            steps.append(Step(manifest.root / ADMIN_UNIT_DIR / target.name, "shadowed",
+                              f"hides /{UNIT_DIR}/{target.name}: remove it if an older install wrote it; "
+                              f"customise with a drop-in in /{ADMIN_UNIT_DIR}/{target.name}.d/"))
+    return steps

@@ -15,6 +15,7 @@ from ..actions.executor import JournalExecutor
 from ..actions.handlers import SLURM_UNREACHABLE
 from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, SlurmagentError
 from ..slurm.commands import Slurm
+from ..state.build import version
 from ..state.config import Config
 from ..state.journal import Entry, Journal
 
@@ -49,7 +50,7 @@ def run_journal(cfg: Config, node: str, *, replay: bool, as_json: bool, out: Tex
     code = EXIT_UNREACHABLE if stopped else (EXIT_PROBLEMS if pending or untrusted else EXIT_OK)
     if as_json:
         now = j.clock()
-        doc = {"node": node, "dir": str(j.dir), "untrusted": untrusted, "slurm_error": stopped,
+        doc = {"version": version(), "node": node, "dir": str(j.dir), "untrusted": untrusted, "slurm_error": stopped,
                "replayed": [{**entry_json(e, replay_state(o), now), "outcome": o} for e, o in replayed],
                "entries": [entry_json(e, "pending", now) for e in pending], "exit_code": code}
         print(json.dumps(doc, indent=1), file=out)

@@ -27,6 +27,7 @@ from ..checkpoint.report import age_s, human_bytes, manifest_summary, read_recor
 from ..state import expiry_state
 from ..policy import breaker as breaker_policy
 from ..core import hostlist, reasons
+from ..state.build import version
 from ..state.config import Config
 from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, SlurmagentError, SlurmError
 from ..state.host import node_name
@@ -94,7 +95,7 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
                    "drained": None, "suppressed": None, "summary": "unknown (Slurm unreachable)"}
     else:
         breaker = {**b.to_dict(), "summary": b.describe()}
-    st = {"time": now, "slurm_error": slurm_error, "nodes": None if slurm_error else rows, "breaker": breaker,
+    st = {"version": version(), "time": now, "slurm_error": slurm_error, "nodes": None if slurm_error else rows, "breaker": breaker,
           "journal": {"pending": None if unreadable else sum(j["pending"] for j in journals), "journals": journals,
                       "unreadable": unreadable},
           "expiry": expiries}
@@ -162,7 +163,8 @@ def format_status(st: dict[str, Any]) -> str:
         when = e["in_s"]
         lines.append(f"expiry: {node} terminates {e['termination_time']}"
                      + (f" (in {human(when, column=True)})" if when is not None and when >= 0 else " (passed)" if when is not None else ""))
-    if st.get("problems"):
+    lines.append(f"version: slurmagent {st['version']} (this node)")
+    if st.get("problems"):  # last: what to act on
         lines.append("problems: " + "; ".join(st["problems"]))
     return "\n".join(lines)
 
@@ -181,7 +183,7 @@ def collect_job_status(cfg: Config, job_id: str, *, remote: str | None = None, s
                        clock: Callable[[], float] = time.time) -> dict[str, Any]:
     env = os.environ if env is None else env
     slurm = slurm or Slurm.from_config(cfg)
-    st: dict[str, Any] = {"job": job_id, "time": clock(), "slurm": None, "slurm_error": None, "record": None,
+    st: dict[str, Any] = {"version": version(), "job": job_id, "time": clock(), "slurm": None, "slurm_error": None, "record": None,
                           "remote": remote, "commit": None, "remote_error": None}
     uid, unreadable = os.geteuid(), False  # Slurm not read ("no job" is an answer)
     try:

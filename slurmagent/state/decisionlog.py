@@ -1,7 +1,8 @@
 """One JSON line per decision (node, job, rule, action, duration) to a file and syslog.
 
-Cloud Logging's agent parses JSON lines; `status` and the tests read the same file.
-A failure to log never fails a hook.
+Cloud Logging's agent parses JSON lines (every line has `severity` in its names and the
+`version` that wrote it, so a half-upgraded cluster shows); `status` and the tests read the
+same file. A failure to log never fails a hook.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from .build import version
 
 # One line stays readable by `status`, Cloud Logging's agent and syslog: a node with thousands of
 # XIDs once wrote an 8.9 MB line. Past the bound, long texts and lists are cut with a marker.
 MAX_LINE_BYTES = 64 * 1024
 MAX_TEXT_CHARS = 4096
 LIST_BUDGET_BYTES = 16 * 1024
-ESSENTIAL = ("time", "event", "node", "job", "verdict", "rule", "gpu", "reason", "action", "duration_ms")
+ESSENTIAL = ("time", "severity", "event", "node", "job", "verdict", "rule", "gpu", "reason", "action", "duration_ms", "version")
+# Cloud Logging's LogSeverity names: what the Ops Agent maps `severity` to.
+SEVERITIES = ("DEBUG", "INFO", "NOTICE", "WARNING", "ERROR", "CRITICAL", "ALERT", "EMERGENCY")
+WARNING_VERDICTS = ("unhealthy", "expiry", "warning")
 
 
 def warn(msg: str) -> None:
@@ -42,6 +47,20 @@ def path_for(cfg: Any, node: str) -> Path:
     return cfg.state_path(node) / "hooks.log"
 
 
+def severity_of(fields: dict[str, Any]) -> str:
+    """A given `severity` wins; else ERROR for an internal error, WARNING for a drain, an expiry or
+    a warning, INFO for the rest (a healthy check)."""
+    given = str(fields.get("severity") or "").upper()
+    if given in SEVERITIES:
+        return given
+    verdict = fields.get("verdict")
+    if verdict == "internal-error" or fields.get("error"):
+        return "ERROR"
+    if verdict in WARNING_VERDICTS or fields.get("warnings"):
+        return "WARNING"
+    return "INFO"
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -54,8 +73,12 @@ class DecisionLog:
         self.started = time.monotonic()
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"time": utc_now(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
+        given = {k: v for k, v in fields.items() if v is not None}
+        severity = severity_of(given)
+        record = {"time": utc_now(), "severity": severity, "event": event, **given}
+        record["severity"] = severity  # normalised, where a caller gave one
         record.setdefault("duration_ms", round((time.monotonic() - self.started) * 1000, 1))
+        record.setdefault("version", version())
         record, line = bounded(record)
         if self.path is not None:
             try:
@@ -71,7 +94,8 @@ class DecisionLog:
             try:
                 import syslog
 
-                level = syslog.LOG_WARNING if record.get("verdict") in ("unhealthy", "internal-error") else syslog.LOG_INFO
+                level = {"DEBUG": syslog.LOG_DEBUG, "INFO": syslog.LOG_INFO, "NOTICE": syslog.LOG_NOTICE,
+                         "WARNING": syslog.LOG_WARNING}.get(record["severity"], syslog.LOG_ERR)
                 syslog.openlog(self.tag, 0, syslog.LOG_DAEMON)
                 syslog.syslog(level, line)
             except OSError:

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from .build import version
 from .fsutil import atomic_write_text, read_state_file
 
 HELP = {
+    "slurmagent_build_info": ("gauge", "always 1; the version label is the slurmagent that last wrote these metrics"),
     "slurmagent_gpu_healthy": ("gauge", "1 when the GPU passed the last check, 0 when it has a drain finding"),
     "slurmagent_node_healthy": ("gauge", "1 when the node passed the last check"),
     "slurmagent_last_check_timestamp_seconds": ("gauge", "Unix time of the last health check"),
@@ -73,6 +75,9 @@ class Metrics:
             fcntl.flock(fd, fcntl.LOCK_EX)
             values = read_values(self.state_dir)
             yield values
+            for k in [k for k in values if k.startswith("slurmagent_build_info")]:
+                del values[k]  # one series: a half-upgraded node shows the version that writes now
+            values[_key("slurmagent_build_info", {"version": version()})] = 1.0
             atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
             atomic_write_text(self.textfile, render(values), 0o644, durable=False)
         finally:

@@ -32,4 +32,5 @@ def test_many_huge_fields_fall_back_to_the_essential_ones(tmp_path):
     log.write("prolog", node="n1", job="42", verdict="unhealthy", reason="slurmagent: xid 79 on gpu 3 (x)",
               action="drained", **{f"extra{i}": "x" * 10_000 for i in range(100)})
     (record,) = read_records(tmp_path / "hooks.log")
-    assert set(record) == {"time", "event", "node", "job", "verdict", "reason", "action", "duration_ms", "truncated"}
+    assert set(record) == {"time", "severity", "event", "node", "job", "verdict", "reason", "action", "duration_ms",
+                           "version", "truncated"}

@@ -28,13 +28,13 @@ def test_install_into_staging_root_is_idempotent(tmp_path):
     assert os.access(shim, os.X_OK) and (shim.stat().st_mode & 0o777) == 0o755
     assert re.search(r"exec \S+/slurmagent prolog", shim.read_text())
     assert (tmp_path / "etc/slurmagent/config.toml").exists()
-    units = sorted(p.name for p in (tmp_path / "etc/systemd/system").iterdir())
+    units = sorted(p.name for p in (tmp_path / "usr/lib/systemd/system").iterdir())
     assert "slurmagent-watch.service" in units
     binary = f"{sys.prefix}/bin/slurmagent"
     if os.path.exists(binary):  # units and shims point at this installation
         assert f"exec {binary} prolog" in shim.read_text()
         for unit in units:
-            text = (tmp_path / "etc/systemd/system" / unit).read_text()
+            text = (tmp_path / "usr/lib/systemd/system" / unit).read_text()
             assert all(line.startswith(f"ExecStart={binary}") for line in text.splitlines() if line.startswith("ExecStart="))
     assert "slurm.conf" in first.stdout  # it says which slurm.conf lines are still missing
     second = cli("install", "--root", str(tmp_path))
@@ -95,7 +95,7 @@ def test_shims_and_units_quote_an_install_path_with_spaces(tmp_path):
                               timeout=30)
         assert proc.returncode == 3, proc.stderr  # the binary's own code: it ran (exec), the shim did not fall through
         assert (venv_bin / "ran-with").read_text() == f"{hook}\n"
-    unit = (root / "etc/systemd/system/slurmagent-watch.service").read_text()
+    unit = (root / "usr/lib/systemd/system/slurmagent-watch.service").read_text()
     (exec_start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
     quoted = str(binary).replace("%", "%%").replace("$", "$$")
     assert exec_start == f'ExecStart="{quoted}" watch'
@@ -166,3 +166,115 @@ def test_a_relative_prolog_dir_is_refused_in_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "slurmagent: --prolog-dir 'custom_scripts/prolog.d': give an absolute path (slurmd runs Prolog= paths as written)"]
     assert not (tmp_path / "etc").exists()
+
+
+def tree(root) -> dict[str, bytes | None]:
+    """Every path under `root`: a file's bytes, None for a directory."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in root.rglob("*")}
+
+
+def seeded_root(tmp_path):
+    """A root as an image has it before slurmagent: other packages' files in the same directories."""
+    root = tmp_path / "root"
+    for rel, text in {"etc/slurm/slurm.conf": "ClusterName=x\n", "etc/logrotate.d/rsyslog": "/var/log/syslog {}\n",
+                      "usr/lib/systemd/system/slurmd.service": "[Service]\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_reinstall_after_admin_edits_keeps_them_and_writes_the_new_version_beside(tmp_path):
+    root = seeded_root(tmp_path)
+    install(root, binary="/opt/slurmagent/v1/bin/slurmagent")
+    unit = root / "usr/lib/systemd/system/slurmagent-watch.service"
+    shim = root / "etc/slurmagent/hooks/prolog"
+    config = root / "etc/slurmagent/config.toml"
+    unit.write_text(unit.read_text() + "# admin: edited in place\n")
+    config.write_text("[health]\ntimeout_s = 5\n")
+    edited = {p: p.read_text() for p in (unit, config)}
+
+    out = cli("install", "--root", str(root), env={})  # this venv's binary: every shim and unit changes
+    assert out.returncode == 0, out.stderr
+    for p, text in edited.items():
+        assert p.read_text() == text  # the admin's edit survives
+    assert f"kept           {unit}  (edited since install wrote it; the new version is beside it: " \
+           f"slurmagent-watch.service.slurmagent-new)" in out.stdout.splitlines()
+    new = unit.with_name(unit.name + ".slurmagent-new")
+    assert "/opt/slurmagent/v1/" not in new.read_text() and "ExecStart=" in new.read_text()
+    assert not config.with_name("config.toml.slurmagent-new").exists()  # the template did not change: nothing new
+    assert "/opt/slurmagent/v1/" not in shim.read_text()  # not edited: updated
+    assert f"update         {shim}" in out.stdout.splitlines()
+
+    # the admin takes the new version: the next install sees it current, the stale copy goes
+    unit.write_text(new.read_text())
+    again = cli("install", "--root", str(root))
+    assert f"remove         {new}  (stale: the file is current again)" in again.stdout.splitlines()
+    assert not new.exists() and not [line for line in again.stdout.splitlines() if line.startswith("kept ") and "watch" in line]
+
+
+def test_uninstall_removes_exactly_what_install_wrote(tmp_path):
+    root = seeded_root(tmp_path)
+    before = tree(root)
+    install(root)
+    install(root)
+    out = cli("install", "--root", str(root), "--uninstall")
+    assert out.returncode == 0, out.stderr
+    assert tree(root) == before  # install then uninstall: the tree as it was, directories included
+    again = cli("install", "--root", str(root), "--uninstall")
+    assert again.returncode == 2 and "nothing to uninstall" in again.stderr
+
+
+def test_uninstall_keeps_an_edited_file_and_what_the_agent_wrote(tmp_path):
+    root = seeded_root(tmp_path)
+    before = tree(root)
+    install(root, binary="/opt/slurmagent/v1/bin/slurmagent")
+    unit = root / "usr/lib/systemd/system/slurmagent-watch.service"
+    unit.write_text(unit.read_text() + "# edited\n")
+    install(root)  # a .slurmagent-new beside the edited unit, the rest updated
+    (root / "var/lib/slurmagent/n1").mkdir()  # what the agent wrote at run time is not install's
+    (root / "var/lib/slurmagent/n1/hooks.log").write_text("{}\n")
+
+    dry = cli("install", "--root", str(root), "--uninstall", "--dry-run")
+    assert dry.returncode == 0 and "would remove" in dry.stdout and (root / "var/lib/slurmagent/installed.json").exists()
+    out = cli("install", "--root", str(root), "--uninstall")
+    assert out.returncode == 0, out.stderr
+    assert f"kept           {unit}  (edited since install wrote it: remove it by hand)" in out.stdout.splitlines()
+    left = tree(root)
+    assert set(left) - set(before) == {"usr/lib/systemd/system/slurmagent-watch.service", "var", "var/lib",
+                                       "var/lib/slurmagent", "var/lib/slurmagent/n1", "var/lib/slurmagent/n1/hooks.log"}
+    assert {k: v for k, v in left.items() if k in before} == before  # the image's own files untouched
+
+
+def test_a_full_unit_copy_in_etc_that_hides_the_vendor_unit_is_said(tmp_path):
+    old = tmp_path / "etc/systemd/system/slurmagent-watch.service"
+    old.parent.mkdir(parents=True)
+    old.write_text("[Service]\nExecStart=/old/slurmagent watch\n")
+    steps = {(s.action, str(s.path)) for s in install(tmp_path)}
+    assert ("shadowed", str(old)) in steps and old.read_text().endswith("/old/slurmagent watch\n")
+
+
+@pytest.mark.skipif(shutil.which("logrotate") is None, reason="needs logrotate (Debian: apt-get install logrotate)")
+def test_the_installed_logrotate_file_rotates_the_decision_log_and_logging_goes_on(tmp_path):
+    from slurmagent.state.decisionlog import DecisionLog, read_records
+
+    install(tmp_path / "root")
+    text = (tmp_path / "root/etc/logrotate.d/slurmagent").read_text()
+    state = tmp_path / "state"
+    conf = tmp_path / "logrotate.conf"
+    conf.write_text(text.replace("/var/lib/slurmagent", str(state)))
+    (state / "n1").mkdir(parents=True)
+    DecisionLog(state / "n1/hooks.log", use_syslog=False).write("prolog", node="n1", verdict="healthy")
+    proc = subprocess.run(["logrotate", "--force", "--state", str(tmp_path / "lr.state"), str(conf)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not (state / "n1/hooks.log").exists() and (state / "n1/hooks.log.1").exists()
+    DecisionLog(state / "n1/hooks.log", use_syslog=False).write("prolog", node="n1", verdict="healthy")
+    assert len(read_records(state / "n1/hooks.log")) == 1  # the next line starts the new file
+
+
+def test_binary_option_points_shims_and_units_at_the_current_link(tmp_path):
+    out = cli("install", "--root", str(tmp_path), "--binary", "/opt/slurmagent/current/bin/slurmagent")
+    assert out.returncode == 0, out.stderr
+    assert "exec /opt/slurmagent/current/bin/slurmagent prolog" in (tmp_path / "etc/slurmagent/hooks/prolog").read_text()
+    unit = (tmp_path / "usr/lib/systemd/system/slurmagent-watch.service").read_text()
+    assert "ExecStart=/opt/slurmagent/current/bin/slurmagent watch" in unit.splitlines()

@@ -43,6 +43,7 @@ MODULE_LAYERS = {
     "slurm.commands": ADAPTERS, "slurm.hookfiles": ADAPTERS,
     "trainer": RUNTIMES,
     "cli": FACE, "entry": FACE, "hookmain": FACE,
+    "": FACE,  # the package front: `slurmagent.__version__`, read on first use from state.build
 }
 SHARED_RUNTIMES = {"commands.health"}
 ONE_RUNTIME_FOLDERS = ("run",)  # the modules of `slurmagent run` are one runtime; each command is its own
