@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
+from ..checkpoint.gcs.store import GcsCheckpointStore
 from ..checkpoint.gcs.retention import GcResult, list_commits, read_commit
 from ..checkpoint.gcs.transfer import Deadline, human_size
 
@@ -16,8 +17,6 @@ __all__ = ["format_gc", "list_remote_commits", "run_gc", "run_ls"]
 
 
 def _store(remote: str, cfg):
-    from ..checkpoint.gcs.store import GcsCheckpointStore  # google libraries only when a command needs them
-
     ck = cfg.checkpoint
     return GcsCheckpointStore(remote, max_workers=ck.transfers, keep_commits=ck.keep_commits,
                               gc_grace_s=ck.gc_grace_s)

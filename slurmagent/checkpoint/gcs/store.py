@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ..errors import CheckpointError, SyncDeadlineError
+from ..hash_cache import LocalState
 from ..remote import CheckpointLag, checkpoint_lag
 from ..manifest import Manifest
 from ..scan import scan_checkpoint_dir
@@ -317,8 +318,6 @@ class GcsCheckpointStore:
         self.seen.clear()
         if self._state_ref is None:
             return
-        from ..hash_cache import LocalState
-
         state = LocalState(*self._state_ref)
         state.set_verified(self.url, "", ())
         gone = {self.object_id(o.name) for o in result.deleted}
