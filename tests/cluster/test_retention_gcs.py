@@ -236,3 +236,10 @@ def test_after_a_clean_up_the_missing_blob_check_asks_again(emu, tmp_path):
     s.sync(d, 0, tmp_path / "state.json")
     assert s.last_gc.deleted  # commit 1's blob went
     assert s.missing_objects(first) == ["model.pt"]
+
+
+def test_a_prefix_without_manifest_is_left_alone(emu):
+    make_client().bucket("ckpt").blob(f"{PREFIX}/blobs/blake3-{'ab' * 32}").upload_from_string(b"x")
+    result = store().collect_garbage(grace_s=0)
+    assert result.deleted == [] and "no manifest.json" in result.fenced
+    assert names("blobs/")

@@ -81,7 +81,7 @@ class GcResult:
     dropped_commits: list[str] = field(default_factory=list)
     kept_commits: list[str] = field(default_factory=list)
     waiting: int = 0  # unreferenced objects still inside the grace period
-    fenced: str = ""  # why nothing was deleted: this attempt does not hold the fence
+    fenced: str = ""  # why nothing was deleted: this attempt does not hold the fence, or there is no commit
     dry_run: bool = False
 
     @property
@@ -217,6 +217,9 @@ def collect(
         except StaleAttemptError as exc:
             result.fenced = str(exc)
             return result
+    if newest is None:  # nothing committed (or manifest.json removed by hand): nothing says what to keep
+        result.fenced = f"no checkpoint is committed under {objects.url} (no manifest.json): nothing to keep by"
+        return result
     commits = list_commits(objects, dl)
     t = now()
     kept, lingering, dropped = split_commits(commits, keep, grace_s, t)
