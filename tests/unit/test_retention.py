@@ -87,3 +87,10 @@ def test_retention_defaults():
     ck = parse({}, "x").checkpoint
     assert ck.keep_commits == 2 and ck.gc_grace_s == 600.0
     assert parse({"checkpoint": {"keep_commits": 5, "gc_grace_s": 0}}, "x").checkpoint.keep_commits == 5
+
+
+def test_the_job_store_gets_the_retention_keys_from_the_config():
+    from slurmagent.run.main import store_tunables
+
+    kw = store_tunables(parse({"checkpoint": {"keep_commits": 4, "gc_grace_s": 30}}, "x"))
+    assert kw["keep_commits"] == 4 and kw["gc_grace_s"] == 30
