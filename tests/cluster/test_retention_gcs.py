@@ -243,3 +243,45 @@ def test_a_prefix_without_manifest_is_left_alone(emu):
     result = store().collect_garbage(grace_s=0)
     assert result.deleted == [] and "no manifest.json" in result.fenced
     assert names("blobs/")
+
+
+# ------------------------------------------------------------------ through the wrapper
+
+# A trainer keeping its last 2 step folders: step N is written, step N-2 removed, then it waits for the flush.
+KEEP_TWO = ('trap "exit 0" USR1; r=$1; mkdir -p "$SLURMAGENT_CKPT_DIR/step$r"; '
+            'head -c 307200 /dev/urandom > "$SLURMAGENT_CKPT_DIR/step$r/model.pt"; '
+            'rm -rf "$SLURMAGENT_CKPT_DIR/step$((r - 2))"; : > "$2"; while :; do sleep 0.02; done')
+
+
+def test_a_requeued_job_keeping_two_step_folders_leaves_only_what_two_commits_reference(emu, tmp_path):
+    import io
+    import signal
+    import threading
+
+    from support import wait_for
+    from slurmagent.run.job import JobIdentity, RunOptions
+    from slurmagent.run.supervisor import Supervisor
+
+    for restart in range(10):  # ten attempts, each on a fresh node: restore, one step, flush, commit
+        ready = tmp_path / f"ready-{restart}"
+        opts = RunOptions(cmd=["sh", "-c", KEEP_TWO, "sh", str(restart), str(ready)],
+                          ckpt_dir=tmp_path / f"node-{restart}" / "ckpt", remote=f"gs://ckpt/{PREFIX}",
+                          grace_s=20, max_requeues=3, sync_interval_s=3600, stop_wait_s=5)
+        err = io.StringIO()
+        sup = Supervisor(opts, JobIdentity("slurm", "77", "77", restart, ("77",), ""), store(), lambda job: None,
+                         dict(os.environ), err=err)
+
+        def flush_when_ready(ready=ready) -> None:
+            wait_for(ready.exists, 30, "trainer start", interval=0.02)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=flush_when_ready, daemon=True).start()
+        outcome = sup.run()
+        assert outcome.synced and outcome.requeued, err.getvalue()
+
+    kept = records()
+    assert [sorted({r.split("/")[0] for r in m.files}) for m in kept] == [["step7", "step8"], ["step8", "step9"]]
+    assert names("blobs/") == set().union(*(manifest_objects(store().objects, m) for m in kept))
+    assert len(names("blobs/")) == 3  # the models of steps 7, 8 and 9, not of all ten
+    got = restore_tree(store(), tmp_path / "restored")
+    assert sorted(got) == ["step8/model.pt", "step9/model.pt"]
