@@ -285,3 +285,14 @@ def test_a_requeued_job_keeping_two_step_folders_leaves_only_what_two_commits_re
     assert len(names("blobs/")) == 3  # the models of steps 7, 8 and 9, not of all ten
     got = restore_tree(store(), tmp_path / "restored")
     assert sorted(got) == ["step8/model.pt", "step9/model.pt"]
+
+
+def test_ckpt_ls_shows_a_manifest_written_before_retention(emu, tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    write_tree(d, {"model.pt": payload("old")})
+    store(keep_commits=None).sync(d, 1, tmp_path / "state.json")  # as a release without records did
+    r = slurmagent("ckpt", "ls", "--remote", f"gs://ckpt/{PREFIX}")
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0::len(line.split()) - 1] for line in r.stdout.splitlines()[1:]] == [["-", "latest"]]
+    assert names("commits/") == set()
