@@ -74,7 +74,8 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
 def store_tunables(cfg: Config) -> dict:
     """The checkpoint store's keyword arguments from `[checkpoint]`."""
     ck = cfg.checkpoint
-    return {"max_workers": ck.transfers, "parallel_upload_mib": ck.parallel_upload_mib}
+    return {"max_workers": ck.transfers, "parallel_upload_mib": ck.parallel_upload_mib,
+            "keep_commits": ck.keep_commits, "gc_grace_s": ck.gc_grace_s}
 
 
 def node_agent_options(cfg: Config) -> list[str]:

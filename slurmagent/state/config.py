@@ -162,6 +162,16 @@ class CheckpointConfig:
         "composite upload: faster for big files on Cloud Storage, slower on the emulators, whose compose copies); 0 = off",
         low=0, high=5242880,
     )
+    keep_commits: int = _key(
+        2, "retention: after each new commit, objects under `blobs/` that none of the last this-many commits "
+        "references are deleted (by the job holding the checkpoint; `slurmagent ckpt gc` does it by hand)",
+        low=1, high=10000,
+    )
+    gc_grace_s: float = _key(
+        600.0, "retention: an object is deleted only this long after the last commit that referenced it left the "
+        "kept ones, and this long after it was written (a restore or sync in flight finishes first)",
+        low=0, high=2592000,
+    )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from ..manifest import Manifest
 from ..errors import StaleAttemptError, StorageUnavailableError
 from ..errors import ClaimRaceError
 from .bucket import BucketObjects
-from .transfer import Deadline, is_not_found, is_precondition_failed
+from .transfer import Deadline, is_not_found, is_precondition_failed, one_line
 
 __all__ = ["ClaimRaceError", "ManifestStore"]
 
@@ -38,6 +38,9 @@ class ManifestStore:
     def __init__(self, objects: BucketObjects) -> None:
         self.objects = objects
         self.owner: str | None = None  # who we write as (slurmagent.run.identity); None: fence by attempt only
+        # Also keep each commit as commits/<generation>.json (retention: slurmagent.checkpoint.gcs.retention).
+        self.history = False
+        self.writes = 0  # manifests this store wrote (a clean-up follows a new one)
 
     def is_own(self, current: Manifest) -> bool:
         """Is ``current`` of the submission we write as (any, when our owner is not set)?"""
@@ -145,7 +148,7 @@ class ManifestStore:
                 return int(blob.generation)
 
             try:
-                return self.objects.call(once, dl, "writing the manifest")
+                return self.written(manifest, self.objects.call(once, dl, "writing the manifest"), dl)
             except Exception as exc:
                 if not is_precondition_failed(exc):
                     raise
@@ -153,7 +156,7 @@ class ManifestStore:
             log.info("manifest %s changed under us (412); reading it again", self.objects.manifest_url)
             current, generation = self.read(dl)
             if current is not None and current.to_json() == manifest.to_json():
-                return generation  # our own write, whose reply was lost
+                return self.written(manifest, generation, dl)  # our own write, whose reply was lost
             if dl.remaining() < 0.3:
                 raise StorageUnavailableError(
                     f"writing the manifest on {self.objects.url}: gave up after {races} concurrent changes "
@@ -179,14 +182,35 @@ class ManifestStore:
             return int(blob.generation)
 
         try:
-            return self.objects.call(once, dl, "taking the checkpoint prefix over")
+            return self.written(manifest, self.objects.call(once, dl, "taking the checkpoint prefix over"), dl)
         except Exception as exc:
             if not is_precondition_failed(exc):
                 raise
         current, new_generation = self.read(dl)
         if current is not None and current.to_json() == manifest.to_json():
-            return new_generation  # our own write, whose reply was lost
+            return self.written(manifest, new_generation, dl)  # our own write, whose reply was lost
         raise ClaimRaceError(f"{self.objects.manifest_url} changed while this job took the prefix over")
+
+    def written(self, manifest: Manifest, generation: int, dl: Deadline) -> int:
+        """``manifest`` is ``manifest.json`` at ``generation`` now: count it and, with ``history``, keep
+        its copy ``commits/<generation>.json``. A failed copy costs history, never the commit (the
+        clean-up then protects more, not less: manifest.json itself is always protected)."""
+        self.writes += 1
+        if not self.history:
+            return generation
+        name = self.objects.key(f"commits/{int(generation):020d}.json")
+        data = manifest.to_json().encode("utf-8")
+
+        def once(timeout: float) -> None:
+            self.objects.bucket.blob(name).upload_from_string(
+                data, content_type="application/json", if_generation_match=0, timeout=timeout, retry=None)
+
+        try:
+            self.objects.call(once, dl, "keeping the commit record")
+        except Exception as exc:
+            if not is_precondition_failed(exc):  # 412: written already (a lost reply)
+                log.warning("could not keep the commit record gs://%s/%s: %s", self.objects.bucket_name, name, one_line(exc))
+        return generation
 
     def _keep_superseded(self, over: Manifest, generation: int, dl: Deadline) -> None:
         name = self.objects.key(f"superseded/manifest-{generation}.json")

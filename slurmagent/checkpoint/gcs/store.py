@@ -7,6 +7,8 @@ Remote layout under ``gs://BUCKET/PREFIX``::
     PREFIX/blobs/<sha256>       file contents of manifests written before BLAKE3
     PREFIX/parts/<token>/...    parts of a parallel upload in flight (removed once composed)
     PREFIX/manifest.json        the last complete checkpoint (see slurmagent.checkpoint.Manifest)
+    PREFIX/commits/<gen>.json   every commit, kept while retention keeps it (slurmagent.checkpoint.gcs.retention)
+    PREFIX/ledger/...           the goodput ledger's records: never touched here
 
 A sync uploads the missing blobs first and writes ``manifest.json`` last, so an
 interrupted sync leaves the previous manifest, and everything it references,
@@ -18,7 +20,8 @@ is the front; the parts live beside it, each with its own story:
 * :mod:`slurmagent.checkpoint.gcs.manifest_store`: the manifest, read with its generation, written fenced;
 * :mod:`slurmagent.checkpoint.gcs.sync` (with :mod:`~slurmagent.checkpoint.gcs.sync_run`, :mod:`~slurmagent.checkpoint.gcs.upload`,
   :mod:`~slurmagent.checkpoint.gcs.packs`): a sync, file by file, small files in packs;
-* :mod:`slurmagent.checkpoint.gcs.restore`: a restore, all files or none.
+* :mod:`slurmagent.checkpoint.gcs.restore`: a restore, all files or none;
+* :mod:`slurmagent.checkpoint.gcs.retention`: after a new commit, what no kept commit references goes.
 
 Deadlines: every request has a timeout (``timeout_s``, capped by the time
 left), transient failures (connection refused/reset, timeouts, 408, 429, 5xx)
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ..errors import CheckpointError, SyncDeadlineError
+from ..hash_cache import LocalState
 from ..remote import CheckpointLag, checkpoint_lag
 from ..manifest import Manifest
 from ..scan import scan_checkpoint_dir
@@ -45,6 +49,7 @@ from ...errors import SlurmagentError
 from .bucket import BucketObjects
 from .manifest_store import ManifestStore
 from .restore import run_restore
+from .retention import GcResult, collect
 from .sync import run_sync
 from .sync_run import SyncResult
 from .verify import existing, object_of, objects_of
@@ -100,6 +105,8 @@ class GcsCheckpointStore:
         parallel_upload_mib: int = 0,
         warn: Callable[[str], None] | None = None,
         run_id: str = "",
+        keep_commits: int | None = None,
+        gc_grace_s: float = 600.0,
     ) -> None:
         self.max_workers = max(1, int(max_workers))
         self.parallel_upload_threshold = parallel_upload_mib * MiB or None
@@ -116,6 +123,15 @@ class GcsCheckpointStore:
         self.run_id = run_id
         self.last_sync_error = ""
         self.last_sync: SyncResult | None = None
+        # Retention: keep the last ``keep_commits`` commits (None: no records, no clean-up, as before).
+        if keep_commits is not None and (not isinstance(keep_commits, int) or keep_commits < 1):
+            raise ValueError("keep_commits must be an integer >= 1")
+        self.keep_commits = keep_commits
+        self.gc_grace_s = float(gc_grace_s)
+        self.manifests.history = keep_commits is not None
+        self.last_gc: GcResult | None = None
+        self._records: dict[str, Manifest] = {}  # commit records read (they never change)
+        self._state_ref: tuple[str | os.PathLike, str | os.PathLike] | None = None  # last sync's (state file, dir)
 
     @property
     def warn(self) -> Callable[[str], None] | None:
@@ -177,9 +193,12 @@ class GcsCheckpointStore:
         attempt's manifest is never overwritten; ``if_generation_match`` on the one read).
         Every blob it names must already be stored. Returns the manifest's generation; an
         identical manifest of the same attempt already in place is kept as it is."""
-        return self._guard(
-            lambda dl: self.manifests.commit(manifest, dl), Deadline(deadline_s), "committing the manifest of"
-        )
+        dl = Deadline(deadline_s)
+        before = self.manifests.writes
+        generation = self._guard(lambda dl: self.manifests.commit(manifest, dl), dl, "committing the manifest of")
+        if self.manifests.writes != before:
+            self._after_commit(manifest.attempt, dl)
+        return generation
 
     @property
     def owner(self) -> str | None:
@@ -246,6 +265,8 @@ class GcsCheckpointStore:
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
             raise ValueError("attempt must be an integer >= 0")
         dl = Deadline(deadline_s)
+        self._state_ref = (state_file, ckpt_dir)
+        before = self.manifests.writes
         try:
             result, committed = self._guard(
                 lambda dl: run_sync(self.objects, self.manifests, self.notices, self.settings(), ckpt_dir, attempt,
@@ -261,7 +282,67 @@ class GcsCheckpointStore:
             self._committed = committed
         self.last_sync_error = ""
         self.last_sync = result
+        if self.manifests.writes != before:
+            self._after_commit(attempt, dl)
         return result
+
+    # -- retention
+
+    def collect_garbage(
+        self,
+        *,
+        attempt: int | None = None,
+        keep: int | None = None,
+        grace_s: float | None = None,
+        dry_run: bool = False,
+        deadline_s: float = 300.0,
+        before_delete: Callable[[], None] | None = None,
+    ) -> GcResult:
+        """Delete the objects no kept commit references (:mod:`slurmagent.checkpoint.gcs.retention`).
+        ``attempt``: the caller's, fenced (None: a tool). ``keep``/``grace_s``: default this store's.
+        After a clean-up that deleted anything, what this run knew to exist is forgotten."""
+        keep = keep if keep is not None else (self.keep_commits or 2)
+        grace = self.gc_grace_s if grace_s is None else float(grace_s)
+        result = self._guard(
+            lambda dl: collect(self.objects, self.manifests, keep, grace, dl, attempt=attempt, dry_run=dry_run,
+                               workers=self.max_workers, cache=self._records, before_delete=before_delete),
+            Deadline(deadline_s), "cleaning up")  # fmt: skip
+        if result.deleted and not dry_run:
+            self.forget_seen(result)
+        self.last_gc = result
+        return result
+
+    def forget_seen(self, result: GcResult) -> None:
+        """Drop this run's "that object exists" knowledge (the missing-blob check's set, in memory and
+        in the state file): a deleted blob is uploaded again, never assumed."""
+        self.seen.clear()
+        if self._state_ref is None:
+            return
+        state = LocalState(*self._state_ref)
+        state.set_verified(self.url, "", ())
+        gone = {self.object_id(o.name) for o in result.deleted}
+        state.forget_blobs(self.url, gone)
+        try:
+            state.save()
+        except OSError as exc:
+            log.warning("could not save the checkpoint hash cache %s: %s", state.path, exc.strerror or exc)
+
+    def object_id(self, name: str) -> str:
+        """The object id (``pack:<hex>``, ``blake3:<hex>``, ``sha256:<hex>``) of an object name under ``blobs/``."""
+        base = name.rpartition("/")[2]
+        algo, sep, hexd = base.partition("-")
+        return f"{algo}:{hexd}" if sep else f"sha256:{base}"
+
+    def _after_commit(self, attempt: int, dl: Deadline) -> None:
+        """A new manifest is durable: the fence holder cleans up, within what is left of the deadline.
+        A failed clean-up is said once and never fails the sync (the next commit tries again)."""
+        if self.keep_commits is None or dl.remaining() < 1.0:
+            return
+        try:
+            self.collect_garbage(attempt=attempt, deadline_s=dl.remaining())
+        except SlurmagentError as exc:
+            self.notices.say_once(f"gc:{exc}", f"checkpoint clean-up of {self.url} failed (retried after the next "
+                                  f"commit): {exc}")
 
     def _guard(self, fn: Callable[[Deadline], T], dl: Deadline, what: str) -> T:
         """Every failure as one-line :class:`CheckpointError` (no traceback reaches a sync thread)."""
