@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-DEB_PACKAGES := slurmctld slurmd slurm-client munge debootstrap
+DEB_PACKAGES := slurmctld slurmd slurm-client munge debootstrap chromium
 PYTEST_ARGS ?=
 
 LANES  := build/lanes
