@@ -240,8 +240,8 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append("    " + "  ".join(f"{k} {hms(sec[k])}" for k in ("restore", "startup", "progress",
                                                                            "recompute", "flush", "pending", "unrecorded")
                                           if sec[k] or k == "progress"))
-        lost = ", ".join(f"{c} {j['lost'][c]['gpu_hours']:.2f} GPU-h ({hms(j['lost'][c]['seconds'])})"
-                         for c in CAUSES if j["lost"][c]["seconds"])
+        lost = ", ".join(f"{c} {j['lost'][c]['gpu_hours']:.2f} GPU-h ({hms(j['lost'][c]['seconds'])})" if j["gpus"]
+                         else f"{c} {hms(j['lost'][c]['seconds'])}" for c in CAUSES if j["lost"][c]["seconds"])
         lines.append(f"  lost: {lost or 'nothing'}")
     if len(report["jobs"]) > 1:
         lines.append(f"total: {tot['jobs']} jobs, {tot['attempts']} attempts, {tot['interruptions']} interruptions, "

@@ -223,3 +223,30 @@ def test_a_change_in_the_directory_is_first_progress_before_any_commit(tmp_path)
     ledger.start_thread.join(5)
     rec = ledger.record("started")
     assert rec["first_progress"] == 104.0 and rec["last_commit"] is None and rec["restore_s"] == 10.0
+
+
+def test_report_usage_errors_exit_2(tmp_path, capsys, monkeypatch):
+    from slurmagent.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text("")
+    monkeypatch.setenv("SLURMAGENT_CONFIG", str(config))
+    for args, said in ((["report"], "no --remote"), (["report", "--remote", "s3://x"], "not a gs://"),
+                       (["report", "--remote", "gs://b/p", "--since", "soon"], "--since 'soon' is not a duration")):
+        assert main(args) == 2, args
+        assert said in capsys.readouterr().err
+
+
+def test_report_json_and_html_from_one_read(tmp_path):
+    import io
+
+    from slurmagent.commands.report import run_report
+    from slurmagent.state.config import Config
+
+    out, page = io.StringIO(), tmp_path / "r.html"
+    assert run_report(Config(), out, remote="gs://b/p", as_json=True, html=str(page), now=20000.0,
+                      reader=lambda remote: (two_attempts(), ["gs://b/p/x/ledger/bad.json: not JSON"])) == 0
+    report = json.loads(out.getvalue())
+    assert report["remote"] == "gs://b/p" and report["errors"] == ["gs://b/p/x/ledger/bad.json: not JSON"]
+    assert report["totals"]["ettr"] == 0.837 and 'data-ettr="0.837"' in page.read_text()
+    assert "not JSON" in page.read_text()
