@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-DEB_PACKAGES := slurmctld slurmd slurm-client munge debootstrap prometheus prometheus-node-exporter
+DEB_PACKAGES := slurmctld slurmd slurm-client munge debootstrap prometheus prometheus-node-exporter chromium
 PYTEST_ARGS ?=
 
 LANES  := build/lanes

@@ -8,6 +8,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..actions.executor import JournalExecutor
@@ -21,6 +22,7 @@ from ..state.host import node_name, slurmagent_argv
 from ..slurm import env as slurm_env
 from ..slurm.commands import Slurm
 from .child import RequeueHold
+from .ledger import AttemptLedger, LedgerReport, expiry_source, faulty_node
 from .identity import SUBMISSION_ENV, new_owner
 from .requeue import RequeueVerb
 from .job import (
@@ -35,7 +37,7 @@ from .job import (
     make_private_dir,
     parse_signal,
 )
-from .supervisor import FLUSH_SIGNALS, Supervisor
+from .supervisor import FLUSH_SIGNALS, Supervisor, is_fault
 
 REPORT_INTERVAL_S = 600.0  # the checkpoint's state on the job's stderr at most this often (and on changes)
 
@@ -100,6 +102,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     early: list[int] = []
     for s in FLUSH_SIGNALS:
         signal.signal(s, lambda signum, _frame: early.append(signum))
+    started = time.time()  # the attempt's start in the goodput ledger
     env = dict(os.environ)
     ident = JobIdentity.from_env(env)
     options = build_options(cfg, cmd, env, ident, **opts)
@@ -127,6 +130,9 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
     job_store = whole_job or (QuietCutStore(store) if store is not None else None)
     report = checkpoint_report(env, ident, options, store is not None)
+    ledger = attempt_ledger(env, ident, options, store, started) if report is not None else None
+    if ledger is not None:
+        report = LedgerReport(report, ledger)
     # the action API's, through an executor without a journal: the wrapper runs as the job's user,
     # owns no root journal, and retries itself (`requeue.py`); Slurm's refusal is raised to it
     executor = JournalExecutor(cfg, slurm, slurm_env.slurmd_node(env), journal=None) if slurm else None
@@ -142,7 +148,12 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         if store is None:
             sup.say("no [checkpoint] remote: checkpoints stay on this node's disk only")
         sup.pending.extend(early)
-        outcome = sup.run()
+        try:
+            outcome = sup.run()
+        except Exception as exc:  # not starting (the restore failed): the ledger says so, then the error
+            if ledger is not None:
+                ledger.ended(None, error=f"not started: {exc}")
+            raise
     finally:
         if hold is not None:
             hold.cleanup()
@@ -150,6 +161,8 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         _record_metrics(metrics, outcome)
     if report is not None:
         report.ended(outcome.summary)
+    if ledger is not None:
+        end_ledger(ledger, outcome, options, env, slurm)
     sup.say(outcome.summary)
     return outcome.exit_code
 
@@ -168,6 +181,27 @@ def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool
                             job=ident.job_id, attempt=ident.restart_count, remote=options.remote,
                             ckpt_dir=str(options.ckpt_dir), node=slurm_env.slurmd_node(env) or "", record=record,
                             interval_s=REPORT_INTERVAL_S, behind_s=max(3 * options.sync_interval_s, 60.0))
+
+
+def attempt_ledger(env, ident: JobIdentity, options: RunOptions, store, started: float):
+    """This attempt's goodput ledger beside the checkpoint (`run/ledger.py`)."""
+    from ..checkpoint.gcs.ledger import LedgerBucket  # start-up speed: only with a remote
+
+    bucket = LedgerBucket(options.remote, client=getattr(store, "client", None))
+    return AttemptLedger(
+        bucket, ident.job_id if ident.platform == "slurm" else ident.name, ident.restart_count, env, options.ckpt_dir,
+        started=started, say=lambda line: print(f"slurmagent run: {line}", file=sys.stderr, flush=True),
+        submission=ident.submission, platform=ident.platform)
+
+
+def end_ledger(ledger, outcome, options: RunOptions, env, slurm) -> None:
+    """Why the attempt ended, from what this node knows: the expiry state, a node drained for a fault."""
+    source = expiry_source(options.expiry_files, options.flush_lead_s + 300.0) \
+        if outcome.flushed else ""
+    node = fault = ""
+    if is_fault(outcome.flush_cause) and slurm is not None:
+        node, fault = faulty_node(slurm, env)
+    ledger.ended(outcome, expiry_source=source, fault_node=node, fault=fault)
 
 
 def _requeue_of(executor: JournalExecutor):

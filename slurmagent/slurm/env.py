@@ -25,6 +25,7 @@ NODEID = "SLURM_NODEID"
 STEP_ID = "SLURM_STEP_ID"
 STEP_NUM_TASKS = "SLURM_STEP_NUM_TASKS"
 JOB_EXIT_CODE = "SLURM_JOB_EXIT_CODE"
+GPUS_ON_NODE = "SLURM_GPUS_ON_NODE"
 NODENAME = "SLURMD_NODENAME"
 CONF = "SLURM_CONF"
 
@@ -43,6 +44,7 @@ VARIABLES = {
     STEP_ID: "step: its id ('batch' or unset in the batch step; a number under srun)",
     STEP_NUM_TASKS: "step: its task count (a wrapper started as one of several tasks is refused)",
     JOB_EXIT_CODE: "epilog: the job's exit status",
+    GPUS_ON_NODE: "job: GPUs allocated on each node (the goodput ledger's GPU count)",
     NODENAME: "slurmd, for its jobs and hooks: this node's Slurm name (several slurmd may share a host)",
     CONF: "any Slurm command: the slurm.conf path",
 }
@@ -70,6 +72,11 @@ def count(value: str | None) -> int:
 def restart_count(env: Mapping[str, str]) -> int:
     """How many times this job was requeued (0 on the first attempt, or when unreadable)."""
     return count(env.get(RESTART_COUNT))
+
+
+def gpus_on_node(env: Mapping[str, str]) -> int:
+    """GPUs the job holds on this node: 0 when unset or malformed (a CPU job)."""
+    return count(env.get(GPUS_ON_NODE))
 
 
 def num_nodes(env: Mapping[str, str]) -> int:

@@ -1,0 +1,63 @@
+"""`slurmagent report`: the goodput ledger of the jobs under a bucket prefix, as text, JSON or
+one self-contained HTML page. Reads the records (`checkpoint/gcs/ledger.py`), folds them
+(`core/goodput.py`), draws them (`core/goodput_html.py`); changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+from ..core.goodput import build_report, format_text, parse_duration
+from ..core.goodput_html import render_html
+from ..errors import SlurmagentError
+from ..state.config import Config
+
+READ_DEADLINE_S = 120.0
+
+
+class ReportError(SlurmagentError):
+    """The report cannot be made: no prefix named, a bad option, the bucket not readable."""
+
+    exit_code = 2
+
+
+def run_report(cfg: Config, out: TextIO, *, remote: str | None = None, job: str | None = None,
+               since: str | None = None, as_json: bool = False, html: str | None = None,
+               reader: Callable[[str], tuple[list, list]] | None = None, now: float | None = None) -> int:
+    remote = remote or cfg.checkpoint.remote
+    if not remote:
+        raise ReportError("report: no --remote gs://BUCKET/PREFIX and no [checkpoint] remote in the config")
+    if not remote.startswith("gs://"):
+        raise ReportError(f"report: --remote {remote!r} is not a gs://BUCKET/PREFIX")
+    try:
+        since_s = parse_duration(since) if since is not None else None
+    except ValueError as exc:
+        raise ReportError(f"report: --since {exc}") from None
+    records, errors = (reader or read_ledger)(remote)
+    report = build_report(records, now=time.time() if now is None else now, job=job, since_s=since_s, errors=errors)
+    report["remote"] = remote
+    if html is not None:
+        try:
+            Path(html).write_text(render_html(report), encoding="utf-8")
+        except OSError as exc:
+            raise ReportError(f"report: cannot write {html}: {exc.strerror or exc}") from None
+    if as_json:
+        out.write(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    else:
+        out.write(format_text(report) + "\n")
+        if html is not None:
+            out.write(f"wrote {html}\n")
+    return 0
+
+
+def read_ledger(remote: str) -> tuple[list, list]:
+    """Every record under `remote` (its own ledger and each job prefix's); unreachable: exit 2."""
+    from ..checkpoint.gcs.ledger import LedgerBucket  # start-up speed: google only here
+
+    try:
+        return LedgerBucket(remote).read_all(deadline_s=READ_DEADLINE_S)
+    except SlurmagentError as exc:
+        raise ReportError(f"report: cannot read the ledger under {remote}: {exc}") from None

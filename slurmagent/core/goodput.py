@@ -1,0 +1,253 @@
+"""The goodput ledger: one record per attempt of a wrapped job, and where each job's time went.
+
+`run/ledger.py` writes a record per attempt beside the checkpoint (`<prefix>/ledger/<job>-<attempt>.json`,
+read back by `checkpoint/gcs/ledger.py`); `slurmagent report` folds them here. Pure: dicts in,
+dicts and text out, no clock (the caller passes `now`).
+
+Times are seconds since the epoch. For one attempt, with S `started`, R `restore_s`, P
+`first_progress`, C `last_commit` (a commit of this attempt), E `ended`, F = E - `flush_s`:
+
+    restore   = R                      wrapper start -> trainer start (the restore)
+    startup   = P - (S + R)            trainer start -> first progress (all of F - S - R without progress)
+    progress  = min(C, F) - P          "making progress": first progress -> last commit of the attempt
+    recompute = F - max(C, P)          done after the last commit: lost, done again by the next attempt
+    flush     = E - F                  the checkpoint at the end and the final sync
+    pending   = next S - E             PENDING until the next attempt started
+
+so the five parts of an attempt add up to E - S, and with the PENDING gaps the job's wall time
+(first start -> last end). ETTR = sum of progress / wall time. An attempt with only its
+"started" record (killed, or running now) counts from S + R to the next start as `unrecorded`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .timefmt import fmt_time, from_epoch
+
+SCHEMA = 1
+LEDGER_DIR = "ledger"
+# How an attempt ended (`end`); `why` says it in words.
+ENDS = ("completed", "failed", "sigterm", "time-limit", "expiry", "maintenance", "preemption", "gpu-fault",
+        "hang", "self-requeue", "restore-failed", "error", "lost", "running-or-lost", "other")
+NOT_INTERRUPTIONS = ("completed", "failed", "running-or-lost")
+CAUSES = ("startup", "restore", "recompute", "flush", "pending", "unrecorded")  # where lost time went
+FAULT_SIGNAL = "SIGPWR"  # slurm/model.FAULT_FLUSH_SIGNAL by name: a GPU died under the job
+SELF_REQUEUE = "the job requeued itself"  # run/supervisor.SELF_REQUEUE_CAUSE
+EXPIRY_SOURCES = {"maintenance-event": "maintenance", "upcoming-maintenance": "maintenance",
+                  "preempted": "preemption"}  # any other termination source (compute-api, config): expiry
+
+
+def record_name(job: str, attempt: int) -> str:
+    return f"{job}-{attempt}.json"
+
+
+def end_of(*, flushed: bool, flush_cause: str, child_code: int | None, expiry_source: str = "",
+           fault_node: str = "", fault: str = "", summary: str = "") -> tuple[str, str]:
+    """(end, why) from what the wrapper knew when it stopped. A SIGTERM or SIGUSR1 while the
+    node's expiry state holds a near termination time is that termination (`expiry_source`)."""
+    if not flushed:
+        if child_code is None:  # the trainer never ran: the restore failed (requeued without a node)
+            return "restore-failed", summary or "the job never started"
+        if child_code == 0:
+            return "completed", "the job exited 0"
+        if child_code is not None and child_code < 0:
+            return "failed", f"the job died of signal {-child_code}"
+        return "failed", f"the job exited {child_code}"
+    if flush_cause == FAULT_SIGNAL:
+        where = f" on node {fault_node}" if fault_node else ""
+        return "gpu-fault", f"GPU fault{where}" + (f" ({fault})" if fault else "") + " (the watch's fault flush)"
+    if flush_cause == SELF_REQUEUE:
+        return "self-requeue", SELF_REQUEUE
+    if flush_cause.startswith("VM expiry") or (expiry_source and flush_cause in ("SIGTERM", "SIGUSR1")):
+        end = EXPIRY_SOURCES.get(expiry_source, "expiry")
+        return end, f"{flush_cause} ({end}: termination source {expiry_source or 'unknown'})"
+    if flush_cause == "SIGTERM":
+        return "sigterm", "SIGTERM (scancel, scontrol requeue by an admin, Slurm preemption or a node shutdown)"
+    if flush_cause == "SIGUSR1":
+        return "time-limit", "SIGUSR1 (Slurm's end-of-time signal, or a flush asked by hand)"
+    if flush_cause.startswith("restore failed"):
+        return "restore-failed", flush_cause
+    return "other", flush_cause or "unknown"
+
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """`--since`: a number with an optional unit (s, m, h, d, w; seconds when none): "90m", "7d"."""
+    raw = text.strip().lower()
+    unit = raw[-1:] if raw[-1:] in UNITS else "s"
+    number = raw[:-1] if raw[-1:] in UNITS else raw
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration (e.g. 90m, 12h, 7d)") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{text!r} is not a duration (e.g. 90m, 12h, 7d)")
+    return value * UNITS[unit]
+
+
+# --- folding records -----------------------------------------------------------------------
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def valid(record: Any) -> bool:
+    """A record the report can use: a job, an attempt and a start time."""
+    return (isinstance(record, dict) and isinstance(record.get("job"), str) and record["job"] != ""
+            and isinstance(record.get("attempt"), int) and _num(record.get("started")) is not None)
+
+
+def attempt_parts(rec: dict, next_start: float | None) -> dict[str, Any]:
+    """One attempt's seconds by part (see the module docstring); `end` the time it counts to."""
+    s = float(rec["started"])
+    r = max(0.0, _num(rec.get("restore_s")) or 0.0)
+    e = _num(rec.get("ended"))
+    parts = dict.fromkeys(("progress", *CAUSES), 0.0)
+    if e is None:  # only the "started" record: killed, or running now
+        end = max(s + r, next_start) if next_start is not None else s + r
+        parts["restore"] = min(r, end - s)
+        parts["unrecorded"] = max(0.0, end - s - r)
+        return {"parts": parts, "end": end, "ended": False}
+    e = max(e, s)
+    r = min(r, e - s)
+    f = max(s + r, e - max(0.0, _num(rec.get("flush_s")) or 0.0))
+    p, c = _num(rec.get("first_progress")), _num(rec.get("last_commit"))
+    parts["restore"], parts["flush"] = r, e - f
+    if p is None:
+        parts["startup"] = f - s - r
+    else:
+        p = min(max(p, s + r), f)
+        parts["startup"] = p - s - r
+        if c is not None and c > p:
+            parts["progress"] = min(c, f) - p
+        parts["recompute"] = max(0.0, f - max(c if c is not None else p, p))
+    return {"parts": parts, "end": e, "ended": True}
+
+
+def job_report(records: list[dict]) -> dict[str, Any]:
+    """One job's attempts (sorted by attempt), its timeline, ETTR and losses by cause."""
+    recs = sorted(records, key=lambda r: (r["attempt"], r["started"]))
+    attempts, lost_s = [], dict.fromkeys(CAUSES, 0.0)
+    lost_gpu_h = dict.fromkeys(CAUSES, 0.0)
+    progress_s = progress_gpu_h = 0.0
+    for i, rec in enumerate(recs):
+        nxt = float(recs[i + 1]["started"]) if i + 1 < len(recs) else None
+        folded = attempt_parts(rec, nxt)
+        parts, gpus = folded["parts"], int(rec.get("gpus") or 0)
+        if nxt is not None:
+            parts["pending"] = max(0.0, nxt - folded["end"])
+        for cause in CAUSES:
+            lost_s[cause] += parts[cause]
+            lost_gpu_h[cause] += parts[cause] * gpus / 3600.0
+        progress_s += parts["progress"]
+        progress_gpu_h += parts["progress"] * gpus / 3600.0
+        end = rec.get("end") if folded["ended"] else ("lost" if nxt is not None else "running-or-lost")
+        attempts.append({
+            "attempt": rec["attempt"], "started": float(rec["started"]), "ended": folded["end"] if folded["ended"] else None,
+            "end": end or "other", "why": (rec.get("why") or "") if folded["ended"] else (
+                "no end record: the wrapper was killed (SIGKILL, node lost)" if nxt is not None
+                else "no end record yet: running now, or the wrapper was killed"),
+            "until": folded["end"], "interruption": (end or "other") not in NOT_INTERRUPTIONS, "requeued": bool(rec.get("requeued")),
+            "nodes": rec.get("nodes", ""), "node_count": int(rec.get("node_count") or 0), "gpus": gpus,
+            "fault_node": rec.get("fault_node", ""), "restore_s": _num(rec.get("restore_s")),
+            "first_progress": _num(rec.get("first_progress")), "last_commit": _num(rec.get("last_commit")),
+            "flush_s": _num(rec.get("flush_s")), "seconds": {k: round(v, 3) for k, v in parts.items()},
+        })
+    first = attempts[0]["started"]
+    last_end = max(a["until"] for a in attempts)
+    wall = max(0.0, last_end - first)
+    return {
+        "job": recs[0]["job"], "prefix": recs[0].get("prefix", ""), "attempts": attempts,
+        "interruptions": [{"attempt": a["attempt"], "at": a["until"], "cause": a["end"], "why": a["why"]}
+                          for a in attempts if a["interruption"]],
+        "started": first, "ended": last_end, "wall_s": round(wall, 3), "progress_s": round(progress_s, 3),
+        "ettr": round(progress_s / wall, 4) if wall > 0 else None,
+        "gpus": max(a["gpus"] for a in attempts), "progress_gpu_hours": round(progress_gpu_h, 4),
+        "lost": {c: {"seconds": round(lost_s[c], 3), "gpu_hours": round(lost_gpu_h[c], 4)} for c in CAUSES},
+    }
+
+
+def build_report(records: Iterable[Any], *, now: float, job: str | None = None, since_s: float | None = None,
+                 errors: Iterable[str] = ()) -> dict[str, Any]:
+    """The report over every record read: per job (by prefix and id), and the totals."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    skipped = 0
+    for rec in records:
+        if not valid(rec):
+            skipped += 1
+            continue
+        if job is not None and rec["job"] != job:
+            continue
+        groups.setdefault((rec.get("prefix", ""), rec["job"]), []).append(rec)
+    jobs = [job_report(recs) for _, recs in sorted(groups.items())]
+    if since_s is not None:
+        jobs = [j for j in jobs if j["ended"] >= now - since_s]
+    jobs.sort(key=lambda j: j["started"])
+    wall = sum(j["wall_s"] for j in jobs)
+    progress = sum(j["progress_s"] for j in jobs)
+    lost = {c: {"seconds": round(sum(j["lost"][c]["seconds"] for j in jobs), 3),
+                "gpu_hours": round(sum(j["lost"][c]["gpu_hours"] for j in jobs), 4)} for c in CAUSES}
+    return {
+        "schema": SCHEMA, "generated": now, "jobs": jobs,
+        "totals": {"jobs": len(jobs), "attempts": sum(len(j["attempts"]) for j in jobs),
+                   "interruptions": sum(len(j["interruptions"]) for j in jobs), "wall_s": round(wall, 3),
+                   "progress_s": round(progress, 3), "ettr": round(progress / wall, 4) if wall > 0 else None,
+                   "lost": lost},
+        "causes": list(CAUSES), "errors": list(errors), "skipped_records": skipped,
+    }
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def hms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def utc(t: float | None) -> str:
+    return "-" if t is None else fmt_time(from_epoch(t))
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The report as a person reads it: per job its attempts, interruptions, ETTR and losses."""
+    lines = []
+    tot = report["totals"]
+    if not report["jobs"]:
+        lines.append("no ledger records found")
+    for j in report["jobs"]:
+        lines.append(f"job {j['job']}  ({j['prefix']})" if j["prefix"] else f"job {j['job']}")
+        lines.append(f"  ETTR {pct(j['ettr'])}: making progress {hms(j['progress_s'])} of {hms(j['wall_s'])} "
+                     f"wall ({utc(j['started'])} -> {utc(j['ended'])}), {j['gpus']} GPUs")
+        for a in j["attempts"]:
+            sec = a["seconds"]
+            lines.append(f"  attempt {a['attempt']}: {utc(a['started'])} -> {utc(a['ended'])}  {a['end']}"
+                         + (" (requeued)" if a["requeued"] else "") + f": {a['why']}")
+            lines.append("    " + "  ".join(f"{k} {hms(sec[k])}" for k in ("restore", "startup", "progress",
+                                                                           "recompute", "flush", "pending", "unrecorded")
+                                          if sec[k] or k == "progress"))
+        lost = ", ".join(f"{c} {j['lost'][c]['gpu_hours']:.2f} GPU-h ({hms(j['lost'][c]['seconds'])})" if j["gpus"]
+                         else f"{c} {hms(j['lost'][c]['seconds'])}" for c in CAUSES if j["lost"][c]["seconds"])
+        lines.append(f"  lost: {lost or 'nothing'}")
+    if len(report["jobs"]) > 1:
+        lines.append(f"total: {tot['jobs']} jobs, {tot['attempts']} attempts, {tot['interruptions']} interruptions, "
+                     f"ETTR {pct(tot['ettr'])}")
+    for err in report["errors"]:
+        lines.append(f"warning: {err}")
+    if report.get("skipped_records"):
+        lines.append(f"warning: {report['skipped_records']} unreadable record(s) skipped")
+    return "\n".join(lines)
