@@ -406,22 +406,6 @@ def status(state: State, as_json: bool, job_id: str | None, remote: str | None) 
     sys.exit(st["exit_code"])
 
 
-@cli.command()
-@click.option("--remote", metavar="gs://B/P", help="the checkpoint prefix (default [checkpoint] remote): its jobs' ledgers")
-@click.option("--job", "job_id", metavar="ID", help="only this job")
-@click.option("--since", metavar="DURATION", help="only jobs active within this long (90m, 12h, 7d)")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-@click.option("--html", "html_file", metavar="FILE", help="also write one self-contained HTML page")
-@click.pass_obj
-def report(state: State, remote: str | None, job_id: str | None, since: str | None, as_json: bool,
-           html_file: str | None) -> None:
-    """The goodput ledger: per job its attempts and interruptions, ETTR, GPU-hours lost by cause."""
-    from .commands.report import run_report  # start-up speed
-
-    sys.exit(run_report(state.config(), sys.stdout, remote=remote, job=job_id, since=since, as_json=as_json,
-                        html=html_file))
-
-
 @cli.command("journal")
 @click.option("--replay", is_flag=True, help="apply the pending actions now")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
@@ -490,9 +474,10 @@ def expiry_watch(state: State, once: bool, node: str | None, interval: float) ->
     sys.exit(run_expiry_watch(cfg, _node_name(node), once=once, interval_s=interval))
 
 
-from .cli_ckpt import ckpt  # noqa: E402 - the `ckpt` group lives beside: this module's size
+from .cli_bucket import ckpt, report  # noqa: E402 - the commands that read a prefix live beside: this module's size
 
 cli.add_command(ckpt)
+cli.add_command(report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -231,7 +231,7 @@ def _job_metrics(cfg: Config, node: str | None, ident: JobIdentity):
     socket_path = cfg.node_path(cfg.watch.channel_socket, node)
     if ident.platform != "slurm" or not node or not socket_path or not os.path.exists(socket_path):
         return None
-    from .root_channel import ChannelMetrics  # only for a job that may not write them: start-up speed
+    from ..actions.job_channel import ChannelMetrics  # only for a job that may not write them: start-up speed
 
     return ChannelMetrics(socket_path, ident.job_id, node,
                           lambda line: print(f"slurmagent run: {line}", file=sys.stderr, flush=True))

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from support.fakes.slurm import FakeSlurm
-from slurmagent.actions.job_channel import ChannelServer
+from slurmagent.actions.job_channel import ChannelMetrics, ChannelServer, ask_root
 from slurmagent.policy import job_requests
 from slurmagent.policy.job_requests import RequestError, judge, parse_request
-from slurmagent.run.root_channel import ChannelMetrics, ask_root
 from slurmagent.slurm.commands import Slurm
 from slurmagent.slurm.model import JobOwner
 from slurmagent.state.config import parse

@@ -293,7 +293,8 @@ def completions(words: str) -> set[str]:
 
 
 def test_completion_completes_commands_and_options():
-    assert completions("slurmagent rep") == {"repair"}
+    assert completions("slurmagent rep") == {"repair", "report"}
+    assert completions("slurmagent ck") == {"ckpt"}  # a group registered from cli_bucket completes too
     assert {"--json", "--replay", "--node"} <= completions("slurmagent journal --")
     assert {"--dry-run", "--json", "--force"} <= completions("slurmagent repair --")
 

@@ -1,5 +1,6 @@
-"""`slurmagent ckpt ls|gc`: a checkpoint prefix's commits and its clean-up (the click side;
-the work is commands/ckpt.py). Registered on the `slurmagent` group by cli.py."""
+"""The commands that read a checkpoint prefix on Cloud Storage (the click side): `ckpt ls|gc`
+(its commits and their clean-up, commands/ckpt.py) and `report` (its goodput ledger,
+commands/report.py). Registered on the `slurmagent` group by cli.py."""
 
 from __future__ import annotations
 
@@ -43,3 +44,19 @@ def ckpt_gc(state: Any, remote: str, dry_run: bool, keep: int | None, grace_s: f
     from .commands.ckpt import run_gc  # start-up speed
 
     sys.exit(run_gc(state.config(), _remote_arg(remote), dry_run, keep, grace_s, sys.stdout))
+
+
+@click.command()
+@click.option("--remote", metavar="gs://B/P", help="the checkpoint prefix (default [checkpoint] remote): its jobs' ledgers")
+@click.option("--job", "job_id", metavar="ID", help="only this job")
+@click.option("--since", metavar="DURATION", help="only jobs active within this long (90m, 12h, 7d)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--html", "html_file", metavar="FILE", help="also write one self-contained HTML page")
+@click.pass_obj
+def report(state: Any, remote: str | None, job_id: str | None, since: str | None, as_json: bool,
+           html_file: str | None) -> None:
+    """The goodput ledger: per job its attempts and interruptions, ETTR, GPU-hours lost by cause."""
+    from .commands.report import run_report  # start-up speed
+
+    sys.exit(run_report(state.config(), sys.stdout, remote=remote, job=job_id, since=since, as_json=as_json,
+                        html=html_file))
