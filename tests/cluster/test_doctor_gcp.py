@@ -20,7 +20,7 @@ from support import REPO, healthy_snapshot_dict, hook_shim, write_json
 from support.fake_gcp import FakeGcp
 
 ZONE = "us-central1-a"
-NAMES = ["config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf HealthCheckProgram", "slurm.conf PrologFlags",
+NAMES = ["version", "config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf HealthCheckProgram", "slurm.conf PrologFlags",
          "slurm.conf nohold_on_prolog_fail", "slurm.conf PrologEpilogTimeout", "GPUs", "state dir",
          "metadata server", "compute API", "permission compute.instances.get",
          "permission compute.instances.reportHostAsFaulty", "permission compute.instances.list",
@@ -413,4 +413,5 @@ def test_a_named_config_that_is_missing_or_invalid_exits_2(gcp, tmp_path, capsys
     assert main(["--config", str(bad), "doctor", "--json"]) == 2
     doc = json.loads(capsys.readouterr().out)
     assert doc["exit_code"] == 2 and doc["ok"] is False
-    assert doc["checks"][0]["name"] == "config" and "not valid TOML" in doc["checks"][0]["detail"]
+    assert [c["name"] for c in doc["checks"][:2]] == ["version", "config"]  # which slurmagent, then its config
+    assert "not valid TOML" in doc["checks"][1]["detail"]
