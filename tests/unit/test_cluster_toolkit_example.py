@@ -16,8 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-yaml = pytest.importorskip("yaml")
+import yaml  # the test extra has it (pyproject.toml)
 
 from slurmagent.commands.install import shim_text
 from slurmagent.slurm.hookfiles import read_shim
