@@ -241,8 +241,9 @@ def format_event(e: dict[str, Any]) -> str:
     what = " ".join(str(e[k]) for k in ("verdict", "rule") if e.get(k))
     gpu = f" gpu {e['gpu']}" if e.get("gpu") is not None else ""
     xid = f" xid {e['xid']}" if e.get("xid") is not None else ""
-    return (f"{e['time']}  {e.get('node', '?')}  {e.get('event', '?')}: {what}{gpu}{xid} -> {e.get('action', '-')}"
-            + (f" ({e['reason']})" if e.get("reason") else ""))
+    said = f"{what}{gpu}{xid}".strip()
+    return (f"{e['time']}  {e.get('node', '?')}  {e.get('event', '?')}: {said + ' -> ' if said else ''}"
+            f"{e.get('action', '-')}" + (f" ({e['reason']})" if e.get("reason") else ""))
 
 
 # --- text ------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:24px 0 6px} .muted{co
 table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border-bottom:1px solid #e0e0e0;padding:3px 8px;
 text-align:left} th{background:#f5f5f5} .legend span{display:inline-block;margin-right:14px;font-size:12px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:middle}
-section.job{border-top:2px solid #eeeeee;margin-top:18px} .warn{color:#b71c1c}
+section.job{border-top:2px solid #eeeeee;margin-top:18px} .warn{color:#b71c1c} .root-events{font-size:13px;margin:4px 0}
 """
 
 
