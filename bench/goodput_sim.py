@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import shutil
 import subprocess
@@ -62,6 +63,7 @@ CAUSES = (("gpu", 0.587), ("host-maintenance", 0.073), ("host", 0.073), ("softwa
 PERIODIC_S = 30 * 60.0  # the trainer's own checkpoint period, both policies
 FRAMEWORK_TIMEOUT_S = 30 * 60.0  # NCCL watchdog / collective timeout
 MANUAL_REQUEUE_S = (0.25 * H, 1.75 * H)  # a person notices and requeues: uniform, mean 1 h
+T0 = 1793491200.0  # 2026-11-01T00:00:00Z: the simulated month's start
 SLURMD_TIMEOUT_S = 300.0  # Slurm's default: a dead node's jobs are requeued after this
 XID_LINE = "[ 8123.456789] NVRM: Xid (PCI:0000:48:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n"
 
@@ -127,6 +129,7 @@ def measure() -> dict[str, float]:
         wait(lambda: "DRAIN" in cluster.node("n1").get("State", ""), 60, "n1 drained", interval=0.01)
         t_drain = time.time()
         wait(lambda: cluster.job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 240, "the job's end", 0.5)
+        os.environ["STORAGE_EMULATOR_HOST"] = emu.url  # this process reads the ledger from the emulator too
         records, errors = LedgerBucket(f"gs://ckpt/sim/{job}").read_all(deadline_s=60)
         by = {r["attempt"]: r for r in records}
         if sorted(by) != [0, 1] or by[0].get("end") != "gpu-fault":
@@ -176,8 +179,17 @@ def reaction(policy: str, cause: str, manual_s: float, m: dict[str, float]) -> t
         return m["flush_s"], m["flush_s"], True, m["pending_s"], "maintenance notice: flushed and requeued by slurmagent"
     if policy == "no-agent":
         return FRAMEWORK_TIMEOUT_S, 0.0, False, manual_s, "GPU fault: hung until the framework's timeout; requeued by a person"
-    end = m["detect_drain_s"] + m["flush_s"]
+    end = max(m["fault_to_wrapper_done_s"], m["detect_drain_s"] + m["flush_s"])  # XID -> the wrapper done
     return end, m["flush_s"], False, m["pending_s"], "GPU fault: watch drained the node, the wrapper requeued the job"
+
+
+def shifted(records: list[dict], t0: float) -> list[dict]:
+    """Times from the month's start to epoch seconds (the page shows dates)."""
+    for r in records:
+        for k in ("started", "first_progress", "last_commit", "ended"):
+            if r.get(k) is not None:
+                r[k] += t0
+    return records
 
 
 def simulate_job(policy: str, job: str, gpus: int, faults, m: dict[str, float], horizon_s: float) -> list[dict]:
@@ -247,8 +259,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for policy in ("no-agent", "slurmagent"):
-        records = [r for job, g, faults in streams for r in simulate_job(policy, job, g, faults, m, horizon)]
-        report = interruptible(build_report(records, now=horizon))
+        records = [r for job, g, faults in streams for r in shifted(simulate_job(policy, job, g, faults, m, horizon), T0)]
+        report = interruptible(build_report(records, now=T0 + horizon))
         gpu_s = sum(j["gpus"] * j["wall_s"] for j in report["jobs"])  # the fleet's ETTR: weighted by GPUs
         report["totals"]["ettr"] = round(sum(j["gpus"] * j["progress_s"] for j in report["jobs"]) / gpu_s, 4)
         report["simulation"] = {"policy": policy, "days": args.days, "seed": args.seed, "fleet_gpus": FLEET_GPUS,
@@ -258,13 +270,14 @@ def main() -> int:
         results[policy] = report
     gpu_h = {p: sum(j["progress_gpu_hours"] for j in r["jobs"]) for p, r in results.items()}
     wall_gpu_h = sum(g * n for g, n in JOBS) * horizon / H
-    print(f"\n{args.days:g} simulated days, {FLEET_GPUS} GPUs in {sum(n for _, n in JOBS)} multi-node jobs, "
-          f"{results['no-agent']['totals']['interruptions']} interruptions (seed {args.seed})")
-    print(f"{'':<12}{'ETTR':>8}{'GPU-h making progress':>24}  lost GPU-h by cause")
+    print(f"\n{args.days:g} simulated days, {FLEET_GPUS} GPUs in {sum(n for _, n in JOBS)} multi-node jobs "
+          f"({' + '.join(f'{n} x {g}' for g, n in JOBS)} GPUs), seed {args.seed}")
+    print(f"{'':<12}{'ETTR':>8}{'GPU-h making progress':>24}{'interruptions':>15}  lost GPU-h by cause")
     for p, r in results.items():
         ettr = gpu_h[p] / wall_gpu_h
         lost = ", ".join(f"{c} {v['gpu_hours']:.0f}" for c, v in r["totals"]["lost"].items() if v["gpu_hours"] >= 0.5)
-        print(f"{p:<12}{pct(ettr):>8}{gpu_h[p]:>24,.0f}  {lost}")
+        print(f"{p:<12}{pct(ettr):>8}{gpu_h[p]:>24,.0f}{r['totals']['interruptions']:>15}  {lost}")
+    print("(the same faults by running time: a job that runs longer meets more of them)")
     print(f"saved by slurmagent: {gpu_h['slurmagent'] - gpu_h['no-agent']:,.0f} GPU-hours "
           f"({pct((gpu_h['slurmagent'] - gpu_h['no-agent']) / wall_gpu_h)} of the fleet's month)")
     print(f"reports: {out}/no-agent.json, {out}/slurmagent.json; pages: {out}/no-agent.html, {out}/slurmagent.html")
