@@ -75,16 +75,15 @@ def add_root_side(cfg: Config, report: dict, now: float, state_dir: str | None, 
     loop repaired (`--state-dir`, the node that runs `repair`; else this node's state dir when it
     holds a repair history), and per job the decision-log lines naming it (`--decision-log`,
     else this node's). Unreadable: a warning, the rest of the report stands."""
-    here = cfg.state_path(node_name())
-    sdir = Path(state_dir) if state_dir else here
-    if state_dir or repair_state.state_file(sdir).exists():
+    sdir = Path(state_dir) if state_dir else cfg.state_path(node_name())
+    if state_dir or os.path.exists(repair_state.state_file(sdir)):  # False, not raised, in a dir it may not enter
         if not os.access(repair_state.state_file(sdir), os.R_OK):
             report["errors"].append(f"cannot read the repair history {repair_state.state_file(sdir)}")
         history = repair_state.load_state(sdir).get("history", {})
         keys = dict(faults=int(cfg.repair.lemon_faults), window_s=float(cfg.repair.lemon_window_s))
         report["lemon"] = keys
         report["nodes"] = lemon.node_faults(history, now, **keys)
-    logs = [Path(p) for p in decision_logs] or [p for p in [decisionlog.path_for(cfg, node_name())] if p.exists()]
+    logs = [Path(p) for p in decision_logs] or [p for p in [decisionlog.path_for(cfg, node_name())] if os.path.exists(p)]
     records: list = []
     for path in logs:
         if not os.access(path, os.R_OK):

@@ -151,3 +151,5 @@ def test_an_unreadable_decision_log_is_a_warning_not_a_failure(tmp_path):
     assert run_report(cfg, out, remote="gs://b/p", reader=lambda r: (records, []), now=NOW,
                       decision_logs=(str(tmp_path / "missing.log"),)) == 0
     assert "warning: cannot read the decision log" in out.getvalue() and "job 5" in out.getvalue()
+    assert "nodes (" not in out.getvalue()  # no repair history on this node: no nodes section, no warning
+    assert "repair history" not in out.getvalue()
