@@ -52,11 +52,15 @@ def ckpt_gc(state: Any, remote: str, dry_run: bool, keep: int | None, grace_s: f
 @click.option("--since", metavar="DURATION", help="only jobs active within this long (90m, 12h, 7d)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--html", "html_file", metavar="FILE", help="also write one self-contained HTML page")
+@click.option("--state-dir", metavar="DIR", help="the repair loop's state dir: faults per node, lemons "
+              "(default: this node's, when it holds a repair history)")
+@click.option("--decision-log", "decision_logs", multiple=True, metavar="FILE",
+              help="a node's decision log (repeatable): the root side's events per job (default: this node's)")
 @click.pass_obj
 def report(state: Any, remote: str | None, job_id: str | None, since: str | None, as_json: bool,
-           html_file: str | None) -> None:
+           html_file: str | None, state_dir: str | None, decision_logs: tuple[str, ...]) -> None:
     """The goodput ledger: per job its attempts and interruptions, ETTR, GPU-hours lost by cause."""
     from .commands.report import run_report  # start-up speed
 
     sys.exit(run_report(state.config(), sys.stdout, remote=remote, job=job_id, since=since, as_json=as_json,
-                        html=html_file))
+                        html=html_file, state_dir=state_dir, decision_logs=decision_logs))

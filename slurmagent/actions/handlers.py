@@ -345,7 +345,7 @@ class EntryHandlers:
         return str(entry.payload.get("note", "noted"))
 
     def repaired(self, nodes: list[str], action: str) -> None:
-        record_history(self.state_dir, nodes, self.clock())
+        record_history(self.state_dir, nodes, self.clock(), self.cfg.repair.lemon_window_s, self.cfg.repair.lemon_faults)
         self.count_repairs(action, "requested", len(nodes))
 
     def count_repairs(self, action: str, result: str, nodes: int) -> None:

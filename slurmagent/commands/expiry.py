@@ -104,6 +104,7 @@ class CheckResult:
     state: dict[str, Any] = field(default_factory=dict)
     next_check_s: float | None = None  # when the next threshold is crossed (loop mode)
     to_say: list[str] | None = None  # --once: the error lines this run says (None: say every error)
+    jobs: list[str] = field(default_factory=list)  # the jobs this run flushed, requeued or left: `report` joins by id
 
     def summary(self) -> str:
         if self.termination is None:
@@ -269,6 +270,7 @@ class ExpiryWatch:
         if out.left:
             res.actions.append(f"left job(s) {','.join(out.left)} alone")
         res.errors.extend(out.errors)
+        res.jobs = sorted({*out.signaled, *out.requeued, *out.left}, key=_job_key)
 
 
 def _usable_cache(cached: Any) -> dict[str, Any] | None:
@@ -380,7 +382,8 @@ def _log(cfg: Config, node: str, res: CheckResult, mode: str) -> None:
         "expiry-watch", node=node, mode=mode,
         termination_time=fmt_time(res.termination) if res.termination else None, source=res.source or None,
         remaining_s=round(res.remaining_s) if res.remaining_s is not None else None,
-        action="; ".join(res.actions) or "none", errors=res.errors or None, said=res.to_say or None)
+        action="; ".join(res.actions) or "none", errors=res.errors or None, said=res.to_say or None,
+        jobs=res.jobs or None)
 
 
 def _internal(exc: Exception) -> str:

@@ -5,17 +5,17 @@
   plan (`repair_policy.plan_repair`: what to repair, skip or refuse; the breaker holds repairs back
   while it is open; opted-out nodes are left alone), then per node the VM's facts (cache,
   else one `instances.get` in the home zone, then ONE list/aggregatedList for VMs in other
-  zones) and the choice (`repair_policy.choose_repair`, by `[repair] strategy`), and the requests:
-  dynamic nodes powered down (POWER_DOWN_ASAP), `reportHostAsFaulty` per node where Google
-  takes it (a refusal falls back to recreate, journaled), ONE `recreateInstances` per MIG.
-  The nodes' reasons switch to `slurmagent: repairing: ...` first so a second run does not
-  ask twice. What is sent and how it is undone on failure is `actions/`'s.
-* `resume-if-healthy`: at boot, once slurmd of this boot has registered, resume the node if
-  it is healthy and drained by slurmagent (a fault, or a planned drain ahead of the VM's end:
-  a static node recreated after its flex expiry comes back by itself); drain it (through the
-  breaker) if it is not.
-
-No google module is imported here at start-up: the repair path imports `gcp/compute.py`.
+  zones) and the choice (`repair_policy.choose_repair`, by `[repair] strategy`; a lemon node,
+  policy/lemon.py, may be escalated), and the requests: dynamic nodes powered down
+  (POWER_DOWN_ASAP), `reportHostAsFaulty` per node where Google takes it (a refusal falls back
+  to recreate, journaled), ONE `recreateInstances` per MIG. The nodes' reasons switch to
+  `slurmagent: repairing: ...` first so a second run does not ask twice. What is sent and how
+  it is undone on failure is `actions/`'s.
+* `resume-if-healthy`: at boot, once slurmd of this boot has registered, resume the node if it
+  is healthy and drained by slurmagent (a fault, or a planned drain ahead of the VM's end: a
+  static node recreated after its flex expiry comes back by itself); drain it (through the
+  breaker) if it is not. No google module is imported here at start-up (the repair path
+  imports `gcp/compute.py`).
 """
 
 from __future__ import annotations
@@ -27,23 +27,18 @@ import uuid
 from typing import Any, Callable, TextIO
 
 from ..core import hostlist, reasons
-from ..policy import breaker as breaker_policy, repair as repair_policy
+from ..policy import breaker as breaker_policy, lemon, repair as repair_policy
 from ..policy.repair_report import REFUSED, RepairResult, plan_entry
 from ..actions.executor import REPLAY_DEADLINE_S, JournalExecutor
+from ..state import metrics
 from ..state.config import Config
 from ..state.decisionlog import warn
 from ..errors import SlurmagentError, SlurmError, SlurmUnreachable
 from ..state.host import boot_time, node_name
 from ..state.journal import Entry
 from ..slurm.model import NodeInfo
-from ..state.repair_state import (
-    forget_requested,
-    load_state,
-    remember_drained_at,
-    remember_requested,
-    requested,
-    save_state,
-)
+from ..state.repair_state import (forget_requested, load_state, remember_drained_at, remember_requested, requested,
+                                   save_state)
 from ..core.timefmt import fmt_time, from_epoch
 from ..slurm.commands import Slurm
 
@@ -92,6 +87,9 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
                               retry_after_s=float(cfg.repair.retry_after_s),
                               history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day),
                               strategy=cfg.repair.strategy, adopt_reasons=tuple(cfg.repair.adopt_reasons))
+    fault_gauges, lemons = lemon.judge(state.get("history"), now, plan.todo, cfg.repair)
+    if not dry_run:
+        metrics.for_node(cfg, executor.local_node).update(set_=fault_gauges, replace_prefix="slurmagent_node_faults{")
     by_name = {n.name: n for n in nodes}
     for name in [n for n in plan.todo if executor.opted_out(by_name[n], n)]:
         plan.todo.remove(name)
@@ -123,7 +121,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
             print(f"{name}: drained only ([repair] strategy = none): {reason_of[name]}", file=out)
             res.skipped[name] = "strategy none"
         return res
-    run = RepairRun(cfg, executor, res, out, err, state.get("migs", {}), dry_run)
+    run = RepairRun(cfg, executor, res, out, err, state.get("migs", {}), dry_run, lemons)
     choices = run.choose(plan.todo, by_name)
     if dry_run:
         for name, (choice, target) in choices.items():
@@ -201,7 +199,7 @@ class RepairRun:
     recreateInstances per MIG for the planned and the fallen-back nodes together."""
 
     def __init__(self, cfg: Config, executor: JournalExecutor, res: RepairResult, out: TextIO, err: TextIO,
-                 migs: dict[str, Any], dry_run: bool):
+                 migs: dict[str, Any], dry_run: bool, lemons: dict[str, str] | None = None):
         self.cfg, self.executor, self.res, self.out, self.err = cfg, executor, res, out, err
         self.migs = migs  # the cache: node -> {zone, mig, vm, report_refused}
         self.dry_run = dry_run
@@ -209,6 +207,7 @@ class RepairRun:
         self._where: tuple[str, str] | None = None
         self._compute: Any = None
         self.calls_before = 0
+        self.lemons = lemons or {}  # node -> why it is a lemon to escalate ([repair] lemon_action)
 
     # --- where and how to ask --------------------------------------------------------------
 
@@ -252,11 +251,13 @@ class RepairRun:
                 target = {"zone": cached.get("zone", ""), "mig": cached.get("mig")}
                 choices[name] = (repair_policy.choose_repair(self.strategy, node, None), target)
                 continue
-            known = repair_policy.known_target("recreate" if refused_report else self.strategy, cached, "")
+            lemony = self.lemons.get(name, "")  # its VM's facts are needed: does it take reportHostAsFaulty?
+            target_strategy = "recreate" if refused_report else "auto" if lemony else self.strategy
+            known = repair_policy.known_target(target_strategy, cached, "")
             if known is not None:
                 vm = repair_policy.VmFacts.from_dict(known["vm"]) if known.get("vm") else repair_policy.VmFacts(
                     known["zone"], mig=known.get("mig"))
-                choices[name] = (repair_policy.choose_repair(self.strategy, node, vm, refused), known)
+                choices[name] = (repair_policy.choose_repair(self.strategy, node, vm, refused, lemony), known)
             elif self.dry_run and self.strategy != "auto":
                 choices[name] = (repair_policy.RepairChoice("recreate"), {})  # looked up at run time
             else:
@@ -268,7 +269,8 @@ class RepairRun:
                           **({"report_refused": refused} if refused else {})}
                 if not self.dry_run:
                     self.migs[name] = target
-                choices[name] = (repair_policy.choose_repair(self.strategy, by_name[name], vm, refused), target)
+                choices[name] = (repair_policy.choose_repair(self.strategy, by_name[name], vm, refused,
+                                                             self.lemons.get(name, "")), target)
         for name, (choice, _) in list(choices.items()):
             if choice.action == "fail":
                 self.fail(name, f"VM {name}: {choice.why}")

@@ -6,14 +6,18 @@ one self-contained HTML page. Reads the records (`checkpoint/gcs/ledger.py`), fo
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from ..core.goodput import build_report, format_text, parse_duration
+from ..core.goodput import attach_root_events, build_report, format_text, parse_duration
 from ..core.goodput_html import render_html
 from ..errors import SlurmagentError
+from ..policy import lemon
+from ..state import decisionlog, repair_state
 from ..state.config import Config
+from ..state.host import node_name
 
 READ_DEADLINE_S = 120.0
 
@@ -26,7 +30,8 @@ class ReportError(SlurmagentError):
 
 def run_report(cfg: Config, out: TextIO, *, remote: str | None = None, job: str | None = None,
                since: str | None = None, as_json: bool = False, html: str | None = None,
-               reader: Callable[[str], tuple[list, list]] | None = None, now: float | None = None) -> int:
+               reader: Callable[[str], tuple[list, list]] | None = None, now: float | None = None,
+               state_dir: str | None = None, decision_logs: tuple[str, ...] = ()) -> int:
     remote = remote or cfg.checkpoint.remote
     if not remote:
         raise ReportError("report: no --remote gs://BUCKET/PREFIX and no [checkpoint] remote in the config")
@@ -37,8 +42,10 @@ def run_report(cfg: Config, out: TextIO, *, remote: str | None = None, job: str 
     except ValueError as exc:
         raise ReportError(f"report: --since {exc}") from None
     records, errors = (reader or read_ledger)(remote)
-    report = build_report(records, now=time.time() if now is None else now, job=job, since_s=since_s, errors=errors)
+    now = time.time() if now is None else now
+    report = build_report(records, now=now, job=job, since_s=since_s, errors=errors)
     report["remote"] = remote
+    add_root_side(cfg, report, now, state_dir, decision_logs)
     if html is not None:
         try:
             Path(html).write_text(render_html(report), encoding="utf-8")
@@ -61,3 +68,27 @@ def read_ledger(remote: str) -> tuple[list, list]:
         return LedgerBucket(remote).read_all(deadline_s=READ_DEADLINE_S)
     except SlurmagentError as exc:
         raise ReportError(f"report: cannot read the ledger under {remote}: {exc}") from None
+
+
+def add_root_side(cfg: Config, report: dict, now: float, state_dir: str | None, decision_logs: tuple[str, ...]) -> None:
+    """What the root side knows, where this user may read it: per node the faults the repair
+    loop repaired (`--state-dir`, the node that runs `repair`; else this node's state dir when it
+    holds a repair history), and per job the decision-log lines naming it (`--decision-log`,
+    else this node's). Unreadable: a warning, the rest of the report stands."""
+    sdir = Path(state_dir) if state_dir else cfg.state_path(node_name())
+    if state_dir or os.path.exists(repair_state.state_file(sdir)):  # False, not raised, in a dir it may not enter
+        if not os.access(repair_state.state_file(sdir), os.R_OK):
+            report["errors"].append(f"cannot read the repair history {repair_state.state_file(sdir)}")
+        history = repair_state.load_state(sdir).get("history", {})
+        keys = dict(faults=int(cfg.repair.lemon_faults), window_s=float(cfg.repair.lemon_window_s))
+        report["lemon"] = keys
+        report["nodes"] = lemon.node_faults(history, now, **keys)
+    logs = [Path(p) for p in decision_logs] or [p for p in [decisionlog.path_for(cfg, node_name())] if os.path.exists(p)]
+    records: list = []
+    for path in logs:
+        if not os.access(path, os.R_OK):
+            report["errors"].append(f"cannot read the decision log {path}")
+        records += decisionlog.read_records(path)
+    if logs:
+        attach_root_events(report, records)
+        report["decision_logs"] = [str(p) for p in logs]

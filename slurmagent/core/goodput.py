@@ -201,6 +201,51 @@ def build_report(records: Iterable[Any], *, now: float, job: str | None = None, 
     }
 
 
+# --- what the root side logged (decision logs) and the repair loop's per-node faults ----------
+
+EVENT_FIELDS = ("time", "node", "event", "verdict", "rule", "gpu", "xid", "reason", "action", "source")
+
+
+def root_event(record: Any) -> dict[str, Any] | None:
+    """A decision-log line worth a job's attention: anything but a healthy check that did nothing."""
+    if not isinstance(record, dict) or not isinstance(record.get("time"), str):
+        return None
+    if record.get("verdict") == "healthy" and record.get("action") in (None, "none"):
+        return None
+    return {k: record[k] for k in EVENT_FIELDS if record.get(k) is not None}
+
+
+def job_ids_of(record: dict) -> list[str]:
+    """The job ids a decision-log line names (`job`, or a `jobs` list)."""
+    ids = [record.get("job")] + (record.get("jobs") if isinstance(record.get("jobs"), list) else [])
+    return [str(i) for i in ids if isinstance(i, (str, int)) and not isinstance(i, bool) and str(i)]
+
+
+def attach_root_events(report: dict[str, Any], records: Iterable[Any]) -> dict[str, Any]:
+    """Per job, the root side's lines that name its id (drains by a prolog, evictions, fault
+    requeues, the job's own requests), oldest first, as `root_events`."""
+    by_job: dict[str, list[dict]] = {j["job"]: [] for j in report["jobs"]}
+    for rec in records:
+        if not isinstance(rec, dict):
+            continue
+        for jid in job_ids_of(rec):
+            event = root_event(rec) if jid in by_job else None
+            if event is not None:
+                by_job[jid].append(event)
+    for j in report["jobs"]:
+        j["root_events"] = sorted(by_job[j["job"]], key=lambda e: e["time"])
+    return report
+
+
+def format_event(e: dict[str, Any]) -> str:
+    what = " ".join(str(e[k]) for k in ("verdict", "rule") if e.get(k))
+    gpu = f" gpu {e['gpu']}" if e.get("gpu") is not None else ""
+    xid = f" xid {e['xid']}" if e.get("xid") is not None else ""
+    said = f"{what}{gpu}{xid}".strip()
+    return (f"{e['time']}  {e.get('node', '?')}  {e.get('event', '?')}: {said + ' -> ' if said else ''}"
+            f"{e.get('action', '-')}" + (f" ({e['reason']})" if e.get("reason") else ""))
+
+
 # --- text ------------------------------------------------------------------------------------
 
 
@@ -243,9 +288,18 @@ def format_text(report: dict[str, Any]) -> str:
         lost = ", ".join(f"{c} {j['lost'][c]['gpu_hours']:.2f} GPU-h ({hms(j['lost'][c]['seconds'])})" if j["gpus"]
                          else f"{c} {hms(j['lost'][c]['seconds'])}" for c in CAUSES if j["lost"][c]["seconds"])
         lines.append(f"  lost: {lost or 'nothing'}")
+        if j.get("root_events"):
+            lines.append("  root-side events for this job:")
+            lines.extend(f"    {format_event(e)}" for e in j["root_events"])
     if len(report["jobs"]) > 1:
         lines.append(f"total: {tot['jobs']} jobs, {tot['attempts']} attempts, {tot['interruptions']} interruptions, "
                      f"ETTR {pct(tot['ettr'])}")
+    if report.get("nodes") is not None:
+        lem = report.get("lemon", {})
+        lines.append(f"nodes (repairs within {lem.get('window_s', 0) / 86400:g} days; a lemon from {lem.get('faults')}):"
+                     + ("" if report["nodes"] else " none repaired"))
+        lines.extend(f"  {n['node']}: {n['faults']} fault(s), last {utc(n['last_fault'])}"
+                     + ("  LEMON" if n["lemon"] else "") for n in report["nodes"])
     for err in report["errors"]:
         lines.append(f"warning: {err}")
     if report.get("skipped_records"):

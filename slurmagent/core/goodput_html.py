@@ -4,7 +4,8 @@ script, nothing fetched at view time), because people would rather look at it th
 Stable hooks for tests and scrapers: `id="ettr"` (the overall ETTR, `data-ettr`), `id="loss-chart"`
 with one `class="cause-bar"` per cause (`data-cause`, `data-seconds`, `data-gpu-hours`), and per job
 `class="job"` (`data-job`) holding `class="job-ettr"`, a `class="timeline"` SVG whose segments are
-`class="seg seg-<part>"` and one `class="interruption"` (`data-cause`) per interruption.
+`class="seg seg-<part>"` and one `class="interruption"` (`data-cause`) per interruption, and
+`class="root-event"` per root-side event; `id="nodes"` with `class="node"` (`data-faults`, `data-lemon`).
 Pure: a report dict (core/goodput.build_report) in, a string out.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .goodput import CAUSES, hms, pct, utc
+from .goodput import CAUSES, format_event, hms, pct, utc
 
 COLOURS = {"progress": "#2e7d32", "restore": "#1565c0", "startup": "#8e24aa", "recompute": "#c62828",
            "flush": "#ef6c00", "pending": "#9e9e9e", "unrecorded": "#5d4037"}
@@ -26,7 +27,7 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:24px 0 6px} .muted{co
 table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border-bottom:1px solid #e0e0e0;padding:3px 8px;
 text-align:left} th{background:#f5f5f5} .legend span{display:inline-block;margin-right:14px;font-size:12px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:middle}
-section.job{border-top:2px solid #eeeeee;margin-top:18px} .warn{color:#b71c1c}
+section.job{border-top:2px solid #eeeeee;margin-top:18px} .warn{color:#b71c1c} .root-events{font-size:13px;margin:4px 0}
 """
 
 
@@ -105,7 +106,27 @@ def _job(job: dict[str, Any]) -> str:
             f'{hms(job["progress_s"])} of {hms(job["wall_s"])} wall &middot; {len(job["attempts"])} attempts, '
             f'{len(job["interruptions"])} interruptions &middot; {job["gpus"]} GPUs</div>'
             f'{timeline(job)}<table><tr><th>attempt</th><th>started</th><th>ended</th><th>end</th><th>why</th>'
-            f'<th>requeued</th><th>nodes</th><th>GPUs</th><th>progress</th></tr>{rows}</table></section>')
+            f'<th>requeued</th><th>nodes</th><th>GPUs</th><th>progress</th></tr>{rows}</table>{_events(job)}</section>')
+
+
+def _events(job: dict[str, Any]) -> str:
+    if not job.get("root_events"):
+        return ""
+    items = "".join(f'<li class="root-event" data-event="{_attr(e.get("event", ""))}">{escape(format_event(e))}</li>'
+                    for e in job["root_events"])
+    return f'<div class="muted">root-side events for this job</div><ul class="root-events">{items}</ul>'
+
+
+def _nodes(report: dict[str, Any]) -> str:
+    if report.get("nodes") is None:
+        return ""
+    lem = report.get("lemon", {})
+    rows = "".join(f'<tr class="node" data-node="{_attr(n["node"])}" data-faults="{n["faults"]}" '
+                   f'data-lemon="{"yes" if n["lemon"] else "no"}"><td>{escape(n["node"])}</td><td>{n["faults"]}</td>'
+                   f'<td>{utc(n["last_fault"])}</td><td>{"LEMON" if n["lemon"] else "no"}</td></tr>'
+                   for n in report["nodes"])
+    return (f'<h2>nodes: repairs within {lem.get("window_s", 0) / 86400:g} days (a lemon from {lem.get("faults")})</h2>'
+            f'<table id="nodes"><tr><th>node</th><th>faults</th><th>last fault</th><th>lemon</th></tr>{rows}</table>')
 
 
 def render_html(report: dict[str, Any]) -> str:
@@ -124,6 +145,6 @@ last commit of each attempt) / wall time (first start to last end)</div>
 <div><div class="label">attempts</div><b id="attempts">{tot["attempts"]}</b></div>
 <div><div class="label">interruptions</div><b id="interruptions">{tot["interruptions"]}</b></div></div>
 <h2>time lost by cause</h2>{loss_chart(tot["lost"])}
-{_legend()}{warnings}{jobs}
+{_legend()}{warnings}{_nodes(report)}{jobs}
 </body></html>
 """

@@ -12,7 +12,9 @@ from a source checkout: the product itself never contains a fake). Scenes:
 4. maintenance: a training job under `slurmagent run` gets SIGTERM, checkpoints to the
    bucket, is requeued and resumes on another node from the bucket;
 5. flex-start expiry: the VM under a training job will be terminated in 75 s; the expiry
-   watch drains it ahead, the job flushes at the lead and resumes elsewhere in time.
+   watch drains it ahead, the job flushes at the lead and resumes elsewhere in time;
+6. `slurmagent report`: ETTR and every interruption (with its cause) of the wrapped jobs, joined
+   with the root side's decision logs and the repair history, and the same as an HTML page.
 
 Everything started is stopped at the end.
 """
@@ -179,9 +181,13 @@ def run_demo(keep: bool = False) -> int:
         _scene_repair(tl, cluster, root, env, gcp)
         _scene_interrupted_training(tl, cluster, root, env)
         _scene_flex_expiry(tl, cluster, root, env, gcp)
+        shown = _scene_report(tl, root, env)
         tl.summary()
         ok = all(r[2].startswith("ok") for r in tl.rows)
         print("\nAll scenes passed." if ok else "\nSome scenes FAILED (see above).")
+        if shown:
+            print(f"\nThe goodput report of the demo's wrapped jobs (`slurmagent report`):\n\n{shown[0]}\n")
+            print(f"The same as one page: {shown[1]}")
         return 0 if ok else 1
     except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
         tl.say(f"FAILED: {exc}")
@@ -332,6 +338,35 @@ def _scene_flex_expiry(tl: Timeline, cluster, root: Path, env: dict, gcp) -> Non
               if resumed_at < end and flushed_at < end else "FAILED")
     tl.result("flex expiry", f"all {total} steps, none lost, none repeated",
               "ok" if final["JobState"] == "COMPLETED" and _steps(ledger) == list(range(1, total + 1)) else "FAILED")
+
+
+def _scene_report(tl: Timeline, cluster_root: Path, env: dict) -> tuple[str, Path] | None:
+    """`slurmagent report` over the demo's bucket, the nodes' decision logs and the repair
+    history: ETTR and one line per interruption of each wrapped job, and the HTML page."""
+    from ..core.goodput import format_text
+
+    state = cluster_root / "state"
+    page = Path(tempfile.gettempdir()) / f"slurmagent-demo-report-{time.strftime('%Y%m%d-%H%M%S')}.html"
+    args = ["report", "--json", "--html", str(page)]
+    for log in sorted(state.glob("*/hooks.log")):
+        args += ["--decision-log", str(log)]
+    for repair_state in sorted(state.glob("*/repair-state.json"))[:1]:
+        args += ["--state-dir", str(repair_state.parent)]
+    tl.say("scene 6: `slurmagent report`: where each wrapped job's time went, from the ledger in the bucket")
+    proc = _cli(env, *args)
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        tl.result("report", "ETTR and every interruption of each wrapped job", f"FAILED ({proc.stderr.strip()[-200:]})")
+        return None
+    jobs = {j["job"]: j for j in report["jobs"]}
+    causes = sorted(i["cause"] for j in jobs.values() for i in j["interruptions"])
+    tl.result("report", "ETTR and every interruption of each wrapped job",
+              f"ok ({len(jobs)} jobs, interruptions: {', '.join(causes)})"
+              if len(jobs) >= 2 and all(j["ettr"] for j in jobs.values()) and "sigterm" in causes
+              and any(c in ("expiry", "maintenance", "preemption") for c in causes) else f"FAILED ({causes})")
+    tl.result("report", "one self-contained HTML page", "ok" if page.exists() else "FAILED")
+    return format_text(report), page
 
 
 def _scene_sick_gpu(tl: Timeline, cluster, root: Path) -> None:

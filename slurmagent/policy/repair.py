@@ -235,13 +235,17 @@ class RepairChoice:
     why: str = ""
 
 
-def choose_repair(strategy: str, node: NodeInfo, vm: VmFacts | None, refused: str = "") -> RepairChoice:
+def choose_repair(strategy: str, node: NodeInfo, vm: VmFacts | None, refused: str = "",
+                  lemon: str = "") -> RepairChoice:
     """The repair a drained node gets. `vm`: its VM's facts (None when not looked up: the
     strategy needs none, or the lookup failed); `refused`: Google refused reportHostAsFaulty
-    for this VM before (then a MIG recreate, or it stays drained). Never a deletion."""
+    for this VM before (then a MIG recreate, or it stays drained); `lemon`: why this node is a
+    lemon to escalate (policy/lemon.py): reportHostAsFaulty where its VM takes it. Never a deletion."""
     if powers_down(strategy, node):
         return RepairChoice("power-down", "dynamic node: Slurm gives the next job a fresh VM" if node.dynamic
                             else "[repair] strategy power-down")
+    if lemon and vm is not None and not refused and not report_refusal(vm):
+        return RepairChoice("report-faulty", lemon)
     if strategy == "report-faulty" and not refused:
         return RepairChoice("report-faulty", "[repair] strategy report-faulty")
     if vm is None:

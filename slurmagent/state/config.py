@@ -141,6 +141,14 @@ class RepairConfig:
         86400.0, "journal: pending actions older than this are dropped",
         low=60, high=2592000,
     )
+    lemon_faults: int = _key(
+        3, "a node repaired this many times within `lemon_window_s` is a lemon: listed by `report --state-dir` "
+        "and in `slurmagent_lemon_nodes` (0: no node is ever one)", low=0, high=1000)
+    lemon_window_s: float = _key(604800.0, "the window of `lemon_faults` (default 7 days)", low=60, high=31536000)
+    lemon_action: str = _key(
+        "report", "`report`: a lemon is listed, repaired as any node; `report-faulty`: its repair is "
+        "`reportHostAsFaulty` (Google moves the VM to another host) where its VM supports it, not a recreate",
+        ("report", "report-faulty"))
     allow_non_root: bool = _key(
         False, "let non-root users run `repair` (honoured only from a root-owned config; `--dry-run` is always allowed)")
 

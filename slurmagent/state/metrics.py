@@ -28,6 +28,9 @@ HELP = {
     "slurmagent_requeues_total": ("counter", "jobs requeued by slurmagent"),
     "slurmagent_repairs_total": ("counter", "nodes whose repair was asked for, by action (recreate, report-faulty, "
                                  "power-down) and result (requested, refused, failed)"),
+    "slurmagent_node_faults": ("gauge", "repairs asked for this node within [repair] lemon_window_s (written by the "
+                               "node that runs `repair`)"),
+    "slurmagent_lemon_nodes": ("gauge", "nodes repaired at least [repair] lemon_faults times within lemon_window_s"),
     "slurmagent_flush_seconds": ("gauge", "duration of the last checkpoint flush (signal to requeue)"),
     "slurmagent_bytes_synced_total": ("counter", "checkpoint bytes uploaded"),
     "slurmagent_checkpoint_lag_seconds": (

@@ -44,11 +44,14 @@ def save_state(state_dir: Path, data: dict[str, Any]) -> None:
         warn(f"cannot save {state_file(state_dir)}: {exc.strerror}")
 
 
-def record_history(state_dir: Path, nodes: list[str], now: float) -> None:
+def record_history(state_dir: Path, nodes: list[str], now: float, keep_s: float = HISTORY_KEEP_S,
+                   keep_n: int = HISTORY_KEEP_N) -> None:
+    """One repair of each node, now: what `max_repairs_per_day` and the lemon count read."""
     data = load_state(state_dir)
     hist = data.setdefault("history", {})
+    keep_s, keep_n = max(keep_s, HISTORY_KEEP_S), max(keep_n, HISTORY_KEEP_N)
     for n in nodes:
-        hist[n] = [t for t in hist.get(n, []) if now - t < HISTORY_KEEP_S][-HISTORY_KEEP_N:] + [now]
+        hist[n] = [t for t in hist.get(n, []) if now - t < keep_s][-keep_n:] + [now]
     save_state(state_dir, data)
 
 

@@ -27,8 +27,9 @@ from test_watch import append, nvrm
 class WatchProcess:
     """`python -m slurmagent.entry watch --node N` as systemd would run it (Type=notify)."""
 
-    def __init__(self, slurm, node: str):
+    def __init__(self, slurm, node: str, config=None):
         self.slurm, self.node = slurm, node
+        self.config = config or slurm.config
         self.dir = tempfile.mkdtemp(prefix="sa", dir="/tmp")
         self.sock_path = os.path.join(self.dir, "notify")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -37,7 +38,7 @@ class WatchProcess:
         self.err = Path(self.dir) / "stderr"
 
     def start(self) -> WatchProcess:
-        env = dict(self.slurm.cluster.env, SLURMAGENT_CONFIG=str(self.slurm.config), PYTHONPATH=str(REPO),
+        env = dict(self.slurm.cluster.env, SLURMAGENT_CONFIG=str(self.config), PYTHONPATH=str(REPO),
                    NOTIFY_SOCKET=self.sock_path)
         env.pop("SLURMD_NODENAME", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "slurmagent.entry", "watch", "--node", self.node],

@@ -219,9 +219,10 @@ def test_flush_at_lead_signals_wrapped_requeues_unwrapped_once(tmp_path):
     st = res.state
     assert st["flushed"] and st["flushed_jobs"] == ["41"] and st["requeued_jobs"] == ["42", "43"]
     assert st["flush_cause"] == "VM expiry in 100 s"
+    assert res.jobs == ["41", "42", "43"]  # in the decision log's line: `report` joins it to each job
     clock.t += 30
     cli.add_job("44", node=NODE, script=WRAPPED_SCRIPT)
-    w.check(Events())
+    assert w.check(Events()).jobs == ["44"]
     assert cli.of("scancel")[-1] == ["scancel", "--batch", "--signal=USR1", "44"]  # only the new one
     assert len(cli.of("scontrol", "requeue")) == 1
 

@@ -1,0 +1,58 @@
+"""Lemon nodes: a node whose repairs keep coming back (`[repair] lemon_faults` within
+`lemon_window_s`). The repair loop records every repair it asks for per node
+(state/repair_state.record_history); this reads that history. Pure: no clock, no files.
+
+A recreate puts the same VM name on whatever host the MIG picks, possibly the same bad one;
+`reportHostAsFaulty` makes Google take the host out, so with `lemon_action = "report-faulty"` a
+lemon whose VM supports it gets that instead (policy/repair.choose_repair).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def recent(times: Any, now: float, window_s: float) -> list[float]:
+    """The repair times within the window (anything not a number is ignored)."""
+    if not isinstance(times, list):
+        return []
+    return sorted(float(t) for t in times
+                  if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= now - float(t) < window_s)
+
+
+def node_faults(history: Any, now: float, *, faults: int, window_s: float) -> list[dict[str, Any]]:
+    """Per node with a repair in the window: faults seen, the last one, lemon or not (most faults first)."""
+    if not isinstance(history, dict):
+        return []
+    rows = []
+    for node, times in history.items():
+        seen = recent(times, now, window_s)
+        if seen:
+            rows.append({"node": str(node), "faults": len(seen), "last_fault": seen[-1],
+                         "lemon": faults > 0 and len(seen) >= faults})
+    return sorted(rows, key=lambda r: (-r["faults"], r["node"]))
+
+
+def escalation(node: str, history: Any, now: float, *, faults: int, window_s: float) -> str:
+    """Why this repair of `node` (the fault being repaired now counts too) is a lemon's; "" if not one."""
+    seen = recent(history.get(node) if isinstance(history, dict) else None, now, window_s)
+    if faults <= 0 or len(seen) + 1 < faults:
+        return ""
+    return f"lemon: {len(seen) + 1} faults within {window_s / 86400:g} days ([repair] lemon_faults = {faults})"
+
+
+def gauges(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """`slurmagent_lemon_nodes` and `slurmagent_node_faults{node}` for Metrics.update (the
+    caller replaces the old per-node series: a node whose faults left the window disappears)."""
+    out: dict[tuple, float] = {("slurmagent_lemon_nodes", ()): float(sum(r["lemon"] for r in rows))}
+    for r in rows:
+        out[("slurmagent_node_faults", (("node", r["node"]),))] = float(r["faults"])
+    return out
+
+
+def judge(history: Any, now: float, todo: list[str], repair_cfg: Any) -> tuple[dict[tuple, float], dict[str, str]]:
+    """For one `repair` run: the metrics' gauges, and the nodes to repair now that are lemons to
+    escalate (node -> why; none unless `[repair] lemon_action = "report-faulty"`)."""
+    keys = dict(faults=int(repair_cfg.lemon_faults), window_s=float(repair_cfg.lemon_window_s))
+    lemons = {n: why for n in todo if (why := escalation(n, history, now, **keys))}
+    return gauges(node_faults(history, now, **keys)), lemons if repair_cfg.lemon_action == "report-faulty" else {}
