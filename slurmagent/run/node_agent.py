@@ -78,6 +78,10 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
             report.messages.append(moved_message(ckpt_dir, moved, "not in the committed checkpoint"))
         if manifest is not None:
             store.restore_manifest(ckpt_dir, mine, deadline_s=deadline_s, state_file=state_file)
+            cache = getattr(store, "last_cache", None)
+            if cache is not None and cache.taken:
+                report.messages.append(f"{cache.taken} file(s) ({cache.taken_bytes} bytes) from the node-local cache "
+                                       f"{cache.root}, hash-checked; not downloaded")
         report.generation = found
         report.ok = True
     except (SlurmagentError, OSError) as exc:
@@ -107,7 +111,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
-                    fresh: bool = False) -> int:
+                    fresh: bool = False, cache_gib: float = 0.0, cache_dir: str = "") -> int:
     """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
@@ -118,7 +122,8 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
 
         # run_id: what this node saw in the bucket is checked once per attempt, not every round
         store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib,
-                                   run_id=slurm_env.job_id(env) or "job")
+                                   run_id=slurm_env.job_id(env) or "job", local_cache_gib=cache_gib,
+                                   local_cache_dir=cache_dir)
     path = Path(ckpt_dir)
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":

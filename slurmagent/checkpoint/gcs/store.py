@@ -42,8 +42,9 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import CheckpointError, SyncDeadlineError
 from ..hash_cache import LocalState
+from ..local_cache import BlobCache, open_cache
 from ..remote import CheckpointLag, checkpoint_lag
-from ..manifest import Manifest
+from ..manifest import Manifest, entry_content_id as cache_id
 from ..scan import scan_checkpoint_dir
 from ...errors import SlurmagentError
 from .bucket import BucketObjects
@@ -107,6 +108,8 @@ class GcsCheckpointStore:
         run_id: str = "",
         keep_commits: int | None = None,
         gc_grace_s: float = 600.0,
+        local_cache_gib: float = 0.0,
+        local_cache_dir: str = "",
     ) -> None:
         self.max_workers = max(1, int(max_workers))
         self.parallel_upload_threshold = parallel_upload_mib * MiB or None
@@ -132,6 +135,10 @@ class GcsCheckpointStore:
         self.last_gc: GcResult | None = None
         self._records: dict[str, Manifest] = {}  # commit records read (they never change)
         self._state_ref: tuple[str | os.PathLike, str | os.PathLike] | None = None  # last sync's (state file, dir)
+        # The node-local cache of committed blobs (slurmagent.checkpoint.local_cache): 0 GiB = off.
+        self.local_cache_gib = float(local_cache_gib)
+        self.local_cache_dir = local_cache_dir
+        self.last_cache: BlobCache | None = None  # the cache of the last restore or sync (its counters)
 
     @property
     def warn(self) -> Callable[[str], None] | None:
@@ -282,6 +289,7 @@ class GcsCheckpointStore:
             self._committed = committed
         self.last_sync_error = ""
         self.last_sync = result
+        self._cache_synced(ckpt_dir, state_file, result)
         if self.manifests.writes != before:
             self._after_commit(attempt, dl)
         return result
@@ -396,12 +404,42 @@ class GcsCheckpointStore:
         into ``ckpt_dir``, all or none, as :meth:`restore` does."""
         self._restore(Path(ckpt_dir), deadline_s, state_file, manifest)
 
+    def cache_for(self, ckpt_dir: str | os.PathLike) -> BlobCache | None:
+        """The node-local cache beside ``ckpt_dir`` (None: off, or its directory unusable, said once)."""
+        self.last_cache = open_cache(ckpt_dir, self.local_cache_gib, self.local_cache_dir,
+                                     lambda m: self.notices.say_once(f"cache:{m}", m))
+        return self.last_cache
+
+    def _cache_synced(self, ckpt_dir: str | os.PathLike, state_file: str | os.PathLike, result: SyncResult) -> None:
+        """After a sync: its files enter the node-local cache, those the hash cache saw hashed
+        exactly as they are now; what no file of this sync names leaves first when over the bound."""
+        if self.local_cache_gib <= 0 or not result.files:
+            return
+        cache = self.cache_for(ckpt_dir)
+        if cache is None:
+            return
+        try:
+            state = LocalState(state_file, ckpt_dir)
+        except CheckpointError:
+            return
+        stats = {}
+        for rel, e in result.files.items():
+            seen = state.files.get(rel)
+            if seen and "ino" in seen and e.get("blake3") and seen.get("blake3") == e["blake3"]:
+                stats[rel] = (seen["ino"], seen["size"], seen["mtime_ns"])
+        try:
+            cache.enter_many(ckpt_dir, result.files, stats)
+            cache.trim(keep={cache_id(e) for e in result.files.values() if "link" not in e})
+        except OSError as exc:  # the cache never fails a sync
+            self.notices.say_once(f"cache:{exc}", f"node-local checkpoint cache {cache.root}: {exc.strerror or exc}")
+
     def _restore(
         self, root: Path, deadline_s: float, state_file: str | os.PathLike | None, manifest: Manifest | None = None
     ) -> Manifest | None:
+        cache = self.cache_for(root) if self.local_cache_gib > 0 else None
         restored, committed = self._guard(
             lambda dl: run_restore(self.objects, self.manifests, self.notices, self.settings(), root, dl, state_file,
-                                   manifest),
+                                   manifest, cache),
             Deadline(deadline_s),
             "restoring",
         )  # fmt: skip
