@@ -29,6 +29,7 @@ from ..errors import NodeDiskError, is_node_local
 from .bucket import BucketObjects
 from .manifest_store import ManifestStore
 from .packs import schedule_pack_restore
+from .peers import PeerSession
 from .transfer import BLOCK, Deadline, Notices, SizeMismatch, TransferSettings, WorkerPool, human_size, is_not_found
 
 __all__ = ["STAGING_PREFIX", "check_targets", "move_tree", "run_restore"]
@@ -48,6 +49,7 @@ def run_restore(
     state_file: str | os.PathLike | None,
     manifest: Manifest | None = None,
     cache: BlobCache | None = None,
+    peers: PeerSession | None = None,
 ) -> tuple[Manifest | None, dict[str, tuple[int, int]] | None]:
     """Put ``manifest`` (default: the committed one) into ``root`` (see :meth:`GcsCheckpointStore.restore`):
     the manifest restored (None when there is none), and relpath -> (size, mtime_ns) of what was placed.
@@ -58,7 +60,7 @@ def run_restore(
     if manifest is None:
         return None, None
     try:
-        return place(objects, notices, settings, root, dl, state_file, manifest, cache)
+        return place(objects, notices, settings, root, dl, state_file, manifest, cache, peers)
     except OSError as exc:
         if not is_node_local(exc):
             raise
@@ -75,9 +77,11 @@ def place(
     state_file: str | os.PathLike | None,
     manifest: Manifest,
     cache: BlobCache | None = None,
+    peers: PeerSession | None = None,
 ) -> tuple[Manifest, dict[str, tuple[int, int]]]:
     """The restore of ``manifest`` into ``root``, staged in place (see :func:`make_room`); with a
-    node-local ``cache``, what it holds is taken from there (hash-checked), not downloaded."""
+    node-local ``cache``, what it holds is taken from there (hash-checked), not downloaded; with
+    ``peers`` (a multi-node restore), what other nodes' caches hold comes from them."""
     root.mkdir(parents=True, exist_ok=True)
     items = sorted(manifest.regular_files().items())
     links = sorted(manifest.links().items())
@@ -97,6 +101,10 @@ def place(
         os.makedirs(d, exist_ok=True)
     if cache is not None and items:
         items, stage = take_cached(cache, items, stage, dl)
+    if peers is not None:  # checks in even with nothing to fetch: this node's cache serves the others
+        plan = peers.plan(cache, [entry_content_id(e) for _, e in items])
+        if plan:
+            items, stage = peers.fetch(plan, items, stage, dl, settings.max_workers)
     pool = WorkerPool(settings.max_workers, dl, "ckpt-restore")
     fds: dict[int, int] = {}
     try:

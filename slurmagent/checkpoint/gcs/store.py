@@ -49,6 +49,7 @@ from ..scan import scan_checkpoint_dir
 from ...errors import SlurmagentError
 from .bucket import BucketObjects
 from .manifest_store import ManifestStore
+from .peers import PeerSession
 from .restore import run_restore
 from .retention import GcResult, collect
 from .sync import run_sync
@@ -399,10 +400,12 @@ class GcsCheckpointStore:
         *,
         deadline_s: float = 1800.0,
         state_file: str | os.PathLike | None = None,
+        peers: PeerSession | None = None,
     ) -> None:
         """Put exactly the entries of ``manifest`` (one already read, possibly a part of one)
-        into ``ckpt_dir``, all or none, as :meth:`restore` does."""
-        self._restore(Path(ckpt_dir), deadline_s, state_file, manifest)
+        into ``ckpt_dir``, all or none, as :meth:`restore` does; ``peers``: the other nodes of the
+        job serve what their caches hold (:mod:`slurmagent.checkpoint.gcs.peers`)."""
+        self._restore(Path(ckpt_dir), deadline_s, state_file, manifest, peers)
 
     def cache_for(self, ckpt_dir: str | os.PathLike) -> BlobCache | None:
         """The node-local cache beside ``ckpt_dir`` (None: off, or its directory unusable, said once)."""
@@ -429,17 +432,21 @@ class GcsCheckpointStore:
                 stats[rel] = (seen["ino"], seen["size"], seen["mtime_ns"])
         try:
             cache.enter_many(ckpt_dir, result.files, stats)
+            for rel, e in result.files.items():  # hashed too soon after a write for the hash cache: read again
+                if "link" not in e and rel not in stats:
+                    cache.enter_checked(os.path.join(ckpt_dir, *rel.split("/")), e)
             cache.trim(keep={cache_id(e) for e in result.files.values() if "link" not in e})
         except OSError as exc:  # the cache never fails a sync
             self.notices.say_once(f"cache:{exc}", f"node-local checkpoint cache {cache.root}: {exc.strerror or exc}")
 
     def _restore(
-        self, root: Path, deadline_s: float, state_file: str | os.PathLike | None, manifest: Manifest | None = None
+        self, root: Path, deadline_s: float, state_file: str | os.PathLike | None, manifest: Manifest | None = None,
+        peers: PeerSession | None = None,
     ) -> Manifest | None:
         cache = self.cache_for(root) if self.local_cache_gib > 0 else None
         restored, committed = self._guard(
             lambda dl: run_restore(self.objects, self.manifests, self.notices, self.settings(), root, dl, state_file,
-                                   manifest, cache),
+                                   manifest, cache, peers),
             Deadline(deadline_s),
             "restoring",
         )  # fmt: skip
