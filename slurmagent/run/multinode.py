@@ -325,7 +325,7 @@ class AllocationStore:
         sizes = {content_key(e): e["size"] for e in manifest.regular_files().values()}
         try:
             coordinator = Coordinator(self.alloc.num_nodes, token, sizes, host,
-                                      barrier_s=min(120.0, max(deadline_s / 4, 5.0)))
+                                      barrier_s=min(60.0, max(deadline_s / 4, 5.0)))
         except OSError as exc:
             self.say(f"no peers for this restore (cannot listen on {host}: {exc.strerror or exc}); the bucket serves")
             return None
