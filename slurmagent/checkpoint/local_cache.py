@@ -83,6 +83,7 @@ class BlobCache:
         self.limit = int(limit)
         self.taken = 0  # files a restore took from here (hash-checked)
         self.taken_bytes = 0
+        self.seconds = 0.0  # spent taking (hash checks and links), for the restore's line
         self.rejected: list[str] = []  # content ids dropped because their bytes no longer matched
 
     def path_of(self, cid: str) -> str:

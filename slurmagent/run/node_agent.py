@@ -76,7 +76,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
             report.messages.extend(peers.messages)
             if peers.fetched:
                 report.messages.append(f"{peers.fetched} file(s) ({peers.fetched_bytes} bytes) from the job's other "
-                                       "nodes, checked against their content ids")
+                                       f"nodes in {peers.seconds:.2f} s, checked against their content ids")
     return report
 
 
@@ -105,7 +105,7 @@ def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *
             cache = getattr(store, "last_cache", None)
             if cache is not None and cache.taken:
                 report.messages.append(f"{cache.taken} file(s) ({cache.taken_bytes} bytes) from the node-local cache "
-                                       f"{cache.root}, hash-checked; not downloaded")
+                                       f"{cache.root} in {cache.seconds:.2f} s, hash-checked; not downloaded")
         report.generation = found
         report.ok = True
     except (SlurmagentError, OSError) as exc:

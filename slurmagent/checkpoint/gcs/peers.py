@@ -235,6 +235,7 @@ class PeerSession:
         self.messages: list[str] = []  # one line per failed peer (and a coordinator that failed)
         self.fetched = 0  # files taken from peers
         self.fetched_bytes = 0
+        self.seconds = 0.0  # spent fetching from peers
         self.checked_in = False
 
     def say(self, line: str) -> None:
@@ -270,6 +271,7 @@ class PeerSession:
         failed: dict[str, list[str]] = {}
         lock = threading.Lock()
         pool = WorkerPool(min(workers, len(todo)), dl, "ckpt-peer")
+        started = time.monotonic()
 
         def one(k: int) -> None:
             rel, entry = items[k]
@@ -297,6 +299,7 @@ class PeerSession:
             dl.check()
         finally:
             pool.close()
+            self.seconds += time.monotonic() - started
         for name, (why, rel) in sorted(failed.items()):
             self.say(f"peer {name} failed ({why}, fetching {rel}): its blobs come from the bucket instead")
         keep = [k for k in range(len(items)) if k not in got]

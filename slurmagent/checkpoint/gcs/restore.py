@@ -16,6 +16,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .. import hashing as checkpoint_hash
@@ -160,6 +161,7 @@ def take_cached(cache: BlobCache, items: list[tuple[str, dict]], stage: list[str
         return items, stage
     got: set[int] = set()
     pool = WorkerPool(min(4, len(todo)), dl, "ckpt-cache")
+    started = time.monotonic()
 
     def take(k: int) -> None:
         rel, entry = items[k]
@@ -175,6 +177,7 @@ def take_cached(cache: BlobCache, items: list[tuple[str, dict]], stage: list[str
         dl.check()
     finally:
         pool.close()
+        cache.seconds += time.monotonic() - started
     keep = [k for k in range(len(items)) if k not in got]
     return [items[k] for k in keep], [stage[k] for k in keep]
 
