@@ -11,8 +11,10 @@ bucket); a restore puts a taken entry in place by hard link too.
 
 Bound: ``[checkpoint] local_cache_gib`` counts the bytes only the cache holds (entries whose
 file ``D`` no longer names: a hard link count of 1); shared entries cost nothing on disk.
-The cache is trimmed before a restore stages anything and after every sync: entries the
-checkpoint at hand does not name go first (oldest first), then the largest. 0 turns it off.
+0 (the default): room for ``keep_commits`` checkpoints the size of the one at hand; a
+negative value turns the cache off. The cache is trimmed before a restore stages anything and
+after every sync: entries the checkpoint at hand does not name go first (oldest first), then
+the largest.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ def default_cache_dir(ckpt_dir: str | os.PathLike) -> Path:
 
 
 def open_cache(ckpt_dir: str | os.PathLike, limit_gib: float, cache_dir: str | os.PathLike = "",
-               warn: Callable[[str], None] | None = None) -> BlobCache | None:
-    """The cache for ``ckpt_dir`` (created 0700), or None when it is off (``limit_gib`` 0) or its
-    directory cannot be used (said once through ``warn``: the restore goes on without it)."""
-    if not limit_gib or limit_gib <= 0:
+               warn: Callable[[str], None] | None = None, copies: int = 2) -> BlobCache | None:
+    """The cache for ``ckpt_dir`` (created 0700), or None when it is off (``limit_gib`` < 0) or its
+    directory cannot be used (said once through ``warn``: the restore goes on without it).
+    ``limit_gib`` 0: room for ``copies`` checkpoints (see :meth:`BlobCache.fit`)."""
+    if limit_gib is None or limit_gib < 0:
         return None
     root = Path(cache_dir) if cache_dir else default_cache_dir(ckpt_dir)
     try:
@@ -59,7 +62,7 @@ def open_cache(ckpt_dir: str | os.PathLike, limit_gib: float, cache_dir: str | o
         if warn is not None:
             warn(f"node-local checkpoint cache off: {exc}")
         return None
-    return BlobCache(root, int(limit_gib * GiB))
+    return BlobCache(root, int(limit_gib * GiB), copies=copies)
 
 
 @dataclass
@@ -78,13 +81,21 @@ def file_name(cid: str) -> str:
 class BlobCache:
     """Entries named by content id under ``root``, bounded by ``limit`` bytes only they hold."""
 
-    def __init__(self, root: str | os.PathLike, limit: int) -> None:
+    def __init__(self, root: str | os.PathLike, limit: int, copies: int = 2) -> None:
         self.root = Path(root)
         self.limit = int(limit)
+        self.auto = self.limit <= 0  # sized by the checkpoint at hand (fit)
+        self.copies = max(1, copies)
         self.taken = 0  # files a restore took from here (hash-checked)
         self.taken_bytes = 0
         self.seconds = 0.0  # spent taking (hash checks and links), for the restore's line
         self.rejected: list[str] = []  # content ids dropped because their bytes no longer matched
+
+    def fit(self, checkpoint_bytes: int) -> None:
+        """An automatic bound (``local_cache_gib`` 0) becomes room for ``copies`` checkpoints of
+        ``checkpoint_bytes`` (the one being restored or synced); a set one stays."""
+        if self.auto:
+            self.limit = self.copies * max(0, int(checkpoint_bytes))
 
     def path_of(self, cid: str) -> str:
         return os.path.join(self.root, file_name(cid))

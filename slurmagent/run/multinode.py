@@ -335,8 +335,8 @@ class AllocationStore:
     @property
     def peers_on(self) -> bool:
         opts = self.agent_options
-        gib = opts[opts.index("--cache-gib") + 1] if "--cache-gib" in opts[:-1] else "0"
-        return float(gib) > 0 and isinstance(getattr(self.launcher, "env", None), dict)
+        gib = opts[opts.index("--cache-gib") + 1] if "--cache-gib" in opts[:-1] else "-1"
+        return float(gib) >= 0 and isinstance(getattr(self.launcher, "env", None), dict)
 
     @property
     def peer_env(self) -> dict:

@@ -134,7 +134,8 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
-                    fresh: bool = False, cache_gib: float = 0.0, cache_dir: str = "", peers: str = "") -> int:
+                    fresh: bool = False, cache_gib: float = -1.0, cache_copies: int = 2, cache_dir: str = "",
+                    peers: str = "") -> int:
     """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
@@ -146,7 +147,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
         # run_id: what this node saw in the bucket is checked once per attempt, not every round
         store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib,
                                    run_id=slurm_env.job_id(env) or "job", local_cache_gib=cache_gib,
-                                   local_cache_dir=cache_dir)
+                                   local_cache_dir=cache_dir, local_cache_copies=cache_copies)
     path = Path(ckpt_dir)
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":

@@ -85,7 +85,7 @@ def test_a_first_restore_fills_the_cache_so_the_next_one_on_that_node_downloads_
     src, ckpt = tmp_path / "src", tmp_path / "node" / "ckpt"
     files = tree()
     write_tree(src, files)
-    store(local_cache_gib=0).sync(src, 0, tmp_path / "src.json")
+    store(local_cache_gib=-1).sync(src, 0, tmp_path / "src.json")
     first = store()
     assert counting(first) is not None
     first.restore(ckpt, state_file=tmp_path / "node" / "state.json")

@@ -22,13 +22,22 @@ def put(path: Path, data: bytes) -> dict:
     return hash_file(str(path))[0].entry()
 
 
-def test_the_default_cache_is_beside_the_checkpoint_dir_private_and_off_at_zero(tmp_path):
+def test_the_default_cache_is_beside_the_checkpoint_dir_private_and_off_when_negative(tmp_path):
     ckpt = tmp_path / "ckpt"
     assert default_cache_dir(ckpt) == tmp_path / f".slurmagent-cache-{os.geteuid()}"
-    assert open_cache(ckpt, 0) is None
+    assert open_cache(ckpt, -1) is None
     cache = open_cache(ckpt, 1)
     assert cache is not None and cache.root == default_cache_dir(ckpt)
     assert stat.S_IMODE(os.stat(cache.root).st_mode) == 0o700
+
+
+def test_a_zero_bound_is_room_for_keep_commits_checkpoints_the_size_of_the_one_at_hand(tmp_path):
+    auto = open_cache(tmp_path / "ckpt", 0, copies=3)
+    auto.fit(100 * KiB)
+    assert auto.limit == 300 * KiB
+    fixed = open_cache(tmp_path / "ckpt", 1, copies=3)
+    fixed.fit(100 * KiB)
+    assert fixed.limit == 1 << 30
 
 
 def test_a_cache_dir_another_user_can_write_is_refused_with_one_line_and_no_failure(tmp_path):

@@ -93,6 +93,7 @@ def place(
     items = make_room(root, items, state_file)  # what is left to download
     wanted = {entry_content_id(e) for _, e in manifest.regular_files().items()}
     if cache is not None:
+        cache.fit(manifest.total_bytes)
         cache.trim(keep=wanted)  # before anything is staged: the cache never takes the restore's room
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
     # The staging directory holds the checkpoint's own tree, so that whole directories

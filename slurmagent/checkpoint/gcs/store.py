@@ -109,8 +109,9 @@ class GcsCheckpointStore:
         run_id: str = "",
         keep_commits: int | None = None,
         gc_grace_s: float = 600.0,
-        local_cache_gib: float = 0.0,
+        local_cache_gib: float = -1.0,
         local_cache_dir: str = "",
+        local_cache_copies: int | None = None,
     ) -> None:
         self.max_workers = max(1, int(max_workers))
         self.parallel_upload_threshold = parallel_upload_mib * MiB or None
@@ -136,9 +137,11 @@ class GcsCheckpointStore:
         self.last_gc: GcResult | None = None
         self._records: dict[str, Manifest] = {}  # commit records read (they never change)
         self._state_ref: tuple[str | os.PathLike, str | os.PathLike] | None = None  # last sync's (state file, dir)
-        # The node-local cache of committed blobs (slurmagent.checkpoint.local_cache): 0 GiB = off.
+        # The node-local cache of committed blobs (slurmagent.checkpoint.local_cache): < 0 = off,
+        # 0 = room for keep_commits checkpoints.
         self.local_cache_gib = float(local_cache_gib)
         self.local_cache_dir = local_cache_dir
+        self.local_cache_copies = local_cache_copies  # an automatic bound's checkpoints (default keep_commits)
         self.last_cache: BlobCache | None = None  # the cache of the last restore or sync (its counters)
 
     @property
@@ -410,17 +413,18 @@ class GcsCheckpointStore:
     def cache_for(self, ckpt_dir: str | os.PathLike) -> BlobCache | None:
         """The node-local cache beside ``ckpt_dir`` (None: off, or its directory unusable, said once)."""
         self.last_cache = open_cache(ckpt_dir, self.local_cache_gib, self.local_cache_dir,
-                                     lambda m: self.notices.say_once(f"cache:{m}", m))
+                                     lambda m: self.notices.say_once(f"cache:{m}", m), copies=self.local_cache_copies or self.keep_commits or 2)
         return self.last_cache
 
     def _cache_synced(self, ckpt_dir: str | os.PathLike, state_file: str | os.PathLike, result: SyncResult) -> None:
         """After a sync: its files enter the node-local cache, those the hash cache saw hashed
         exactly as they are now; what no file of this sync names leaves first when over the bound."""
-        if self.local_cache_gib <= 0 or not result.files:
+        if self.local_cache_gib < 0 or not result.files:
             return
         cache = self.cache_for(ckpt_dir)
         if cache is None:
             return
+        cache.fit(sum(e.get("size", 0) for e in result.files.values() if "link" not in e))
         try:
             state = LocalState(state_file, ckpt_dir)
         except CheckpointError:
@@ -443,7 +447,7 @@ class GcsCheckpointStore:
         self, root: Path, deadline_s: float, state_file: str | os.PathLike | None, manifest: Manifest | None = None,
         peers: PeerSession | None = None,
     ) -> Manifest | None:
-        cache = self.cache_for(root) if self.local_cache_gib > 0 else None
+        cache = self.cache_for(root) if self.local_cache_gib >= 0 else None
         restored, committed = self._guard(
             lambda dl: run_restore(self.objects, self.manifests, self.notices, self.settings(), root, dl, state_file,
                                    manifest, cache, peers),
