@@ -203,19 +203,6 @@ class BlobCache:
                 pass
             return False
 
-    def enter_checked(self, path: str, entry: Mapping) -> bool:
-        """Enter the file at ``path`` after reading it once more and finding ``entry``'s content
-        (a file the sync hashed too soon after its last write for the hash cache to keep)."""
-        if os.path.lexists(self.path_of(entry_content_id(entry))):
-            return True
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return False
-        if not stat.S_ISREG(st.st_mode) or not self.matches(path, st, entry):
-            return False
-        return self.enter(path, entry, (st.st_ino, st.st_size, st.st_mtime_ns))
-
     def enter_many(self, root: str | os.PathLike, files: Mapping[str, Mapping],
                    stats: Mapping[str, tuple[int, int, int]] | None = None) -> int:
         """Enter every regular file of ``files`` (relpath -> manifest entry) found under ``root``."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
@@ -112,3 +113,18 @@ def test_the_cache_is_trimmed_to_its_bound_before_a_restore_keeping_what_it_rest
     tight.restore(ckpt, state_file=state)
     assert read(ckpt) == new and fetched == []
     assert len(os.listdir(default_cache_dir(ckpt))) == 1  # old.bin's entry went first
+
+
+def test_files_written_just_before_the_final_sync_enter_the_cache_without_being_read_again(emu, tmp_path):
+    ckpt, state = tmp_path / "ckpt", tmp_path / "state.json"
+    files = tree()
+    write_tree(ckpt, files, age_s=0)  # the flush's checkpoint: too fresh for the hash cache to keep
+    time.sleep(0.1)  # the checkpoint signal's handler returned; then the final sync
+    s = store()
+    s.sync(ckpt, 0, state)
+    assert len(os.listdir(default_cache_dir(ckpt))) == 4
+    shutil.rmtree(ckpt)
+    again = store()
+    fetched = counting(again)
+    again.restore(ckpt)
+    assert read(ckpt) == files and fetched == []

@@ -119,7 +119,7 @@ class PeerServer:
         sock.settimeout(30.0)
         try:
             parts = read_line(sock).split(" ")
-            if len(parts) != 3 or parts[0] != "GET" or not hmac.compare_digest(parts[1], self.token):
+            if len(parts) != 3 or parts[0] != "GET" or not hmac.compare_digest(parts[1].encode(), self.token.encode()):
                 return  # not of this job: nothing said, nothing served
             cid = parts[2]
             if self.cache is None or not is_content_id(cid):
@@ -363,7 +363,7 @@ class Coordinator:
         try:
             conn.settimeout(self.barrier_s + 30.0)
             parts = read_line(conn).split(" ")
-            if len(parts) != 2 or parts[0] != "HELLO" or not hmac.compare_digest(parts[1], self.token):
+            if len(parts) != 2 or parts[0] != "HELLO" or not hmac.compare_digest(parts[1].encode(), self.token.encode()):
                 return
             hello = read_json_line(conn)
             index = int(hello["index"])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -418,7 +419,9 @@ class GcsCheckpointStore:
 
     def _cache_synced(self, ckpt_dir: str | os.PathLike, state_file: str | os.PathLike, result: SyncResult) -> None:
         """After a sync: its files enter the node-local cache, those the hash cache saw hashed
-        exactly as they are now; what no file of this sync names leaves first when over the bound."""
+        exactly as they are now, and those written too soon before the sync for the hash cache to
+        keep (racy) but not touched since the sync began (never read again: the flush's time is
+        the job's); what no file of this sync names leaves first when over the bound."""
         if self.local_cache_gib < 0 or not result.files:
             return
         cache = self.cache_for(ckpt_dir)
@@ -436,9 +439,17 @@ class GcsCheckpointStore:
                 stats[rel] = (seen["ino"], seen["size"], seen["mtime_ns"])
         try:
             cache.enter_many(ckpt_dir, result.files, stats)
-            for rel, e in result.files.items():  # hashed too soon after a write for the hash cache: read again
-                if "link" not in e and rel not in stats:
-                    cache.enter_checked(os.path.join(ckpt_dir, *rel.split("/")), e)
+            began_ns = time.time_ns() - int((result.seconds + 0.02) * 1e9)  # a coarse mtime tick
+            for rel, e in result.files.items():
+                if "link" in e or rel in stats:
+                    continue
+                path = os.path.join(ckpt_dir, *rel.split("/"))
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if st.st_mtime_ns < began_ns:  # the bytes this sync hashed (a take checks them again)
+                    cache.enter(path, e, (st.st_ino, st.st_size, st.st_mtime_ns))
             cache.trim(keep={cache_id(e) for e in result.files.values() if "link" not in e})
         except OSError as exc:  # the cache never fails a sync
             self.notices.say_once(f"cache:{exc}", f"node-local checkpoint cache {cache.root}: {exc.strerror or exc}")
