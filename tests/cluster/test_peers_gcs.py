@@ -26,7 +26,8 @@ REMOTE = "gs://ckpt/peerjob"
 
 
 def files() -> dict[str, bytes]:
-    return {"rank0/model.pt": os.urandom(3 * MiB), "rank1/model.pt": os.urandom(2 * MiB),
+    # one file larger than a socket's buffers: a peer waits for its reader, it does not give up
+    return {"rank0/model.pt": os.urandom(24 * MiB), "rank1/model.pt": os.urandom(2 * MiB),
             "meta.json": b'{"step": 7}'}
 
 
