@@ -101,12 +101,14 @@ def place(
     stage = [os.path.join(staging, *rel.split("/")) for rel, _ in items]
     for d in sorted({os.path.dirname(p) for p in stage} | {os.path.join(staging, *parent_dirs(r)[-1:]) for r, _ in links}):
         os.makedirs(d, exist_ok=True)
+    plan = {}
+    if peers is not None:  # at once, even with nothing to fetch: this node's cache serves the others
+        held = cache.ids() if cache is not None else set()
+        plan = peers.plan(cache, [cid for cid in map(entry_content_id, (e for _, e in items)) if cid not in held])
     if cache is not None and items:
         items, stage = take_cached(cache, items, stage, dl)
-    if peers is not None:  # checks in even with nothing to fetch: this node's cache serves the others
-        plan = peers.plan(cache, [entry_content_id(e) for _, e in items])
-        if plan:
-            items, stage = peers.fetch(plan, items, stage, dl, settings.max_workers)
+    if plan:
+        items, stage = peers.fetch(plan, items, stage, dl, settings.max_workers)
     pool = WorkerPool(settings.max_workers, dl, "ckpt-restore")
     fds: dict[int, int] = {}
     try:

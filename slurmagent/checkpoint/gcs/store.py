@@ -20,7 +20,9 @@ is the front; the parts live beside it, each with its own story:
 * :mod:`slurmagent.checkpoint.gcs.manifest_store`: the manifest, read with its generation, written fenced;
 * :mod:`slurmagent.checkpoint.gcs.sync` (with :mod:`~slurmagent.checkpoint.gcs.sync_run`, :mod:`~slurmagent.checkpoint.gcs.upload`,
   :mod:`~slurmagent.checkpoint.gcs.packs`): a sync, file by file, small files in packs;
-* :mod:`slurmagent.checkpoint.gcs.restore`: a restore, all files or none;
+* :mod:`slurmagent.checkpoint.gcs.restore`: a restore, all files or none; what the node-local cache
+  (:mod:`slurmagent.checkpoint.local_cache`) or, multi-node, a peer (:mod:`~slurmagent.checkpoint.gcs.peers`)
+  holds is not downloaded;
 * :mod:`slurmagent.checkpoint.gcs.retention`: after a new commit, what no kept commit references goes.
 
 Deadlines: every request has a timeout (``timeout_s``, capped by the time
