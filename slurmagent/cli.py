@@ -239,18 +239,23 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.option("--deadline", type=click.FloatRange(1.0), default=600.0)
 @click.option("--transfers", type=click.IntRange(1, 256), default=16)
 @click.option("--parallel-upload-mib", type=click.IntRange(0), default=0)
+@click.option("--cache-gib", type=click.FloatRange(-1), default=-1.0)
+@click.option("--cache-copies", type=click.IntRange(1), default=2)
+@click.option("--cache-dir", default="")
+@click.option("--peers", default="")
 @click.option("--owner", default="")
 @click.option("--private-dir", "private", multiple=True)
 @click.option("--fresh", is_flag=True)
 def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline, transfers,
-               parallel_upload_mib, owner, private, fresh) -> None:
+               parallel_upload_mib, cache_gib, cache_copies, cache_dir, peers, owner, private, fresh) -> None:
     """Internal: one node's part of a multi-node job's restore or sync (run by the wrapper via srun)."""
     from .run.node_agent import node_agent_main  # start-up speed: only this hidden command needs it
 
     sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,
                              generation=generation, scope=scope, deadline_s=deadline, env=os.environ,
                              transfers=transfers, parallel_upload_mib=parallel_upload_mib, owner=owner,
-                             private=private, fresh=fresh))
+                             private=private, fresh=fresh, cache_gib=cache_gib, cache_copies=cache_copies, cache_dir=cache_dir,
+                             peers=peers))
 
 
 class PassThrough(click.Command):

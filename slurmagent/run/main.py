@@ -77,13 +77,16 @@ def store_tunables(cfg: Config) -> dict:
     """The checkpoint store's keyword arguments from `[checkpoint]`."""
     ck = cfg.checkpoint
     return {"max_workers": ck.transfers, "parallel_upload_mib": ck.parallel_upload_mib,
-            "keep_commits": ck.keep_commits, "gc_grace_s": ck.gc_grace_s}
+            "keep_commits": ck.keep_commits, "gc_grace_s": ck.gc_grace_s,
+            "local_cache_gib": ck.local_cache_gib if ck.local_cache else -1, "local_cache_dir": ck.local_cache_dir,
+            "local_cache_copies": ck.keep_commits}
 
 
 def node_agent_options(cfg: Config) -> list[str]:
     """The same tunables for the node agents of a multi-node job (they do not read the config)."""
     ck = cfg.checkpoint
-    return ["--transfers", str(ck.transfers), "--parallel-upload-mib", str(ck.parallel_upload_mib)]
+    return ["--transfers", str(ck.transfers), "--parallel-upload-mib", str(ck.parallel_upload_mib),
+            "--cache-gib", f"{ck.local_cache_gib if ck.local_cache else -1:g}", "--cache-copies", str(ck.keep_commits), *(["--cache-dir", ck.local_cache_dir] if ck.local_cache_dir else [])]
 
 
 def _multi_node(env) -> bool:

@@ -58,6 +58,7 @@ from ..checkpoint.errors import NodeDiskError
 from .cut_store import check_held_back_objects
 from ..errors import SlurmagentError
 from .agent_reports import Merged, NodeReport, content_key, merge_reports, writers_before
+from .node_agent import TOKEN_ENV
 
 AGENT_STEP_NAME = "slurmagent-node-agent"
 SCOPES = ("all", "node")
@@ -288,7 +289,15 @@ class AllocationStore:
                 "--generation", str(generation), "--scope", self.scope, "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
         if state_file is not None:
             args += ["--state-file", os.path.abspath(state_file)]
-        reports = self._round(ticket, args + self.restore_options, deadline_s)
+        coordinator = self._peers(manifest, deadline_s)
+        try:
+            if coordinator is not None:
+                args += ["--peers", coordinator.address]
+            reports = self._round(ticket, args + self.restore_options, deadline_s)
+        finally:
+            if coordinator is not None:
+                coordinator.close()
+                self.peer_env.pop(TOKEN_ENV, None)
         failed = self._failures(reports, "restore")
         if failed:
             local = [r.node for r in reports if not r.ok and r.node_local and r.node]
@@ -300,6 +309,40 @@ class AllocationStore:
             self.say(f"every node of the job ({self.alloc.num_nodes}) holds the checkpoint of attempt "
                      f"{manifest.attempt} ({'all' if self.scope == 'all' else 'its own'} files)")
         return manifest
+
+    def _peers(self, manifest: Manifest | None, deadline_s: float):
+        """The meeting point of this restore's peers (`checkpoint/gcs/peers.Coordinator`), its token
+        put in the agents' environment; None when there is nothing to restore, no node caches
+        (`--cache-gib 0`) or this host has no address the others can reach."""
+        if manifest is None or not self.peers_on:
+            return None
+        from ..checkpoint.gcs.peers import Coordinator, new_token, peer_host  # start-up speed: restore only
+
+        host = peer_host(os.environ)
+        if not host:
+            return None
+        token = new_token()
+        sizes = {content_key(e): e["size"] for e in manifest.regular_files().values()}
+        try:
+            coordinator = Coordinator(self.alloc.num_nodes, token, sizes, host,
+                                      barrier_s=min(60.0, max(deadline_s / 4, 5.0)))
+        except OSError as exc:
+            self.say(f"no peers for this restore (cannot listen on {host}: {exc.strerror or exc}); the bucket serves")
+            return None
+        self.peer_env[TOKEN_ENV] = token
+        return coordinator
+
+    @property
+    def peers_on(self) -> bool:
+        opts = self.agent_options
+        gib = opts[opts.index("--cache-gib") + 1] if "--cache-gib" in opts[:-1] else "-1"
+        return float(gib) >= 0 and isinstance(getattr(self.launcher, "env", None), dict)
+
+    @property
+    def peer_env(self) -> dict:
+        """The agents' environment (the launcher's), where the peers' token travels."""
+        env = getattr(self.launcher, "env", None)
+        return env if isinstance(env, dict) else {}
 
     def _check_held_back(self, files: dict[str, dict], reports: list[NodeReport], deadline_s: float) -> None:
         if self.committer is not None:

@@ -28,6 +28,8 @@ from ..slurm import env as slurm_env
 from ..state.host import node_name
 from ..state.private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
 from .job import DirRecord
+
+TOKEN_ENV = "SLURMAGENT_PEER_TOKEN"  # the batch step's per-restore token for the peers (never in argv)
 from .uncommitted import keep_own_files, moved_message, set_aside_uncommitted  # noqa: F401 - re-exported
 
 
@@ -36,7 +38,8 @@ class BlobStore(Protocol):
 
     def read_manifest(self, *, deadline_s: float = ...) -> tuple[Manifest | None, int]: ...
 
-    def restore_manifest(self, ckpt_dir, manifest: Manifest, *, deadline_s: float = ..., state_file=...) -> None: ...
+    def restore_manifest(self, ckpt_dir, manifest: Manifest, *, deadline_s: float = ..., state_file=...,
+                         peers: Any = ...) -> None: ...
 
     def sync(self, ckpt_dir, attempt: int, state_file, deadline_s: float = ..., *, commit: bool = ...) -> Any: ...
 
@@ -54,12 +57,32 @@ def prepare_dir(ckpt_dir: Path, private: Iterable[str] = ()) -> None:
 
 def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: str, num_nodes: int,
                   generation: int, scope: str, deadline_s: float, state_file: Path | None = None,
-                  owner: str = "", private: Iterable[str] = (), fresh: bool = False) -> NodeReport:
+                  owner: str = "", private: Iterable[str] = (), fresh: bool = False,
+                  peers: Any = None) -> NodeReport:
     """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part),
     every other file moved aside (none committed yet: all of them); `state_file`, the node's
     hash cache, learns the restored files. No remote: `D` keeps only files the record beside it
-    says `owner` (this job) wrote."""
+    says `owner` (this job) wrote. `peers` (`checkpoint/gcs/peers.PeerSession`): the job's other
+    nodes serve what their caches hold, and this one serves its own until every agent is done."""
     report = NodeReport(index=index, node=node, ok=False)
+    started = time.monotonic()
+    try:
+        _restore_here(store, ckpt_dir, report, index=index, num_nodes=num_nodes, generation=generation, scope=scope,
+                      deadline_s=deadline_s, state_file=state_file, owner=owner, private=private, fresh=fresh,
+                      peers=peers)
+    finally:
+        if peers is not None:
+            peers.finish(max(deadline_s - (time.monotonic() - started), 1.0))
+            report.messages.extend(peers.messages)
+            if peers.fetched:
+                report.messages.append(f"{peers.fetched} file(s) ({peers.fetched_bytes} bytes) from the job's other "
+                                       f"nodes in {peers.seconds:.2f} s, checked against their content ids")
+    return report
+
+
+def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *, index: int, num_nodes: int,
+                  generation: int, scope: str, deadline_s: float, state_file: Path | None, owner: str,
+                  private: Iterable[str], fresh: bool, peers: Any) -> None:
     try:
         prepare_dir(ckpt_dir, private)
         if store is None:  # no remote: the directory is the only copy
@@ -67,7 +90,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
             if moved:
                 report.messages.append(moved_message(ckpt_dir, moved, "another job left"))
             report.ok = True
-            return report
+            return
         manifest, found = store.read_manifest(deadline_s=min(60.0, deadline_s))
         if found != generation:
             raise RestoreError(f"the committed checkpoint changed during the restore (generation {found}, "
@@ -77,13 +100,17 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
         if moved:
             report.messages.append(moved_message(ckpt_dir, moved, "not in the committed checkpoint"))
         if manifest is not None:
-            store.restore_manifest(ckpt_dir, mine, deadline_s=deadline_s, state_file=state_file)
+            extra = {"peers": peers} if peers is not None else {}
+            store.restore_manifest(ckpt_dir, mine, deadline_s=deadline_s, state_file=state_file, **extra)
+            cache = getattr(store, "last_cache", None)
+            if cache is not None and cache.taken:
+                report.messages.append(f"{cache.taken} file(s) ({cache.taken_bytes} bytes) from the node-local cache "
+                                       f"{cache.root} in {cache.seconds:.2f} s, hash-checked; not downloaded")
         report.generation = found
         report.ok = True
     except (SlurmagentError, OSError) as exc:
         report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
         report.node_local = is_node_local(exc)  # this node's disk or path: the job goes elsewhere
-    return report
 
 
 def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attempt: int, state_file: Path,
@@ -107,7 +134,8 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
-                    fresh: bool = False) -> int:
+                    fresh: bool = False, cache_gib: float = -1.0, cache_copies: int = 2, cache_dir: str = "",
+                    peers: str = "") -> int:
     """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
@@ -118,13 +146,19 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
 
         # run_id: what this node saw in the bucket is checked once per attempt, not every round
         store = GcsCheckpointStore(remote, max_workers=transfers, parallel_upload_mib=parallel_upload_mib,
-                                   run_id=slurm_env.job_id(env) or "job")
+                                   run_id=slurm_env.job_id(env) or "job", local_cache_gib=cache_gib,
+                                   local_cache_dir=cache_dir, local_cache_copies=cache_copies)
     path = Path(ckpt_dir)
     state = Path(state_file) if state_file else state_file_for(path)
     if action == "restore":
+        session = None
+        if peers and store is not None and env.get(TOKEN_ENV):
+            from ..checkpoint.gcs.peers import PeerSession  # start-up speed: a multi-node restore's only
+
+            session = PeerSession(peers, env[TOKEN_ENV], index, node)
         report = agent_restore(store, path, index=index, node=node, num_nodes=num_nodes, generation=generation,
                                scope=scope, deadline_s=deadline_s, state_file=state, owner=owner, private=private,
-                               fresh=fresh)
+                               fresh=fresh, peers=session)
     elif store is None:
         report = NodeReport(index=index, node=node, ok=True)
     else:

@@ -180,6 +180,17 @@ class CheckpointConfig:
         "kept ones, and this long after it was written (a restore or sync in flight finishes first)",
         low=0, high=2592000,
     )
+    local_cache_gib: float = _key(
+        0.0, "node-local cache of committed blobs (a restart on a node that held them reads no bucket): at most "
+        "this many GiB held only by the cache (entries that are hard links to files of --ckpt-dir cost nothing); "
+        "trimmed before each restore and after each sync; 0 = room for `keep_commits` checkpoints",
+        low=0, high=1048576,
+    )
+    local_cache: bool = _key(True, "keep that cache and let a multi-node restore's nodes fetch from each other's; "
+                             "false: every restore downloads what is not in place")
+    local_cache_dir: str = _key(
+        "", "where that cache lives on each node; default `<parent of --ckpt-dir>/.slurmagent-cache-<uid>` "
+        "(same file system: hard links, no byte stored twice), created 0700")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .. import hashing as checkpoint_hash
@@ -23,11 +24,13 @@ from ..hashing import EMPTY_CRC32C, crc32c_b64, crc32c_combine
 from ..scan import RESERVED_PREFIX, LocalFile, parent_dirs
 from ..errors import CheckpointError, RestoreError, SyncDeadlineError
 from ..hash_cache import LocalState
+from ..local_cache import BlobCache
 from ..manifest import Manifest, entry_content_id
 from ..errors import NodeDiskError, is_node_local
 from .bucket import BucketObjects
 from .manifest_store import ManifestStore
 from .packs import schedule_pack_restore
+from .peers import PeerSession
 from .transfer import BLOCK, Deadline, Notices, SizeMismatch, TransferSettings, WorkerPool, human_size, is_not_found
 
 __all__ = ["STAGING_PREFIX", "check_targets", "move_tree", "run_restore"]
@@ -46,6 +49,8 @@ def run_restore(
     dl: Deadline,
     state_file: str | os.PathLike | None,
     manifest: Manifest | None = None,
+    cache: BlobCache | None = None,
+    peers: PeerSession | None = None,
 ) -> tuple[Manifest | None, dict[str, tuple[int, int]] | None]:
     """Put ``manifest`` (default: the committed one) into ``root`` (see :meth:`GcsCheckpointStore.restore`):
     the manifest restored (None when there is none), and relpath -> (size, mtime_ns) of what was placed.
@@ -56,7 +61,7 @@ def run_restore(
     if manifest is None:
         return None, None
     try:
-        return place(objects, notices, settings, root, dl, state_file, manifest)
+        return place(objects, notices, settings, root, dl, state_file, manifest, cache, peers)
     except OSError as exc:
         if not is_node_local(exc):
             raise
@@ -72,8 +77,12 @@ def place(
     dl: Deadline,
     state_file: str | os.PathLike | None,
     manifest: Manifest,
+    cache: BlobCache | None = None,
+    peers: PeerSession | None = None,
 ) -> tuple[Manifest, dict[str, tuple[int, int]]]:
-    """The restore of ``manifest`` into ``root``, staged in place (see :func:`make_room`)."""
+    """The restore of ``manifest`` into ``root``, staged in place (see :func:`make_room`); with a
+    node-local ``cache``, what it holds is taken from there (hash-checked), not downloaded; with
+    ``peers`` (a multi-node restore), what other nodes' caches hold comes from them."""
     root.mkdir(parents=True, exist_ok=True)
     items = sorted(manifest.regular_files().items())
     links = sorted(manifest.links().items())
@@ -82,12 +91,24 @@ def place(
         shutil.rmtree(stale, ignore_errors=True)
     placed = [(rel, entry, os.path.join(root, *rel.split("/"))) for rel, entry in items]
     items = make_room(root, items, state_file)  # what is left to download
+    wanted = {entry_content_id(e) for _, e in manifest.regular_files().items()}
+    if cache is not None:
+        cache.fit(manifest.total_bytes)
+        cache.trim(keep=wanted)  # before anything is staged: the cache never takes the restore's room
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
     # The staging directory holds the checkpoint's own tree, so that whole directories
     # move into place with one rename each when the destination does not have them.
     stage = [os.path.join(staging, *rel.split("/")) for rel, _ in items]
     for d in sorted({os.path.dirname(p) for p in stage} | {os.path.join(staging, *parent_dirs(r)[-1:]) for r, _ in links}):
         os.makedirs(d, exist_ok=True)
+    plan = {}
+    if peers is not None:  # at once, even with nothing to fetch: this node's cache serves the others
+        held = cache.ids() if cache is not None else set()
+        plan = peers.plan(cache, [cid for cid in map(entry_content_id, (e for _, e in items)) if cid not in held])
+    if cache is not None and items:
+        items, stage = take_cached(cache, items, stage, dl)
+    if plan:
+        items, stage = peers.fetch(plan, items, stage, dl, settings.max_workers)
     pool = WorkerPool(settings.max_workers, dl, "ckpt-restore")
     fds: dict[int, int] = {}
     try:
@@ -125,8 +146,43 @@ def place(
                 pass
         shutil.rmtree(staging, ignore_errors=True)
     committed = after_restore(objects, notices, root, manifest, placed, links, state_file)
-    log.info("restored %d files (%d bytes) from %s", len(items), manifest.total_bytes, objects.manifest_url)
+    if cache is not None:
+        cache.enter_many(root, {rel: e for rel, e, _ in placed})
+        cache.trim(keep=wanted)
+    log.info("restored %d files (%d bytes) from %s, %d from the node-local cache", len(items), manifest.total_bytes,
+             objects.manifest_url, cache.taken if cache is not None else 0)
     return manifest, committed
+
+
+def take_cached(cache: BlobCache, items: list[tuple[str, dict]], stage: list[str],
+                dl: Deadline) -> tuple[list[tuple[str, dict]], list[str]]:
+    """Put in staging what the node-local cache holds (each hash-checked, a few at once); returns
+    the items (and their staging paths) left to download."""
+    held = cache.ids()
+    todo = [k for k, (_, e) in enumerate(items) if entry_content_id(e) in held]
+    if not todo:
+        return items, stage
+    got: set[int] = set()
+    pool = WorkerPool(min(4, len(todo)), dl, "ckpt-cache")
+    started = time.monotonic()
+
+    def take(k: int) -> None:
+        rel, entry = items[k]
+        if cache.take(entry, stage[k], rel):
+            got.add(k)
+
+    try:
+        for k in todo:
+            pool.submit(take, k)
+        pool.wait(dl.end)
+        if pool.error is not None:
+            raise pool.error
+        dl.check()
+    finally:
+        pool.close()
+        cache.seconds += time.monotonic() - started
+    keep = [k for k in range(len(items)) if k not in got]
+    return [items[k] for k in keep], [stage[k] for k in keep]
 
 
 def make_room(root: Path, items: list[tuple[str, dict]], state_file: str | os.PathLike | None) -> list[tuple[str, dict]]:

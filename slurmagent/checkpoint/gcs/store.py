@@ -20,7 +20,9 @@ is the front; the parts live beside it, each with its own story:
 * :mod:`slurmagent.checkpoint.gcs.manifest_store`: the manifest, read with its generation, written fenced;
 * :mod:`slurmagent.checkpoint.gcs.sync` (with :mod:`~slurmagent.checkpoint.gcs.sync_run`, :mod:`~slurmagent.checkpoint.gcs.upload`,
   :mod:`~slurmagent.checkpoint.gcs.packs`): a sync, file by file, small files in packs;
-* :mod:`slurmagent.checkpoint.gcs.restore`: a restore, all files or none;
+* :mod:`slurmagent.checkpoint.gcs.restore`: a restore, all files or none; what the node-local cache
+  (:mod:`slurmagent.checkpoint.local_cache`) or, multi-node, a peer (:mod:`~slurmagent.checkpoint.gcs.peers`)
+  holds is not downloaded;
 * :mod:`slurmagent.checkpoint.gcs.retention`: after a new commit, what no kept commit references goes.
 
 Deadlines: every request has a timeout (``timeout_s``, capped by the time
@@ -37,17 +39,20 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ..errors import CheckpointError, SyncDeadlineError
 from ..hash_cache import LocalState
+from ..local_cache import BlobCache, open_cache
 from ..remote import CheckpointLag, checkpoint_lag
-from ..manifest import Manifest
+from ..manifest import Manifest, entry_content_id as cache_id
 from ..scan import scan_checkpoint_dir
 from ...errors import SlurmagentError
 from .bucket import BucketObjects
 from .manifest_store import ManifestStore
+from .peers import PeerSession
 from .restore import run_restore
 from .retention import GcResult, collect
 from .sync import run_sync
@@ -107,6 +112,9 @@ class GcsCheckpointStore:
         run_id: str = "",
         keep_commits: int | None = None,
         gc_grace_s: float = 600.0,
+        local_cache_gib: float = -1.0,
+        local_cache_dir: str = "",
+        local_cache_copies: int | None = None,
     ) -> None:
         self.max_workers = max(1, int(max_workers))
         self.parallel_upload_threshold = parallel_upload_mib * MiB or None
@@ -132,6 +140,12 @@ class GcsCheckpointStore:
         self.last_gc: GcResult | None = None
         self._records: dict[str, Manifest] = {}  # commit records read (they never change)
         self._state_ref: tuple[str | os.PathLike, str | os.PathLike] | None = None  # last sync's (state file, dir)
+        # The node-local cache of committed blobs (slurmagent.checkpoint.local_cache): < 0 = off,
+        # 0 = room for keep_commits checkpoints.
+        self.local_cache_gib = float(local_cache_gib)
+        self.local_cache_dir = local_cache_dir
+        self.local_cache_copies = local_cache_copies  # an automatic bound's checkpoints (default keep_commits)
+        self.last_cache: BlobCache | None = None  # the cache of the last restore or sync (its counters)
 
     @property
     def warn(self) -> Callable[[str], None] | None:
@@ -282,6 +296,7 @@ class GcsCheckpointStore:
             self._committed = committed
         self.last_sync_error = ""
         self.last_sync = result
+        self._cache_synced(ckpt_dir, state_file, result)
         if self.manifests.writes != before:
             self._after_commit(attempt, dl)
         return result
@@ -391,17 +406,64 @@ class GcsCheckpointStore:
         *,
         deadline_s: float = 1800.0,
         state_file: str | os.PathLike | None = None,
+        peers: PeerSession | None = None,
     ) -> None:
         """Put exactly the entries of ``manifest`` (one already read, possibly a part of one)
-        into ``ckpt_dir``, all or none, as :meth:`restore` does."""
-        self._restore(Path(ckpt_dir), deadline_s, state_file, manifest)
+        into ``ckpt_dir``, all or none, as :meth:`restore` does; ``peers``: the other nodes of the
+        job serve what their caches hold (:mod:`slurmagent.checkpoint.gcs.peers`)."""
+        self._restore(Path(ckpt_dir), deadline_s, state_file, manifest, peers)
+
+    def cache_for(self, ckpt_dir: str | os.PathLike) -> BlobCache | None:
+        """The node-local cache beside ``ckpt_dir`` (None: off, or its directory unusable, said once)."""
+        self.last_cache = open_cache(ckpt_dir, self.local_cache_gib, self.local_cache_dir,
+                                     lambda m: self.notices.say_once(f"cache:{m}", m), copies=self.local_cache_copies or self.keep_commits or 2)
+        return self.last_cache
+
+    def _cache_synced(self, ckpt_dir: str | os.PathLike, state_file: str | os.PathLike, result: SyncResult) -> None:
+        """After a sync: its files enter the node-local cache, those the hash cache saw hashed
+        exactly as they are now, and those written too soon before the sync for the hash cache to
+        keep (racy) but not touched since the sync began (never read again: the flush's time is
+        the job's); what no file of this sync names leaves first when over the bound."""
+        if self.local_cache_gib < 0 or not result.files:
+            return
+        cache = self.cache_for(ckpt_dir)
+        if cache is None:
+            return
+        cache.fit(sum(e.get("size", 0) for e in result.files.values() if "link" not in e))
+        try:
+            state = LocalState(state_file, ckpt_dir)
+        except CheckpointError:
+            return
+        stats = {}
+        for rel, e in result.files.items():
+            seen = state.files.get(rel)
+            if seen and "ino" in seen and e.get("blake3") and seen.get("blake3") == e["blake3"]:
+                stats[rel] = (seen["ino"], seen["size"], seen["mtime_ns"])
+        try:
+            cache.enter_many(ckpt_dir, result.files, stats)
+            began_ns = time.time_ns() - int((result.seconds + 0.02) * 1e9)  # a coarse mtime tick
+            for rel, e in result.files.items():
+                if "link" in e or rel in stats:
+                    continue
+                path = os.path.join(ckpt_dir, *rel.split("/"))
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if st.st_mtime_ns < began_ns:  # the bytes this sync hashed (a take checks them again)
+                    cache.enter(path, e, (st.st_ino, st.st_size, st.st_mtime_ns))
+            cache.trim(keep={cache_id(e) for e in result.files.values() if "link" not in e})
+        except OSError as exc:  # the cache never fails a sync
+            self.notices.say_once(f"cache:{exc}", f"node-local checkpoint cache {cache.root}: {exc.strerror or exc}")
 
     def _restore(
-        self, root: Path, deadline_s: float, state_file: str | os.PathLike | None, manifest: Manifest | None = None
+        self, root: Path, deadline_s: float, state_file: str | os.PathLike | None, manifest: Manifest | None = None,
+        peers: PeerSession | None = None,
     ) -> Manifest | None:
+        cache = self.cache_for(root) if self.local_cache_gib >= 0 else None
         restored, committed = self._guard(
             lambda dl: run_restore(self.objects, self.manifests, self.notices, self.settings(), root, dl, state_file,
-                                   manifest),
+                                   manifest, cache, peers),
             Deadline(deadline_s),
             "restoring",
         )  # fmt: skip

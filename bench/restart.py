@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""Restart bench: a 4-node job requeued onto 3 of its old nodes and 1 new one.
+
+    python bench/restart.py [--size-mib 1024]
+
+Needs root and the Debian Slurm packages (it starts its own local cluster of 5 nodes with
+node-local directories, and a Cloud Storage emulator on 127.0.0.1).
+
+Job A (n1-n4): each rank writes its shard (SIZE/4 MiB) to its node's `--ckpt-dir`; one
+multi-node sync commits them; one restore (`--restore-scope all`) makes every node hold the
+whole checkpoint (SIZE MiB per node), so every node's cache holds it too.
+
+n4 is drained; job B lands on n1-n3 (old) and n5 (new). The old nodes' checkpoint directories
+are emptied first (a job-scoped directory, or one the job cleaned): what they hold is only in
+their caches. Measured in job B, same run:
+
+(1) the old nodes' restore from their caches (the slowest of the three, from the agents' lines)
+    against a local copy of the same bytes on one old node (`shutil.copyfile` of every entry);
+(2) the new node's fetch from its peers (the agents' line) against a raw TCP copy of the same
+    bytes from an old node to the new one (sendfile in, recv into a file out);
+(3) the whole restore (the batch step's `AllocationStore.restore`: agent step, peers, cache)
+    against the whole restore of the same checkpoint into empty directories with the cache off
+    (everything from the bucket emulator).
+
+On one host the five "nodes" share 2 CPUs, one disk and the loopback: read the figures as
+the costs of the paths, not of separate VMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+MiB = 1024 * 1024
+CACHE_GIB = 16
+
+
+def write_shard(ckpt: Path, mib: int) -> None:
+    rank = int(os.environ.get("SLURM_NODEID", "0"))
+    ckpt.mkdir(parents=True, exist_ok=True)
+    path = ckpt / f"__{rank}_0.distcp"
+    with open(path, "wb") as fh:
+        left = mib * MiB
+        while left:
+            n = min(left, 8 * MiB)
+            fh.write(os.urandom(n))
+            left -= n
+    old = time.time() - 600  # outside the hash cache's racy window
+    os.utime(path, (old, old))
+
+
+def cache_dir(ckpt: Path) -> Path:
+    return ckpt.parent / f".slurmagent-cache-{os.geteuid()}"
+
+
+def local_copy(ckpt: Path, out: Path) -> None:
+    """One old node: copy every cache entry to a scratch directory, timed."""
+    src = cache_dir(ckpt)
+    scratch = ckpt.parent / "copy-scratch"
+    scratch.mkdir(exist_ok=True)
+    started = time.perf_counter()
+    total = 0
+    for name in sorted(os.listdir(src)):
+        shutil.copyfile(src / name, scratch / name)
+        total += os.path.getsize(scratch / name)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(scratch)
+    out.write_text(json.dumps({"seconds": seconds, "bytes": total}))
+
+
+def tcp_serve(ckpt: Path, port_file: Path) -> None:
+    """An old node: send every cache entry, back to back, to the first client (sendfile)."""
+    files = [cache_dir(ckpt) / n for n in sorted(os.listdir(cache_dir(ckpt)))]
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_file.write_text(str(srv.getsockname()[1]))
+    conn, _ = srv.accept()
+    with conn:
+        conn.sendall(f"{sum(os.path.getsize(f) for f in files)}\n".encode())
+        for f in files:
+            with open(f, "rb") as fh:
+                size, off = os.fstat(fh.fileno()).st_size, 0
+                while off < size:
+                    off += os.sendfile(conn.fileno(), fh.fileno(), off, size - off)
+
+
+def tcp_fetch(ckpt: Path, port_file: Path, out: Path) -> None:
+    """The new node: receive the bytes into one file (recv_into, written), timed."""
+    for _ in range(600):
+        if port_file.exists() and port_file.read_text():
+            break
+        time.sleep(0.05)
+    dest = ckpt.parent / "tcp-scratch"
+    started = time.perf_counter()
+    sock = socket.create_connection(("127.0.0.1", int(port_file.read_text())))
+    f = sock.makefile("rb")
+    size = int(f.readline())
+    buf = bytearray(4 * MiB)
+    got = 0
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        while got < size:
+            n = f.readinto(memoryview(buf)[: min(len(buf), size - got)])
+            if not n:
+                raise SystemExit("tcp copy: connection closed early")
+            os.write(fd, memoryview(buf)[:n])
+            got += n
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - started
+    os.unlink(dest)
+    out.write_text(json.dumps({"seconds": seconds, "bytes": got}))
+
+
+def store_for(env, remote: str, ckpt: Path, cache_gib: int, err):
+    from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
+    from slurmagent.run.multinode import allocation_store
+
+    gcs = GcsCheckpointStore(remote, local_cache_gib=cache_gib)
+    return allocation_store(env, gcs, ckpt_dir_option=str(ckpt), err=err,
+                            agent_options=["--transfers", "16", "--cache-gib", str(cache_gib)])
+
+
+def srun(*args: str, nodes: list[str] | None = None, wait: bool = True):
+    where = ["-N1", "-n1", f"--nodelist={nodes[0]}"] if nodes else ["--ntasks-per-node=1"]
+    argv = ["srun", "--overlap", *where, sys.executable, __file__, *args]
+    return subprocess.run(argv, check=True, timeout=1800) if wait else subprocess.Popen(argv)
+
+
+def job_a(args: argparse.Namespace) -> None:
+    env, ckpt = dict(os.environ), Path(args.ckpt)
+    srun("--write", str(ckpt), str(args.size_mib // 4))
+    store = store_for(env, args.remote, ckpt, CACHE_GIB, sys.stderr)
+    store.sync(ckpt, 0, Path(str(ckpt) + ".sync-state.json"), deadline_s=1800)
+    store.restore(ckpt, deadline_s=1800, state_file=Path(str(ckpt) + ".sync-state.json"))
+
+
+def job_b(args: argparse.Namespace) -> None:
+    env, ckpt, work = dict(os.environ), Path(args.ckpt), Path(args.result).parent
+    nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
+                           text=True, check=True).stdout.split()
+    old, new = [n for n in nodes if n != args.new], args.new
+    srun("--wipe", str(ckpt))
+    srun("--copy", str(ckpt), str(work / "copy.json"), nodes=[old[0]])
+    server = srun("--tcp-serve", str(ckpt), str(work / "port"), nodes=[old[1]], wait=False)
+    srun("--tcp-fetch", str(ckpt), str(work / "port"), str(work / "tcp.json"), nodes=[new])
+    server.wait(600)
+    lines = io.StringIO()
+    store = store_for(env, args.remote, ckpt, CACHE_GIB, lines)
+    started = time.perf_counter()
+    store.restore(ckpt, deadline_s=1800, state_file=Path(str(ckpt) + ".sync-state.json"))
+    whole = time.perf_counter() - started
+    cold = Path(str(ckpt) + "-cold")
+    bucket_only = store_for(env, args.remote, cold, 0, io.StringIO())
+    started = time.perf_counter()
+    bucket_only.restore(cold, deadline_s=1800, state_file=Path(str(cold) + ".sync-state.json"))
+    from_bucket = time.perf_counter() - started
+    text = lines.getvalue()
+    sys.stderr.write(text)
+    cache = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"node-agent (\S+): \d+ file\(s\) \(\d+ bytes\) from the node-local cache \S+ in ([\d.]+) s", text)}
+    peers = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"node-agent (\S+): \d+ file\(s\) \(\d+ bytes\) from the job's other nodes in ([\d.]+) s", text)}
+    Path(args.result).write_text(json.dumps({
+        "old": old, "new": new, "cache_s": cache, "peers_s": peers, "whole_s": whole, "bucket_s": from_bucket,
+        "copy": json.loads((work / "copy.json").read_text()), "tcp": json.loads((work / "tcp.json").read_text()),
+        "lines": text}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mib", type=int, default=1024, help="checkpoint size each node restores (default 1024)")
+    for hidden in ("--job", "--ckpt", "--remote", "--result", "--new", "--wipe"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    ap.add_argument("--write", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--copy", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--tcp-serve", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--tcp-fetch", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.write:
+        return write_shard(Path(args.write[0]), int(args.write[1])) or 0
+    if args.wipe:
+        shutil.rmtree(args.wipe, ignore_errors=True)
+        return 0
+    if args.copy:
+        return local_copy(Path(args.copy[0]), Path(args.copy[1])) or 0
+    if args.tcp_serve:
+        return tcp_serve(Path(args.tcp_serve[0]), Path(args.tcp_serve[1])) or 0
+    if args.tcp_fetch:
+        return tcp_fetch(*map(Path, args.tcp_fetch)) or 0
+    if args.job:
+        (job_a if args.job == "a" else job_b)(args)
+        return 0
+    if args.size_mib < 4:
+        ap.error("--size-mib must be >= 4")
+
+    from slurmagent.devtools.localcluster import LocalSlurmCluster, slurm_available
+    from slurmagent.devtools.localgcs import GcsEmulator
+
+    why = slurm_available()
+    if why:
+        print(f"restart: cannot run here: {why}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="slurmagent-bench-restart-"))
+    work.chmod(0o755)
+    nodes = ["n1", "n2", "n3", "n4", "n5"]
+    cluster = LocalSlurmCluster(work / "slurm", nodes=nodes, node_local=work)
+    emu = GcsEmulator("fake-gcs-server", data_dir=work / "emulator", backend="memory")
+    try:
+        emu.start()
+        emu.create_bucket("bench")
+        cluster.start()
+        env = dict(cluster.env, STORAGE_EMULATOR_HOST=emu.url, PYTHONPATH=str(REPO), SLURMAGENT_PEER_HOST="127.0.0.1")
+        script = work / "job.py"
+        script.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {__file__!r}\n"
+                          f"runpy.run_path({__file__!r}, run_name='__main__')\n")
+        script.chmod(0o755)
+        ckpt = cluster.local_path / "ckpt"
+        result = work / "result.json"
+        for job, where in (("a", ["--nodelist=n1,n2,n3,n4"]), ("b", ["--exclude=n4"])):
+            if job == "b":
+                cluster.run(["scontrol", "update", "nodename=n4", "state=drain", "reason=bench: gone"])
+            proc = subprocess.run(
+                ["sbatch", "--parsable", "-N4", "--ntasks-per-node=1", "-o", str(work / f"{job}.out"), *where,
+                 f"--job-name=bench-restart-{job}", str(script), "--job", job, "--size-mib", str(args.size_mib),
+                 "--ckpt", str(ckpt), "--remote", "gs://bench/restart", "--result", str(result), "--new", "n5"],
+                env=env, capture_output=True, text=True, timeout=30, check=True)
+            jid = proc.stdout.strip().split(";")[0]
+            end = cluster.wait_job(jid, ("COMPLETED", "FAILED", "CANCELLED"), 3600)
+            if end["JobState"] != "COMPLETED":
+                print((work / f"{job}.out").read_text(), file=sys.stderr)
+                raise SystemExit(f"bench job {job} {end['JobState']}")
+        r = json.loads(result.read_text())
+    finally:
+        cluster.stop()
+        emu.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    mib = args.size_mib
+    print(r["lines"], end="")
+    cache_s = max(r["cache_s"].values()) if r["cache_s"] else float("nan")
+    peers_s = r["peers_s"].get(r["new"], float("nan"))
+    print(f"checkpoint: {mib} MiB per node (4 shards of {mib // 4} MiB, every node restores all of it); "
+          f"old nodes {', '.join(r['old'])}, new node {r['new']}")
+    print(f"(1) old nodes from their caches (slowest): {cache_s:7.2f} s   local copy of the same bytes: "
+          f"{r['copy']['seconds']:7.2f} s   ratio {cache_s / r['copy']['seconds']:.2f}")
+    print(f"(2) new node from its peers:               {peers_s:7.2f} s   raw TCP copy of the same bytes:  "
+          f"{r['tcp']['seconds']:7.2f} s   ratio {peers_s / r['tcp']['seconds']:.2f}")
+    print(f"(3) whole restore (cache + peers):         {r['whole_s']:7.2f} s   all from the bucket emulator:   "
+          f"{r['bucket_s']:7.2f} s   speed-up {r['bucket_s'] / r['whole_s']:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
