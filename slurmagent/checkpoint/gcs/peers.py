@@ -288,14 +288,8 @@ class PeerSession:
                 self.fetched_bytes += n
 
         try:
-            for k in todo:
-                pool.submit(one, k)
-            pool.wait(dl.end)
-            if pool.error is not None:
-                raise pool.error
-            dl.check()
+            pool.run_each(one, todo)
         finally:
-            pool.close()
             self.seconds += time.monotonic() - started
         for name, (why, rel) in sorted(failed.items()):
             self.say(f"peer {name} failed ({why}, fetching {rel}): its blobs come from the bucket instead")

@@ -172,14 +172,8 @@ def take_cached(cache: BlobCache, items: list[tuple[str, dict]], stage: list[str
             got.add(k)
 
     try:
-        for k in todo:
-            pool.submit(take, k)
-        pool.wait(dl.end)
-        if pool.error is not None:
-            raise pool.error
-        dl.check()
+        pool.run_each(take, todo)
     finally:
-        pool.close()
         cache.seconds += time.monotonic() - started
     keep = [k for k in range(len(items)) if k not in got]
     return [items[k] for k in keep], [stage[k] for k in keep]

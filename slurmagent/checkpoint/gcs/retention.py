@@ -274,14 +274,6 @@ def delete_objects(objects: BucketObjects, batch: list[StoredObject], dl: Deadli
             raise
         gone.append(o)
 
-    try:
-        for o in batch:
-            pool.submit(one, o)
-        pool.wait(dl.end)
-        if pool.error is not None:
-            raise pool.error
-        dl.check()
-    finally:
-        pool.close()
+    pool.run_each(one, batch)
     return sorted(gone, key=lambda o: o.name)
 

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..errors import LocalChangedError
 
@@ -267,6 +267,19 @@ class WorkerPool:
         for lane, threads in self._threads.items():
             for _ in threads:
                 self._queues[lane].put(None)
+
+    def run_each(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> None:
+        """`fn(item)` for every item, then wait for them all by the deadline; a task's error is
+        raised here (the others abort), running out of time raises Aborted; the pool is closed."""
+        try:
+            for item in items:
+                self.submit(fn, item)
+            self.wait(self.dl.end)
+            if self.error is not None:
+                raise self.error
+            self.dl.check()
+        finally:
+            self.close()
 
 
 class FileRange:

@@ -66,15 +66,7 @@ def existing(objects: BucketObjects, ids: Iterable[str], dl: Deadline, workers: 
         if there:
             found.add(i)
 
-    try:
-        for i in ids:
-            pool.submit(check, i)
-        pool.wait(dl.end)
-        if pool.error is not None:
-            raise pool.error
-        dl.check()
-    finally:
-        pool.close()
+    pool.run_each(check, ids)
     return found
 
 
