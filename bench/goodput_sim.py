@@ -72,13 +72,9 @@ XID_LINE = "[ 8123.456789] NVRM: Xid (PCI:0000:48:00): 79, pid='<unknown>', name
 
 
 def wait(pred, timeout: float, what: str, interval: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
+    from support import wait_for  # the tests' poll, finer-grained here
+
+    return wait_for(pred, timeout, what, interval)
 
 
 def measure() -> dict[str, float]:

@@ -192,6 +192,17 @@ def read_commit(objects: BucketObjects, commit: Commit, dl: Deadline, cache: dic
     return m
 
 
+def _fenced_out(manifests: Any, newest: Any, attempt: Any) -> str:
+    """Why this attempt may not clean up ("" = it holds the fence, or a tool runs it: attempt None)."""
+    if attempt is None:
+        return ""
+    try:
+        manifests.fence(newest, attempt)
+    except StaleAttemptError as exc:
+        return str(exc)
+    return ""
+
+
 def collect(
     objects: BucketObjects,
     manifests: ManifestStore,
@@ -211,12 +222,9 @@ def collect(
     stops the clean-up (it cannot say what it references): :class:`ManifestError`."""
     result = GcResult(dry_run=dry_run)
     newest, _ = manifests.read(dl)
-    if attempt is not None:
-        try:
-            manifests.fence(newest, attempt)
-        except StaleAttemptError as exc:
-            result.fenced = str(exc)
-            return result
+    result.fenced = _fenced_out(manifests, newest, attempt)
+    if result.fenced:
+        return result
     if newest is None:  # nothing committed (or manifest.json removed by hand): nothing says what to keep
         result.fenced = f"no checkpoint is committed under {objects.url} (no manifest.json): nothing to keep by"
         return result
@@ -238,12 +246,9 @@ def collect(
         before_delete()
     for i in range(0, len(doomed), BATCH):
         newest, _ = manifests.read(dl)  # just before deleting: the newest commit may reuse an old blob
-        if attempt is not None:
-            try:
-                manifests.fence(newest, attempt)
-            except StaleAttemptError as exc:
-                result.fenced = str(exc)
-                return result
+        result.fenced = _fenced_out(manifests, newest, attempt)
+        if result.fenced:
+            return result
         live = manifest_objects(objects, newest)
         batch = [o for o in doomed[i : i + BATCH] if o.name not in live]
         result.deleted += delete_objects(objects, batch, dl, workers)
