@@ -48,15 +48,32 @@ def dir_signature(path: Path, limit: int = MAX_DIR_ENTRIES) -> tuple:
     return count, size, newest
 
 
-def output_sizes(fds: tuple[int, ...]) -> tuple:
-    out = []
+def output_bytes(fds: tuple[int, ...]) -> int:
+    """Bytes in the distinct regular files behind `fds` (stdout and stderr are often one file)."""
+    seen: dict[tuple[int, int], int] = {}
     for fd in fds:
         try:
             st = os.fstat(fd)
-            out.append(st.st_size if (st.st_mode & 0o170000) == 0o100000 else None)
         except OSError:
-            out.append(None)
-    return tuple(out)
+            continue
+        if (st.st_mode & 0o170000) == 0o100000:
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+class CountingStream:
+    """The wrapper's own stderr, counting what it writes: the wrapper's lines in the job's
+    output (a sync report, a failing bucket said every few minutes) are not the job's progress."""
+
+    def __init__(self, inner):
+        self.inner, self.written = inner, 0
+
+    def write(self, text: str) -> int:
+        self.written += len(text.encode(errors="replace"))
+        return self.inner.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
 
 class HangMonitor:
@@ -64,12 +81,13 @@ class HangMonitor:
                  say: Callable[[str], None], ask_drain: Callable[[str], str] | None = None,
                  straggler: StragglerRule | None = None, straggler_report: Callable[[int, str], None] | None = None,
                  poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
-                 proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
+                 own_output: Callable[[], int] = lambda: 0, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
                  py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps):
         self.rule, self.progress_dir, self.ckpt_dir = rule, Path(progress_dir), Path(ckpt_dir)
         self.node, self.job, self.attempt, self.say = node, job, attempt, say
         self.ask_drain, self.poll_s, self.clock, self.out_fds, self.proc = ask_drain, poll_s, clock, out_fds, proc
-        self.gpu_state, self.py_spy = gpu_state, py_spy
+        self.gpu_state, self.py_spy, self.own_output = gpu_state, py_spy, own_output
+        self.output_mark = -1  # the job's output bytes (ours taken off) at their highest: only growth past it counts
         self.stragglers = StragglerWatch(straggler) if straggler is not None else None
         self.straggler_report = straggler_report
         self.watch: StallWatch | None = None
@@ -88,7 +106,7 @@ class HangMonitor:
         ranks = progress_files.read_all(self.progress_dir)
         return {"progress": {r: (p.step, p.at) for r, p in ranks.items()},
                 "checkpoint directory": dir_signature(self.ckpt_dir),
-                "output": output_sizes(self.out_fds)}
+                "output": output_bytes(self.out_fds) - self.own_output()}
 
     def poll(self, child: subprocess.Popen) -> str:
         """The hang's cause ("hang: ...") when the rule says so now, else ""; cheap between samples."""
@@ -98,9 +116,11 @@ class HangMonitor:
         self.next_poll = now + self.poll_s
         current = self.sample()
         if self.watch is None:  # the first sample is the start (the trainer was just started)
-            self.watch, self.last = StallWatch(self.rule, now), current
+            self.watch, self.last, self.output_mark = StallWatch(self.rule, now), current, current["output"]
             return ""
-        moved = [k for k, v in current.items() if v != self.last.get(k) and (k != "output" or _grew(v, self.last[k]))]
+        grew = current["output"] > self.output_mark  # a truncation, rotation or our own line is no progress
+        self.output_mark = max(self.output_mark, current["output"])
+        moved = [k for k, v in current.items() if (grew if k == "output" else v != self.last.get(k))]
         self.last = current
         if moved:
             self.watch.progressed(now, moved[0])
@@ -182,9 +202,3 @@ def kill_session(child: subprocess.Popen) -> bool:
           "leaving it behind", file=sys.stderr, flush=True)
     return True
 
-
-def _grew(now: tuple, before: object) -> bool:
-    """The output moved when a file grew (a truncation or rotation is not progress)."""
-    if not isinstance(before, tuple):
-        return True
-    return any(a is not None and b is not None and a > b for a, b in zip(now, before))

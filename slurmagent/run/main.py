@@ -145,7 +145,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
         job_store.trainer_running = sup.child_running
     if executor is not None:
         sup.slurm_nodes = executor  # a restore failing on a node's disk: requeued without it
-    sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup.say)
+    sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup)
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)
@@ -173,10 +173,11 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
     return outcome.exit_code
 
 
-def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions, timeout: float | None, say):
+def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions, timeout: float | None,
+                 sup: Supervisor):
     """The hang watch (`hang/monitor.py`) with its private progress directory, named to the
     trainer in SLURMAGENT_PROGRESS_DIR (through `env`, which the child gets); None when off."""
-    from ..hang.monitor import HangMonitor  # start-up speed: built once, after the config
+    from ..hang.monitor import CountingStream, HangMonitor  # start-up speed: built once, after the config
     from ..policy.stall import StallRule, StragglerRule  # start-up speed (with the monitor)
 
     rc = cfg.run
@@ -185,6 +186,10 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     if rule.off:
         return None
     progress_dir = Path(tempfile.mkdtemp(prefix="slurmagent-progress-", dir=user_tmp_parent()))
+    own = sys.stderr = CountingStream(sys.stderr)  # our lines in the job's output are not its progress
+    if sup.err is own.inner:
+        sup.err = own
+    say = sup.say
     env[PROGRESS_ENV] = str(progress_dir)
     node = slurm_env.slurmd_node(env) or ""
     socket_path = cfg.node_path(cfg.watch.channel_socket, node) if ident.platform == "slurm" and node else ""
@@ -209,7 +214,7 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
                        job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,
                        say=say, ask_drain=lambda detail: ask("hang", detail),
                        straggler=StragglerRule(rc.straggler_window_s, rc.straggler_factor, rc.straggler_windows),
-                       straggler_report=straggler)
+                       straggler_report=straggler, own_output=lambda: own.written)
 
 
 def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool) -> CheckpointReport | None:

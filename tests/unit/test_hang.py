@@ -18,7 +18,7 @@ from support import REPO
 from slurmagent import trainer
 from slurmagent.core.goodput import end_of
 from slurmagent.hang import evidence
-from slurmagent.hang.monitor import HangMonitor
+from slurmagent.hang.monitor import CountingStream, HangMonitor
 from slurmagent.policy.stall import RankState, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from slurmagent.run.job import JobIdentity, RunOptions
 from slurmagent.run.supervisor import EXIT_FLUSHED, Supervisor
@@ -245,3 +245,22 @@ def test_a_hung_child_is_stopped_with_evidence_its_node_asked_to_drain_and_reque
     assert {"summary.txt", "processes.txt", "gpu-n1.json", "py-spy-rank-0.txt"} <= {p.name for p in folder.iterdir()}
     assert "no checkpoint signal to a hung trainer" in text and "asking the job to checkpoint" not in text
     assert f"evidence in {folder}" in text
+
+
+def test_the_wrappers_own_lines_in_the_output_are_not_progress(tmp_path):
+    now = [0.0]
+    out = open(tmp_path / "out", "a")
+    own = CountingStream(out)
+    mon = HangMonitor(StallRule(timeout_s=10, first_progress_s=10), progress_dir=tmp_path / "p",
+                      ckpt_dir=tmp_path / "ck", node="n1", job="5", attempt=0, say=lambda s: None, poll_s=1,
+                      clock=lambda: now[0], out_fds=(out.fileno(),), own_output=lambda: own.written)
+    child = type("C", (), {"pid": 1})()
+    assert mon.poll(child) == ""
+    for t in range(1, 10):
+        now[0] = float(t)
+        own.write("slurmagent run: checkpoint: last commit ...\n")  # the wrapper's report, every second
+        own.flush()
+        assert mon.poll(child) == ""
+    now[0] = 10.0
+    assert mon.poll(child).startswith("hang: no progress 10 s after start")
+    out.close()
