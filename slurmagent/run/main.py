@@ -194,13 +194,13 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     node = slurm_env.slurmd_node(env) or ""
     socket_path = cfg.node_path(cfg.watch.channel_socket, node) if ident.platform == "slurm" and node else ""
 
-    def ask(rule_name: str, detail: str) -> str:
+    def ask(rule_name: str, detail: str, op: str = "drain") -> str:
         if not socket_path:
             return "no root channel (not a Slurm job, or [watch] channel_socket empty)"
         from ..actions.job_channel import ask_root  # start-up speed: only on a hang or a straggler
 
         try:
-            answer = ask_root(socket_path, {"op": "drain", "job": ident.job_id, "node": node, "rule": rule_name,
+            answer = ask_root(socket_path, {"op": op, "job": ident.job_id, "node": node, "rule": rule_name,
                                             "detail": detail})
         except (OSError, ValueError) as exc:
             return f"no answer from root at {socket_path} ({exc})"
@@ -208,7 +208,11 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
 
     def straggler(rank: int, detail: str) -> None:
         if rc.straggler_action == "drain":
-            say(f"straggler: drain of {node} asked: {ask('straggler', detail)}")
+            say(f"straggler: drain of {node} asked (it leaves at the job's next requeue): {ask('straggler', detail)}")
+        else:
+            answer = ask("straggler", detail, op="report")
+            if not answer.startswith("granted"):
+                say(f"straggler: not in root's decision log: {answer}")
 
     return HangMonitor(rule, progress_dir=progress_dir, ckpt_dir=options.ckpt_dir, node=node,
                        job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,

@@ -264,3 +264,43 @@ def test_the_wrappers_own_lines_in_the_output_are_not_progress(tmp_path):
     now[0] = 10.0
     assert mon.poll(child).startswith("hang: no progress 10 s after start")
     out.close()
+
+
+def _monitor(tmp_path, now, **kw):
+    return HangMonitor(StallRule(timeout_s=10, first_progress_s=30), progress_dir=tmp_path / "p",
+                       ckpt_dir=tmp_path / "ck", node="n1", job="5", attempt=0, poll_s=1, clock=lambda: now[0],
+                       out_fds=(), **kw)
+
+
+def test_a_checkpoint_written_for_three_times_the_timeout_is_not_a_hang(tmp_path):
+    now, child = [0.0], type("C", (), {"pid": 1})()
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "p").mkdir()
+    mon = _monitor(tmp_path, now, say=lambda s: None)
+    progress.write(tmp_path / "p", 0, 1, 0.0)
+    assert mon.poll(child) == ""
+    now[0] = 1.0
+    progress.write(tmp_path / "p", 0, 2, 1.0)
+    assert mon.poll(child) == ""
+    with open(tmp_path / "ck" / ".model.pt.tmp", "ab") as fh:  # 30 s of writing, no progress() call
+        for t in range(2, 33):
+            now[0] = float(t)
+            fh.write(b"x" * 4096)
+            fh.flush()
+            assert mon.poll(child) == "", t
+    now[0] = 42.0
+    assert "last: checkpoint directory" in mon.poll(child)
+
+
+def test_a_straggler_rank_is_said_with_its_node_and_rank(tmp_path):
+    now, child, said, reported = [0.0], type("C", (), {"pid": 1})(), [], []
+    (tmp_path / "p").mkdir()
+    mon = _monitor(tmp_path, now, say=said.append, straggler=StragglerRule(window_s=10, factor=2.0, windows=3),
+                   straggler_report=lambda rank, detail: reported.append(rank))
+    for t in range(0, 60):
+        now[0] = float(t)
+        progress.write(tmp_path / "p", 0, t, float(t))
+        progress.write(tmp_path / "p", 1, t // 3, float(t))  # three times slower
+        assert mon.poll(child) == ""
+    assert reported == [1]
+    assert [s for s in said if s.startswith("straggler on node n1: rank 1 straggles")], said
