@@ -81,12 +81,12 @@ class HangMonitor:
                  say: Callable[[str], None], ask_drain: Callable[[str], str] | None = None,
                  straggler: StragglerRule | None = None, straggler_report: Callable[[int, str], None] | None = None,
                  poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
-                 own_output: Callable[[], int] = lambda: 0, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
+                 own_stream: CountingStream | None = None, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
                  py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps):
         self.rule, self.progress_dir, self.ckpt_dir = rule, Path(progress_dir), Path(ckpt_dir)
         self.node, self.job, self.attempt, self.say = node, job, attempt, say
         self.ask_drain, self.poll_s, self.clock, self.out_fds, self.proc = ask_drain, poll_s, clock, out_fds, proc
-        self.gpu_state, self.py_spy, self.own_output = gpu_state, py_spy, own_output
+        self.gpu_state, self.py_spy, self.own_stream = gpu_state, py_spy, own_stream
         self.output_mark = -1  # the job's output bytes (ours taken off) at their highest: only growth past it counts
         self.stragglers = StragglerWatch(straggler) if straggler is not None else None
         self.straggler_report = straggler_report
@@ -106,7 +106,7 @@ class HangMonitor:
         ranks = progress_files.read_all(self.progress_dir)
         return {"progress": {r: (p.step, p.at) for r, p in ranks.items()},
                 "checkpoint directory": dir_signature(self.ckpt_dir),
-                "output": output_bytes(self.out_fds) - self.own_output()}
+                "output": output_bytes(self.out_fds) - (self.own_stream.written if self.own_stream else 0)}
 
     def poll(self, child: subprocess.Popen) -> str:
         """The hang's cause ("hang: ...") when the rule says so now, else ""; cheap between samples."""
@@ -157,11 +157,13 @@ class HangMonitor:
         t.join(evidence.GPU_TIMEOUT_S + 2)
         gpu_text, gpu_fault = gpu[0] if gpu else ("GPU state did not come in time", "")
         node, detail = suspect(ranks, {self.node: gpu_fault})
-        drain = "no node to blame: none drained"
+        drain = "none drained"
         if node and node == self.node and self.ask_drain is not None:
             drain = f"drain of {node} asked: {self.ask_drain(detail)}"
         elif node:
             drain = f"suspect {node}: not this node, not drained from here"
+        elif ranks and not self.node and not detail.startswith("no "):
+            drain = "not a Slurm job: no node to drain"
         self.suspect_node = node
         states = ", ".join(f"rank {r.rank} {r.state} step {r.step}" for r in ranks) or "no rank reported progress"
         summary = (f"{self.cause}; {states}; {detail}; {drain}; evidence took {self.clock() - started:.1f} s")
@@ -185,20 +187,31 @@ class HangMonitor:
 
 
 def kill_session(child: subprocess.Popen) -> bool:
-    """SIGTERM, KILL_WAIT_S, SIGKILL to the child's session group (stopped processes die of SIGKILL)."""
+    """SIGTERM (and SIGCONT, so a stopped rank acts on it), KILL_WAIT_S, then SIGKILL to the
+    child's whole group, whatever is left of it (a stopped rank outlives its launcher)."""
     if child.poll() is not None:
+        _killpg(child, signal.SIGKILL)  # the launcher is gone; what it started may not be
         return False
-    for signum, wait in ((signal.SIGTERM, KILL_WAIT_S), (signal.SIGKILL, REAP_WAIT_S)):
-        try:
-            os.killpg(child.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            child.send_signal(signum) if child.poll() is None else None
-        try:
-            child.wait(timeout=wait)
-            return True
-        except subprocess.TimeoutExpired:
-            continue
-    print(f"slurmagent run: hang: the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
-          "leaving it behind", file=sys.stderr, flush=True)
+    _killpg(child, signal.SIGTERM)
+    _killpg(child, signal.SIGCONT)
+    try:
+        child.wait(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _killpg(child, signal.SIGKILL)
+    try:
+        child.wait(timeout=REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        print(f"slurmagent run: hang: the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
+              "leaving it behind", file=sys.stderr, flush=True)
     return True
 
+
+def _killpg(child: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        if child.poll() is None:
+            child.send_signal(signum)

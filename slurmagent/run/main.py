@@ -163,6 +163,8 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
             hold.cleanup()
         if sup.hang is not None:
             shutil.rmtree(sup.hang.progress_dir, ignore_errors=True)
+            if sys.stderr is sup.hang.own_stream:  # an in-process caller gets its stderr back
+                sys.stderr = sup.hang.own_stream.inner
     if metrics is not None:
         _record_metrics(metrics, outcome)
     if report is not None:
@@ -218,7 +220,7 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
                        job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,
                        say=say, ask_drain=lambda detail: ask("hang", detail),
                        straggler=StragglerRule(rc.straggler_window_s, rc.straggler_factor, rc.straggler_windows),
-                       straggler_report=straggler, own_output=lambda: own.written)
+                       straggler_report=straggler, own_stream=own)
 
 
 def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool) -> CheckpointReport | None:

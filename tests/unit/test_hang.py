@@ -18,7 +18,7 @@ from support import REPO
 from slurmagent import trainer
 from slurmagent.core.goodput import end_of
 from slurmagent.hang import evidence
-from slurmagent.hang.monitor import CountingStream, HangMonitor
+from slurmagent.hang.monitor import CountingStream, HangMonitor, kill_session
 from slurmagent.policy.stall import RankState, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from slurmagent.run.job import JobIdentity, RunOptions
 from slurmagent.run.supervisor import EXIT_FLUSHED, Supervisor
@@ -253,7 +253,7 @@ def test_the_wrappers_own_lines_in_the_output_are_not_progress(tmp_path):
     own = CountingStream(out)
     mon = HangMonitor(StallRule(timeout_s=10, first_progress_s=10), progress_dir=tmp_path / "p",
                       ckpt_dir=tmp_path / "ck", node="n1", job="5", attempt=0, say=lambda s: None, poll_s=1,
-                      clock=lambda: now[0], out_fds=(out.fileno(),), own_output=lambda: own.written)
+                      clock=lambda: now[0], out_fds=(out.fileno(),), own_stream=own)
     child = type("C", (), {"pid": 1})()
     assert mon.poll(child) == ""
     for t in range(1, 10):
@@ -304,3 +304,24 @@ def test_a_straggler_rank_is_said_with_its_node_and_rank(tmp_path):
         assert mon.poll(child) == ""
     assert reported == [1]
     assert [s for s in said if s.startswith("straggler on node n1: rank 1 straggles")], said
+
+
+def test_a_stopped_rank_does_not_outlive_its_launcher(tmp_path):
+    launcher = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+                "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP)']); print(p.pid, flush=True); "
+                "import time; time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    rank = int(child.stdout.readline())
+    assert wait_state(rank, "T")
+    assert kill_session(child) is True
+    assert wait_state(rank, "gone"), evidence.proc_stat(rank)  # SIGKILL lands a moment later; a stop would stay
+
+
+def wait_state(pid: int, state: str) -> bool:
+    for _ in range(100):
+        st = evidence.proc_stat(pid)
+        if (st[0] if st is not None else "gone") in ((state, "Z") if state == "gone" else (state,)):
+            return True
+        time.sleep(0.05)
+    return False
