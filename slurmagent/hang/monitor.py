@@ -27,7 +27,6 @@ from . import evidence
 
 HANG_CAUSE = "hang"  # a flush cause that starts with it is ours (run/supervisor.py, core/goodput.end_of)
 MAX_DIR_ENTRIES = 100_000
-KILL_WAIT_S = 3.0
 REAP_WAIT_S = 10.0
 
 
@@ -181,23 +180,18 @@ class HangMonitor:
         except OSError as exc:
             where = f"evidence NOT written ({exc.strerror or exc})"
         self.say(f"{summary}; {where}")
-        self.say("hang: no checkpoint signal to a hung trainer (it could not act on it): stopping it; "
+        self.say("hang: no checkpoint signal to a hung trainer (it could not act on it): killing its processes; "
                  "the last committed checkpoint counts")
         return kill_session(child)
 
 
 def kill_session(child: subprocess.Popen) -> bool:
-    """SIGTERM (and SIGCONT, so a stopped rank acts on it), KILL_WAIT_S, then SIGKILL to the
-    child's whole group, whatever is left of it (a stopped rank outlives its launcher)."""
+    """SIGKILL to the child's whole group, whatever is left of it (a stopped rank outlives its
+    launcher). No SIGTERM: a trainer's handler takes it as the checkpoint signal, and a rank
+    that saves while another is hung may leave a checkpoint of mixed steps."""
     if child.poll() is not None:
         _killpg(child, signal.SIGKILL)  # the launcher is gone; what it started may not be
         return False
-    _killpg(child, signal.SIGTERM)
-    _killpg(child, signal.SIGCONT)
-    try:
-        child.wait(timeout=KILL_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
     _killpg(child, signal.SIGKILL)
     try:
         child.wait(timeout=REAP_WAIT_S)
