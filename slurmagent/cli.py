@@ -204,16 +204,20 @@ def doctor(state: State, as_json: bool) -> None:
 @click.option("--grace", type=float, metavar="SECONDS", help="how long the job may take to checkpoint [checkpoint.grace_s]")
 @click.option("--max-requeues", type=int, metavar="N", help="stop after N restarts in a row without a new checkpoint [checkpoint.max_requeues]")
 @click.option("--sync-interval", type=float, metavar="SECONDS", help="background sync period [checkpoint.sync_interval_s]")
+@click.option("--hang-timeout", type=float, metavar="SECONDS",
+              help="no progress this long is a hang (-1 adaptive, 0 off) [run.hang_timeout_s]")
 @click.option("--restore-scope", type=click.Choice(["all", "node"]), default="all", show_default=True,
               help="multi-node jobs: restore the whole checkpoint on every node, or only the files each node wrote")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, restore_scope, cmd) -> None:
+def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_interval, hang_timeout, restore_scope,
+        cmd) -> None:
     """Job-step wrapper: slurmagent run [opts] -- CMD ARGS..."""
     from .run.main import run_command  # start-up speed
 
     for option, key, value in (("--grace", "checkpoint.grace_s", grace), ("--sync-interval", "checkpoint.sync_interval_s",
-                               sync_interval), ("--max-requeues", "checkpoint.max_requeues", max_requeues)):
+                               sync_interval), ("--max-requeues", "checkpoint.max_requeues", max_requeues),
+                              ("--hang-timeout", "run.hang_timeout_s", hang_timeout)):
         allowed = None if value is None else config_mod.out_of_range(key, value)
         if allowed:
             raise SlurmagentError(f"run: {option} {value} is out of range ({allowed})")
@@ -221,7 +225,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
     try:
         code = run_command(state.config(), list(cmd), ckpt_dir=ckpt_dir, remote=remote, ckpt_signal=ckpt_signal,
                            grace=grace, max_requeues=max_requeues, sync_interval=sync_interval,
-                           restore_scope=restore_scope)
+                           restore_scope=restore_scope, hang_timeout=hang_timeout)
     except OSError as exc:  # e.g. --ckpt-dir /dev/null, a regular file, /proc/1/x: one line, exit 2
         where = " (--ckpt-dir)" if ckpt_dir and str(exc.filename or "").startswith(ckpt_dir.rstrip("/")) else ""
         raise SlurmagentError(f"run: {os_error_line(exc)}{where}") from None

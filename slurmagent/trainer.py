@@ -7,6 +7,7 @@ this run resumes one. Stdlib only; torch is used only when the caller already im
         state = load(trainer.ckpt_dir()) if trainer.resumed() else fresh()
         for step in range(state.step, total):
             train_step(state)
+            trainer.progress(step)                  # the wrapper's hang watch sees the job advance
             if trainer.any_rank(trainer.checkpoint_requested()):   # every rank stops together
                 trainer.atomic_write(trainer.ckpt_dir() / "state.json", dump(state))
                 sys.exit(0)
@@ -19,12 +20,15 @@ import os
 import secrets
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 _requested = False
 _resumed_at_start: bool | None = None
+PROGRESS_INTERVAL_S = 1.0  # `progress` writes at most this often; a clock read otherwise
+_progress_due = 0.0
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -40,9 +44,10 @@ def checkpoint_requested() -> bool:
 
 
 def reset() -> None:
-    global _requested, _resumed_at_start
+    global _requested, _resumed_at_start, _progress_due
     _requested = False
     _resumed_at_start = None
+    _progress_due = 0.0
 
 
 @contextmanager
@@ -54,6 +59,38 @@ def checkpoint_handler(signals: tuple[int, ...] = DEFAULT_SIGNALS) -> Iterator[N
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def progress(step: int) -> None:
+    """Tell the wrapper this rank advanced to `step` (its hang and straggler watch). Call it
+    every step: at most one small file write per PROGRESS_INTERVAL_S, a clock read otherwise;
+    nothing outside `slurmagent run`. Never raises."""
+    global _progress_due
+    now = time.monotonic()
+    if now < _progress_due:
+        return
+    _progress_due = now + PROGRESS_INTERVAL_S
+    directory = os.environ.get("SLURMAGENT_PROGRESS_DIR")
+    if not directory:
+        _progress_due = float("inf")  # not under the wrapper: never look again
+        return
+    from .state.progress import write  # start-up speed: a trainer pays only when it reports
+
+    try:
+        write(directory, _rank(), step, time.time())
+    except (OSError, ValueError, TypeError):
+        pass  # the directory is gone (the attempt ends) or another node's path: training goes on
+
+
+def _rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def ckpt_dir() -> Path:

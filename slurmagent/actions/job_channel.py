@@ -60,6 +60,7 @@ class ChannelServer:
         self.path = Path(cfg.node_path(cfg.watch.channel_socket, node))
         self.owners: dict[str, tuple[float, JobOwner | None]] = {}
         self.drained_for: set[str] = set()  # jobs that already had their one drain on this node
+        self.reports: dict[str, int] = {}  # job -> reports written to the decision log from it
         self.counts: dict[str, int] = {"granted": 0, "refused": 0, "malformed": 0, "failed": 0}
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -124,6 +125,8 @@ class ChannelServer:
         why = job_requests.judge(req, uid, owner, self.node)
         if not why and req.op == "drain" and req.job in self.drained_for:
             why = f"job {req.job} already asked for a drain of {self.node}"
+        if not why and req.op == "report" and self.reports.get(req.job, 0) >= job_requests.MAX_REPORTS_PER_JOB:
+            why = f"job {req.job} already sent {job_requests.MAX_REPORTS_PER_JOB} reports to {self.node}"
         if why:
             self.counts["refused"] += 1
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op=req.op, verdict="refused", why=why)
@@ -133,6 +136,11 @@ class ChannelServer:
             set_, add, clear = job_requests.metric_update(req)
             metrics.for_node(self.cfg, self.node).update(set_=set_, add=add, replace_prefix=clear)
             return {"ok": True, "why": ""}
+        if req.op == "report":  # the decision log only: what a job saw, said where root's decisions are
+            self.reports[req.job] = self.reports.get(req.job, 0) + 1
+            self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="report", verdict="granted",
+                           rule=req.rule, detail=req.detail)
+            return {"ok": True, "why": "reported"}
         self.drained_for.add(req.job)
         reason = job_requests.drain_reason(req)
         outcome = JournalExecutor(self.cfg, self.slurm, self.node).drain_fault(

@@ -57,6 +57,8 @@ def end_of(*, flushed: bool, flush_cause: str, child_code: int | None, expiry_so
     if flush_cause == FAULT_SIGNAL:
         where = f" on node {fault_node}" if fault_node else ""
         return "gpu-fault", f"GPU fault{where}" + (f" ({fault})" if fault else "") + " (the watch's fault flush)"
+    if flush_cause.startswith("hang: "):  # hang/monitor.HANG_CAUSE: the wrapper's stall rule
+        return "hang", flush_cause
     if flush_cause == SELF_REQUEUE:
         return "self-requeue", SELF_REQUEUE
     if flush_cause.startswith("VM expiry") or (expiry_source and flush_cause in ("SIGTERM", "SIGUSR1")):

@@ -7,12 +7,14 @@ what root read itself: the asking process's uid (the kernel's SO_PEERCRED, never
 request) and the job as Slurm shows it (owner uid, state, nodes). A request is granted
 only for a RUNNING job of the asking uid, about this node, which must be one of the job's.
 
-Two operations:
+Three operations:
 
 - `metrics`: per-job checkpoint figures folded into the node's textfile. Only the names in
   `JOB_METRICS`, each with the one label `job` that root sets itself from the judged job id.
 - `drain`: this node out, for a rule in `JOB_DRAIN_RULES` (a hang or a straggler the wrapper
   saw), with a cleaned detail; root still decides through the breaker and the journal.
+- `report`: the same rule and detail, written to root's decision log only (a straggler the
+  job's owner chose to report, not drain); at most `MAX_REPORTS_PER_JOB` per job on a node.
 
 Pure: the socket, Slurm and the actions are the runtime's (actions/job_channel.py).
 """
@@ -39,6 +41,7 @@ JOB_METRICS = {
 }
 PER_JOB = ("slurmagent_checkpoint_lag_seconds",)  # labelled {job}; the others are node totals
 JOB_DRAIN_RULES = ("hang", "straggler")
+MAX_REPORTS_PER_JOB = 16
 MAX_VALUE = 1e15  # a value past this is a lie or a bug: refused, never written
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,9})?$")
 
@@ -49,7 +52,7 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class JobRequest:
-    op: str  # "metrics" | "drain"
+    op: str  # "metrics" | "drain" | "report"
     job: str
     node: str
     set_: dict[str, float] = field(default_factory=dict)
@@ -69,8 +72,8 @@ def parse_request(raw: bytes) -> JobRequest:
     if not isinstance(doc, dict):
         raise RequestError("request is not one JSON object")
     op, job, node = doc.get("op"), doc.get("job"), doc.get("node")
-    if op not in ("metrics", "drain"):
-        raise RequestError(f"unknown op {str(op)[:20]!r} (metrics, drain)")
+    if op not in ("metrics", "drain", "report"):
+        raise RequestError(f"unknown op {str(op)[:20]!r} (metrics, drain, report)")
     if not isinstance(job, str) or not _JOB_ID.match(job):
         raise RequestError("job must be a Slurm job id")
     if not isinstance(node, str) or not 0 < len(node) <= 255:  # judged against this node's own name
@@ -80,7 +83,7 @@ def parse_request(raw: bytes) -> JobRequest:
                           clear=doc.get("clear") is True)
     rule, detail = doc.get("rule"), doc.get("detail", "")
     if rule not in JOB_DRAIN_RULES:
-        raise RequestError(f"drain rule must be one of {', '.join(JOB_DRAIN_RULES)}")
+        raise RequestError(f"{op} rule must be one of {', '.join(JOB_DRAIN_RULES)}")
     if not isinstance(detail, str):
         raise RequestError("detail must be text")
     return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150])

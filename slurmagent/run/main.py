@@ -24,6 +24,8 @@ from ..slurm.commands import Slurm
 from .child import RequeueHold
 from .ledger import AttemptLedger, LedgerReport, expiry_source, faulty_node
 from .identity import SUBMISSION_ENV, new_owner
+from ..state.private_dirs import user_tmp_parent
+from ..state.progress import PROGRESS_ENV
 from .requeue import RequeueVerb
 from .job import (
     JobIdentity,
@@ -97,7 +99,8 @@ def _multi_node(env) -> bool:
         return False
 
 
-def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts) -> int:
+def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_timeout: float | None = None,
+                **opts) -> int:
     # From here to our exit a flush signal is recorded, never the default action: one that
     # comes before the supervisor starts is acted on by it; one after (Slurm signals the batch
     # step again once requeued) is a no-op. A Python handler, unlike SIG_IGN, is reset to the
@@ -145,6 +148,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         job_store.trainer_running = sup.child_running
     if executor is not None:
         sup.slurm_nodes = executor  # a restore failing on a node's disk: requeued without it
+    sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup)
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)
@@ -160,6 +164,10 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
     finally:
         if hold is not None:
             hold.cleanup()
+        if sup.hang is not None:
+            shutil.rmtree(sup.hang.progress_dir, ignore_errors=True)
+            if sys.stderr is sup.hang.own_stream:  # an in-process caller gets its stderr back
+                sys.stderr = sup.hang.own_stream.inner
     if metrics is not None:
         _record_metrics(metrics, outcome)
     if report is not None:
@@ -168,6 +176,54 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", **opts)
         end_ledger(ledger, outcome, options, env, slurm)
     sup.say(outcome.summary)
     return outcome.exit_code
+
+
+def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions, timeout: float | None,
+                 sup: Supervisor):
+    """The hang watch (`hang/monitor.py`) with its private progress directory, named to the
+    trainer in SLURMAGENT_PROGRESS_DIR (through `env`, which the child gets); None when off."""
+    from ..hang.monitor import CountingStream, HangMonitor  # start-up speed: built once, after the config
+    from ..policy.stall import StallRule, StragglerRule  # start-up speed (with the monitor)
+
+    rc = cfg.run
+    rule = StallRule(timeout_s=rc.hang_timeout_s if timeout is None else timeout,
+                     first_progress_s=rc.hang_first_progress_s)
+    if rule.off:
+        return None
+    progress_dir = Path(tempfile.mkdtemp(prefix="slurmagent-progress-", dir=user_tmp_parent()))
+    own = sys.stderr = CountingStream(sys.stderr)  # our lines in the job's output are not its progress
+    if sup.err is own.inner:
+        sup.err = own
+    say = sup.say
+    env[PROGRESS_ENV] = str(progress_dir)
+    node = slurm_env.slurmd_node(env) or ""
+    socket_path = cfg.node_path(cfg.watch.channel_socket, node) if ident.platform == "slurm" and node else ""
+
+    def ask(rule_name: str, detail: str, op: str = "drain") -> str:
+        if not socket_path:
+            return "no root channel (not a Slurm job, or [watch] channel_socket empty)"
+        from ..actions.job_channel import ask_root  # start-up speed: only on a hang or a straggler
+
+        try:
+            answer = ask_root(socket_path, {"op": op, "job": ident.job_id, "node": node, "rule": rule_name,
+                                            "detail": detail})
+        except (OSError, ValueError) as exc:
+            return f"no answer from root at {socket_path} ({exc})"
+        return ("granted: " if answer.get("ok") else "refused: ") + str(answer.get("why") or "")[:200]
+
+    def straggler(rank: int, detail: str) -> None:
+        if rc.straggler_action == "drain":
+            say(f"straggler: drain of {node} asked (it leaves at the job's next requeue): {ask('straggler', detail)}")
+        else:
+            answer = ask("straggler", detail, op="report")
+            if not answer.startswith("granted"):
+                say(f"straggler: not in root's decision log: {answer}")
+
+    return HangMonitor(rule, progress_dir=progress_dir, ckpt_dir=options.ckpt_dir, node=node,
+                       job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,
+                       say=say, ask_drain=lambda detail: ask("hang", detail),
+                       straggler=StragglerRule(rc.straggler_window_s, rc.straggler_factor, rc.straggler_windows),
+                       straggler_report=straggler, own_stream=own)
 
 
 def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool) -> CheckpointReport | None:

@@ -132,6 +132,7 @@ class Supervisor:
         self.failing_since = 0.0
         self.last_error_said = float("-inf")
         self.child: subprocess.Popen | None = None
+        self.hang = None  # hang/monitor.HangMonitor: a stall is a flush cause; evidence, then kill, no ckpt signal
 
     def child_running(self) -> bool:
         """True while the command runs (a multi-node store then commits consistent cuts only)."""
@@ -365,6 +366,8 @@ class Supervisor:
                     killpg(child, signum)
             if self.hold is not None and self.hold.requested():
                 return SELF_REQUEUE_CAUSE
+            if self.hang is not None and self.hang.poll(child):
+                return self.hang.cause
             now = self.clock()
             if self.opts.expiry_files and now >= next_expiry_check:
                 next_expiry_check = now + 5.0
@@ -388,7 +391,9 @@ class Supervisor:
         outcome.flushed, outcome.flush_cause = True, cause
         grace = flush_grace(self.opts.grace_s, cause)
         deadline = self.flush_deadline = started + grace
-        if child.poll() is not None and cause != SELF_REQUEUE_CAUSE:
+        if self.hang is not None and self.hang.owns(cause):
+            outcome.child_killed = self.hang.stop(child)
+        elif child.poll() is not None and cause != SELF_REQUEUE_CAUSE:
             self.say(f"{cause} came as the job exited (exit {child.returncode}): syncing the checkpoint it left")
             outcome.held_requeue = self.hold is not None and self.hold.requested()  # its verb is asked
         elif cause == SELF_REQUEUE_CAUSE:
@@ -510,4 +515,4 @@ def is_fault(cause: str) -> bool:
 
 def flush_grace(grace_s: float, cause: str) -> float:
     """How long the trainer may take to checkpoint: `--grace`, at most FAULT_GRACE_S on a fault."""
-    return min(grace_s, FAULT_GRACE_S) if is_fault(cause) else grace_s
+    return min(grace_s, FAULT_GRACE_S) if is_fault(cause) or cause.startswith("hang: ") else grace_s

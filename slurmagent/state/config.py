@@ -250,6 +250,27 @@ class WatchConfig:
 
 
 @dataclass(frozen=True)
+class RunConfig:
+    """[run]: the wrapper's hang and straggler watch (`slurmagent run`)."""
+    hang_timeout_s: float = _key(
+        -1.0, "no progress (the ranks' `trainer.progress`, the checkpoint directory, the job's output) for this long "
+        "after the first progress is a hang: evidence, the suspect node drained, the job requeued; -1 = adaptive "
+        "(5x the longest gap seen, within 120..1800 s), 0 = off", low=-1, high=604800)
+    hang_first_progress_s: float = _key(
+        1800.0, "the first progress after the trainer starts may take this long (a restore's load, a slow first step)",
+        low=1, high=604800)
+    straggler_window_s: float = _key(60.0, "per-rank seconds per step are compared over windows this long", low=1,
+                                     high=86400)
+    straggler_factor: float = _key(2.0, "a rank this many times slower than the other ranks' median is slow",
+                                   low=1.01, high=1000)
+    straggler_windows: int = _key(3, "slow for this many windows in a row: a straggler", low=1, high=10000)
+    straggler_action: str = _key(
+        "report", "a straggler is `report`ed (job stderr, decision log through the root channel) or its node is "
+        "also `drain`ed (through the channel and the breaker; the node leaves at the job's next requeue)",
+        ("report", "drain"))
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     """[metrics]: the Prometheus textfile."""
     textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name)")
@@ -267,6 +288,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     expiry: ExpiryConfig = field(default_factory=ExpiryConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
+    run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = field(default="(defaults)", metadata={"internal": True})
 
@@ -288,6 +310,7 @@ _SECTION_CLASSES = {
     "checkpoint": CheckpointConfig,
     "expiry": ExpiryConfig,
     "watch": WatchConfig,
+    "run": RunConfig,
     "metrics": MetricsConfig,
 }
 

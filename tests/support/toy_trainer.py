@@ -1,8 +1,9 @@
 """A toy trainer for the wrapper tests: counts steps, checkpoints on the signal.
 
-argv: TOTAL_STEPS LEDGER STEP_SECONDS [ignore] [bigfile_mib]
+argv: TOTAL_STEPS LEDGER STEP_SECONDS [ignore|progress] [bigfile_mib]
 Every finished step is appended to LEDGER (outside the checkpoint dir), so a test can
-check that no step is lost after the last checkpoint and none is done twice.
+check that no step is lost after the last checkpoint and none is done twice. `progress`:
+`trainer.progress(step)` every step, and the process id in LEDGER.pid (a test stops it).
 """
 
 import json
@@ -16,6 +17,7 @@ from slurmagent import trainer
 
 total, ledger, step_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 ignore = "ignore" in sys.argv[4:]
+report = "progress" in sys.argv[4:]
 big_mib = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 
 
@@ -39,9 +41,14 @@ with trainer.checkpoint_handler():
     step = json.loads(state.read_text())["step"] if trainer.resumed() else 0
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     log(f"start {step} node={node} resumed={int(trainer.resumed())} restart={trainer.restart_count()}")
+    if report:
+        with open(ledger + ".pid", "w") as fh:
+            fh.write(f"{os.getpid()}\n")
     while step < total:
         time.sleep(step_s)
         step += 1
+        if report:
+            trainer.progress(step)
         log(f"step {step}")
         if step % 5 == 0:
             save(step)

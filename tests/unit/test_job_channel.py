@@ -40,7 +40,7 @@ def req(**kw) -> bytes:
     (b"x" * (job_requests.MAX_REQUEST_BYTES + 1), "request over 16384 bytes"),
     (b"not json", "request is not one JSON object"),
     (b"[1]", "request is not one JSON object"),
-    (req(op="resume"), "unknown op 'resume' (metrics, drain)"),
+    (req(op="resume"), "unknown op 'resume' (metrics, drain, report)"),
     (req(job="7; scontrol update"), "job must be a Slurm job id"),
     (req(set={"slurmagent_breaker_open": 0}), "'slurmagent_breaker_open' is not a job metric one may set"),
     (req(add={"slurmagent_checkpoint_lag_seconds": 1}), "'slurmagent_checkpoint_lag_seconds' is not a job metric one may add"),
@@ -190,3 +190,17 @@ def test_no_watch_running_costs_the_job_one_line(tmp_path):
     sink.update(set_={("slurmagent_flush_seconds", ()): 3.0})
     sink.update(set_={("slurmagent_flush_seconds", ()): 4.0})
     assert len(said) == 1 and "did not take this job's figures: no answer from" in said[0]
+
+
+def test_a_straggler_report_goes_to_the_decision_log_only_and_is_bounded(served):
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid="0")
+    ask = {"op": "report", "job": "7", "node": "n1", "rule": "straggler", "detail": "rank 3 straggles: 2.9x"}
+    assert ask_root(server.path, ask) == {"ok": True, "why": "reported"}
+    assert not sc.of("scontrol", "update") and "DRAIN" not in sc.nodes["n1"].get("State", "")
+    [rec] = [r for r in read_records(tmp_path / "state" / "n1" / "hooks.log") if r.get("op") == "report"]
+    assert rec["rule"] == "straggler" and rec["detail"] == "rank 3 straggles: 2.9x" and rec["job"] == "7"
+    for _ in range(job_requests.MAX_REPORTS_PER_JOB - 1):
+        assert ask_root(server.path, ask)["ok"] is True
+    assert ask_root(server.path, ask) == {"ok": False, "why": f"job 7 already sent "
+                                                              f"{job_requests.MAX_REPORTS_PER_JOB} reports to n1"}

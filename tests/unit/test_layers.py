@@ -33,7 +33,7 @@ LAYER_NAMES = ["pure core", "local state", "adapters", "actions", "runtimes", "f
 FOLDER_LAYERS = {
     "core": PURE, "policy": PURE,
     "state": STATE, "checkpoint": STATE,
-    "checkpoint.gcs": ADAPTERS, "gpu": ADAPTERS, "gcp": ADAPTERS,
+    "checkpoint.gcs": ADAPTERS, "gpu": ADAPTERS, "gcp": ADAPTERS, "hang": ADAPTERS,
     "actions": ACTIONS,
     "run": RUNTIMES, "commands": RUNTIMES,
 }

@@ -1,0 +1,211 @@
+"""The wrapper's hang watch on its node: sample the progress signals, apply the stall rule,
+and on a hang collect the evidence, name a suspect node and stop the job's processes.
+
+Signals, cheapest first: the ranks' `trainer.progress` files (`state/progress.py`), the
+checkpoint directory changing (any file, temporary ones included: a long checkpoint write
+is progress), the job's output growing (the wrapper's stdout/stderr when they are files: the
+batch step's StdOut, which the trainer inherits). Sampled every `poll_s` from the wrapper's
+main loop, judged on its clock (`policy/stall.py`). A hung trainer gets no checkpoint signal:
+it could not act on it; the last committed checkpoint is what counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..policy.stall import StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
+from ..state import progress as progress_files
+from . import evidence
+
+HANG_CAUSE = "hang"  # a flush cause that starts with it is ours (run/supervisor.py, core/goodput.end_of)
+MAX_DIR_ENTRIES = 100_000
+REAP_WAIT_S = 10.0
+
+
+def dir_signature(path: Path, limit: int = MAX_DIR_ENTRIES) -> tuple:
+    """(files, bytes, newest mtime) of everything under `path`, without reading a file."""
+    count = size = newest = 0
+    for root, dirs, files in os.walk(path):
+        for name in files + dirs:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            count += 1
+            size += st.st_size
+            newest = max(newest, st.st_mtime_ns)
+            if count >= limit:
+                return count, size, newest
+    return count, size, newest
+
+
+def output_bytes(fds: tuple[int, ...]) -> int:
+    """Bytes in the distinct regular files behind `fds` (stdout and stderr are often one file)."""
+    seen: dict[tuple[int, int], int] = {}
+    for fd in fds:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if (st.st_mode & 0o170000) == 0o100000:
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+class CountingStream:
+    """The wrapper's own stderr, counting what it writes: the wrapper's lines in the job's
+    output (a sync report, a failing bucket said every few minutes) are not the job's progress."""
+
+    def __init__(self, inner):
+        self.inner, self.written = inner, 0
+
+    def write(self, text: str) -> int:
+        self.written += len(text.encode(errors="replace"))
+        return self.inner.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+class HangMonitor:
+    def __init__(self, rule: StallRule, *, progress_dir: Path, ckpt_dir: Path, node: str, job: str, attempt: int,
+                 say: Callable[[str], None], ask_drain: Callable[[str], str] | None = None,
+                 straggler: StragglerRule | None = None, straggler_report: Callable[[int, str], None] | None = None,
+                 poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
+                 own_stream: CountingStream | None = None, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
+                 py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps):
+        self.rule, self.progress_dir, self.ckpt_dir = rule, Path(progress_dir), Path(ckpt_dir)
+        self.node, self.job, self.attempt, self.say = node, job, attempt, say
+        self.ask_drain, self.poll_s, self.clock, self.out_fds, self.proc = ask_drain, poll_s, clock, out_fds, proc
+        self.gpu_state, self.py_spy, self.own_stream = gpu_state, py_spy, own_stream
+        self.output_mark = -1  # the job's output bytes (ours taken off) at their highest: only growth past it counts
+        self.stragglers = StragglerWatch(straggler) if straggler is not None else None
+        self.straggler_report = straggler_report
+        self.watch: StallWatch | None = None
+        self.next_poll = 0.0
+        self.last: dict[str, object] = {}
+        self.cause = ""
+        self.folder: Path | None = None
+        self.suspect_node = ""
+
+    def owns(self, cause: str) -> bool:
+        return bool(self.cause) and cause == self.cause
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    def sample(self) -> dict[str, object]:
+        ranks = progress_files.read_all(self.progress_dir)
+        return {"progress": {r: (p.step, p.at) for r, p in ranks.items()},
+                "checkpoint directory": dir_signature(self.ckpt_dir),
+                "output": output_bytes(self.out_fds) - (self.own_stream.written if self.own_stream else 0)}
+
+    def poll(self, child: subprocess.Popen) -> str:
+        """The hang's cause ("hang: ...") when the rule says so now, else ""; cheap between samples."""
+        now = self.clock()
+        if self.rule.off or now < self.next_poll:
+            return ""
+        self.next_poll = now + self.poll_s
+        current = self.sample()
+        if self.watch is None:  # the first sample is the start (the trainer was just started)
+            self.watch, self.last, self.output_mark = StallWatch(self.rule, now), current, current["output"]
+            return ""
+        grew = current["output"] > self.output_mark  # a truncation, rotation or our own line is no progress
+        self.output_mark = max(self.output_mark, current["output"])
+        moved = [k for k, v in current.items() if (grew if k == "output" else v != self.last.get(k))]
+        self.last = current
+        if moved:
+            self.watch.progressed(now, moved[0])
+        if self.stragglers is not None:
+            self._stragglers(now, current["progress"])
+        why = self.watch.stalled(now)
+        if why:
+            self.cause = f"{HANG_CAUSE}: {why}"
+        return self.cause
+
+    def _stragglers(self, now: float, ranks: dict) -> None:
+        steps = {r: (at, step) for r, (step, at) in ranks.items()}
+        for rank, rate, median in self.stragglers.observe(now, steps):
+            detail = (f"rank {rank} straggles: {rate:.2f} s/step, {rate / median:.1f}x the other ranks' median "
+                      f"{median:.2f} s/step for {self.stragglers.rule.windows} windows of "
+                      f"{self.stragglers.rule.window_s:g} s")
+            self.say(f"straggler on node {self.node}: {detail}")
+            if self.straggler_report is not None:
+                self.straggler_report(rank, detail)
+
+    # --- the hang ------------------------------------------------------------------------------
+
+    def stop(self, child: subprocess.Popen) -> bool:
+        """Evidence first, then the suspect's drain asked, then the job's processes killed.
+        True: they were killed (always, unless the child had already exited)."""
+        started = self.clock()
+        ranks = evidence.rank_states(progress_files.read_all(self.progress_dir), self.node, self.proc)
+        procs = evidence.session_processes(child.pid, self.proc)
+        pids = [r.pid for r in ranks if r.state not in ("gone", "Z")] or [p for p, st, _ in procs if st != "Z"]
+        gpu: list[tuple[str, str]] = []
+        t = threading.Thread(target=lambda: gpu.append(self.gpu_state()), daemon=True)
+        t.start()
+        dumps = self.py_spy(pids)
+        t.join(evidence.GPU_TIMEOUT_S + 2)
+        gpu_text, gpu_fault = gpu[0] if gpu else ("GPU state did not come in time", "")
+        node, detail = suspect(ranks, {self.node: gpu_fault})
+        drain = "none drained"
+        if node and node == self.node and self.ask_drain is not None:
+            drain = f"drain of {node} asked: {self.ask_drain(detail)}"
+        elif node:
+            drain = f"suspect {node}: not this node, not drained from here"
+        elif ranks and not self.node and not detail.startswith("no "):
+            drain = "not a Slurm job: no node to drain"
+        self.suspect_node = node
+        states = ", ".join(f"rank {r.rank} {r.state} step {r.step}" for r in ranks) or "no rank reported progress"
+        summary = (f"{self.cause}; {states}; {detail}; {drain}; evidence took {self.clock() - started:.1f} s")
+        files = {"summary.txt": summary + "\n",
+                 "ranks.json": json.dumps([r.__dict__ for r in ranks], indent=1) + "\n",
+                 "processes.txt": "".join(f"{p} {st} {cmd}\n" for p, st, cmd in procs),
+                 f"gpu-{self.node or 'node'}.json": gpu_text}
+        by_pid = {r.pid: r.rank for r in ranks}
+        for pid, text in dumps.items():
+            files[f"py-spy-{'rank-%d' % by_pid[pid] if pid in by_pid else 'pid-%d' % pid}.txt"] = text
+        try:
+            self.folder = evidence.write_folder(
+                evidence.evidence_dir(evidence.output_file(), Path.cwd(), f"slurmagent-{self.job}", self.attempt), files)
+            where = f"evidence in {self.folder}"
+        except OSError as exc:
+            where = f"evidence NOT written ({exc.strerror or exc})"
+        self.say(f"{summary}; {where}")
+        self.say("hang: no checkpoint signal to a hung trainer (it could not act on it): killing its processes; "
+                 "the last committed checkpoint counts")
+        return kill_session(child)
+
+
+def kill_session(child: subprocess.Popen) -> bool:
+    """SIGKILL to the child's whole group, whatever is left of it (a stopped rank outlives its
+    launcher). No SIGTERM: a trainer's handler takes it as the checkpoint signal, and a rank
+    that saves while another is hung may leave a checkpoint of mixed steps."""
+    if child.poll() is not None:
+        _killpg(child, signal.SIGKILL)  # the launcher is gone; what it started may not be
+        return False
+    _killpg(child, signal.SIGKILL)
+    try:
+        child.wait(timeout=REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        print(f"slurmagent run: hang: the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
+              "leaving it behind", file=sys.stderr, flush=True)
+    return True
+
+
+def _killpg(child: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        if child.poll() is None:
+            child.send_signal(signum)

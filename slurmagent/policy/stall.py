@@ -1,0 +1,168 @@
+"""When a wrapped job hangs, which node to blame, and which rank straggles (DESIGN: "Progress and hangs").
+
+The wrapper samples its progress signals (the ranks' `trainer.progress`, the checkpoint
+directory, the job's output file) and tells `StallWatch` each time one moved. No move for
+the limit is a hang:
+
+- before the first progress after start: `first_progress_s` (a restore and a slow first step
+  are not hangs);
+- then `timeout_s` when set (> 0); `0` turns the rule off; `-1` (default) is adaptive:
+  `factor` x the longest gap seen so far between two progresses, within [floor, ceiling], so
+  a job that writes a checkpoint for 10 minutes while its files change is never flagged, and
+  one that logs every 5 s is caught in minutes.
+
+Pure: the caller passes the clock's readings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+ADAPTIVE = -1.0
+OFF = 0.0
+STOPPED_STATES = {"T": "process stopped (T)", "t": "process stopped by a tracer (t)", "Z": "process is a zombie (Z)",
+                  "gone": "process gone"}
+
+
+@dataclass(frozen=True)
+class StallRule:
+    timeout_s: float = ADAPTIVE
+    first_progress_s: float = 1800.0
+    factor: float = 5.0
+    floor_s: float = 120.0
+    ceiling_s: float = 1800.0
+
+    @property
+    def off(self) -> bool:
+        return self.timeout_s == OFF
+
+
+class StallWatch:
+    """The stall rule's state for one attempt."""
+
+    def __init__(self, rule: StallRule, started: float):
+        self.rule = rule
+        self.started = started
+        self.last: float | None = None  # the last progress (None: none since start)
+        self.longest_gap = 0.0
+        self.what = ""  # the signal that moved last
+
+    def progressed(self, now: float, what: str = "") -> None:
+        if self.last is not None:
+            self.longest_gap = max(self.longest_gap, now - self.last)
+        self.last = now
+        self.what = what or self.what
+
+    def limit(self) -> float | None:
+        """Seconds without progress that make a hang now; None when the rule is off."""
+        rule = self.rule
+        if rule.off:
+            return None
+        if self.last is None:
+            return rule.first_progress_s
+        if rule.timeout_s > 0:
+            return rule.timeout_s
+        return min(rule.ceiling_s, max(rule.floor_s, rule.factor * self.longest_gap))
+
+    def stalled(self, now: float) -> str:
+        """Why this is a hang ("" when it is not)."""
+        limit = self.limit()
+        if limit is None:
+            return ""
+        since = now - (self.started if self.last is None else self.last)
+        if since < limit:
+            return ""
+        if self.last is None:
+            return f"no progress {since:.0f} s after start (first-progress limit {limit:g} s)"
+        how = "" if self.rule.timeout_s > 0 else f", adaptive: {self.rule.factor:g} x the longest gap {self.longest_gap:.0f} s"
+        return f"no progress for {since:.0f} s (limit {limit:g} s{how}; last: {self.what or 'progress'})"
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank as the evidence saw it: its process state ("R", "S", "D", "T", "Z", "gone", "?")."""
+    rank: int
+    node: str
+    pid: int
+    state: str
+    step: int | None = None
+    last_at: float | None = None  # its last progress (wall clock), None when it never reported
+
+
+def suspect(ranks: list[RankState], gpu_faults: dict[str, str] | None = None,
+            first_gap_s: float = 10.0) -> tuple[str, str]:
+    """(node, detail) of the node the evidence points at, ("", why none) when it names none.
+
+    A rank stopped, a zombie or gone names its node; then a GPU fault on one node; then, when
+    the ranks span several nodes, the rank whose progress stopped first by more than
+    `first_gap_s` (on one node every rank is on it: that says nothing about the node)."""
+    for r in sorted(ranks, key=lambda r: r.rank):
+        if r.state in STOPPED_STATES:
+            return r.node, f"rank {r.rank} stopped at step {_step(r)} ({STOPPED_STATES[r.state]}, pid {r.pid})"
+    faults = {n: f for n, f in (gpu_faults or {}).items() if f}
+    if len(faults) == 1:
+        node, fault = next(iter(faults.items()))
+        return node, f"GPU fault under the hung job ({fault})"
+    timed = sorted((r for r in ranks if r.last_at is not None), key=lambda r: r.last_at)
+    if len({r.node for r in ranks}) > 1 and len(timed) > 1 and timed[1].last_at - timed[0].last_at > first_gap_s:
+        r = timed[0]
+        return r.node, (f"rank {r.rank} stopped at step {_step(r)} (its progress stopped "
+                        f"{timed[1].last_at - r.last_at:.0f} s before any other rank's)")
+    return "", "no rank stopped or gone, no GPU fault, no rank stopped first: no node to blame"
+
+
+def _step(r: RankState) -> str:
+    return "?" if r.step is None else str(r.step)
+
+
+# --- stragglers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StragglerRule:
+    window_s: float = 60.0
+    factor: float = 2.0
+    windows: int = 3
+
+
+@dataclass
+class StragglerWatch:
+    """Per-rank seconds per step over windows of `window_s`; a rank slower than `factor` x the
+    median rank for `windows` windows in a row is a straggler (reported once)."""
+    rule: StragglerRule
+    samples: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # rank -> [(at, step)] this window
+    window_start: float | None = None
+    slow_streak: dict[int, int] = field(default_factory=dict)
+    reported: set[int] = field(default_factory=set)
+
+    def observe(self, now: float, steps: dict[int, tuple[float, int]]) -> list[tuple[int, float, float]]:
+        """Feed each rank's latest (at, step); at a window's end return the new stragglers as
+        (rank, its s/step, the other ranks' median s/step). Steps in lockstep (a
+        collective every step) make every rank as slow as the slowest: call `progress` before
+        the step's collective, or the time spent waiting hides the straggler."""
+        for rank, (at, step) in steps.items():
+            seen = self.samples.setdefault(rank, [])
+            if not seen or seen[-1] != (at, step):
+                seen.append((at, step))
+        if self.window_start is None:
+            self.window_start = now
+        if now - self.window_start < self.rule.window_s:
+            return []
+        rates = {}
+        for rank, seen in self.samples.items():
+            if len(seen) >= 2 and seen[-1][1] > seen[0][1]:
+                rates[rank] = (seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1])
+        self.samples = {rank: seen[-1:] for rank, seen in self.samples.items()}
+        self.window_start = now
+        if len(rates) < 2:
+            return []
+        new = []
+        for rank, rate in rates.items():  # against the median of the OTHER ranks: two ranks suffice
+            median = statistics.median(r for k, r in rates.items() if k != rank)
+            slow = median > 0 and rate > self.rule.factor * median
+            self.slow_streak[rank] = self.slow_streak.get(rank, 0) + 1 if slow else 0
+            if self.slow_streak[rank] >= self.rule.windows and rank not in self.reported:
+                self.reported.add(rank)
+                new.append((rank, rate, median))
+        return new

@@ -1,0 +1,58 @@
+"""The ranks' progress files: `trainer.progress(step)` writes one per rank, the wrapper reads them.
+
+A private directory per attempt on the node (`SLURMAGENT_PROGRESS_DIR`, made by the wrapper,
+0700 under the user's private temp parent): never under `--ckpt-dir`, which is synced. One
+small file per rank, `rank-<R>`, replaced atomically: `<step> <wall time> <pid>`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROGRESS_ENV = "SLURMAGENT_PROGRESS_DIR"
+MAX_RANK_FILES = 4096  # a directory holding more is read partly: a job's ranks on one node fit
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    step: int
+    at: float  # wall clock of the write
+    pid: int
+
+
+def write(directory: str | os.PathLike[str], rank: int, step: int, at: float) -> None:
+    """Replace this rank's file (raises OSError: the caller ignores it, training goes on)."""
+    path = Path(directory) / f"rank-{rank}"
+    tmp = path.with_name(f".rank-{rank}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, f"{int(step)} {at:.3f} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_all(directory: str | os.PathLike[str]) -> dict[int, RankProgress]:
+    """Every rank's last report; malformed files (the job's own to write) are skipped."""
+    out: dict[int, RankProgress] = {}
+    try:
+        entries = os.scandir(directory)
+    except OSError:
+        return out
+    with entries:
+        for n, entry in enumerate(entries):
+            if n >= MAX_RANK_FILES:
+                break
+            if not entry.name.startswith("rank-"):
+                continue
+            try:
+                rank = int(entry.name[5:])
+                with open(entry.path, "rb") as fh:
+                    step, at, pid = fh.read(200).decode().split()[:3]
+                out[rank] = RankProgress(rank, int(step), float(at), int(pid))
+            except (OSError, ValueError, UnicodeDecodeError):
+                continue
+    return out

@@ -1,0 +1,327 @@
+"""A job that hangs leaves in minutes: the stall rule (fake clock), the suspect node, the
+stragglers, the ranks' progress files, the evidence of real stopped processes, and the
+wrapper's whole hang path (evidence, drain asked, processes killed, requeue) on a real child."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import REPO
+from slurmagent import trainer
+from slurmagent.core.goodput import end_of
+from slurmagent.hang import evidence
+from slurmagent.hang.monitor import CountingStream, HangMonitor, kill_session
+from slurmagent.policy.stall import RankState, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
+from slurmagent.run.job import JobIdentity, RunOptions
+from slurmagent.run.supervisor import EXIT_FLUSHED, Supervisor
+from slurmagent.state import progress
+
+
+# --- the stall rule -----------------------------------------------------------------------------
+
+def test_first_progress_has_its_own_grace():
+    w = StallWatch(StallRule(timeout_s=30, first_progress_s=600), started=0.0)
+    assert not w.stalled(599)  # a 10-minute restore-and-first-step is not a hang
+    assert "after start" in w.stalled(600)
+
+
+def test_fixed_timeout_counts_from_the_last_progress():
+    w = StallWatch(StallRule(timeout_s=30, first_progress_s=600), started=0.0)
+    for t in range(0, 100, 5):
+        w.progressed(float(t))
+        assert not w.stalled(t + 4.9)
+    assert not w.stalled(95 + 29)
+    assert "no progress for 30 s (limit 30 s" in w.stalled(95 + 30)
+
+
+def test_adaptive_limit_is_bounded_multiple_of_the_longest_gap():
+    w = StallWatch(StallRule(), started=0.0)
+    for t in range(10, 200, 5):  # a line every 5 s: the floor (120 s) holds, not 25 s
+        w.progressed(float(t))
+    assert w.limit() == 120
+    assert not w.stalled(195 + 119) and w.stalled(195 + 120)
+    w.progressed(195 + 100.0)  # one 100 s gap (a checkpoint save): 5 x 100 = 500 s
+    assert w.limit() == 500
+    w.progressed(295 + 1000.0)  # a gap longer than anything: the ceiling
+    assert w.limit() == 1800
+
+
+def test_a_ten_minute_checkpoint_that_writes_files_is_never_flagged():
+    w = StallWatch(StallRule(timeout_s=60, first_progress_s=600), started=0.0)
+    w.progressed(5.0)
+    for t in range(7, 7 + 600, 2):  # the poll sees the checkpoint directory change every 2 s
+        w.progressed(float(t))
+        assert not w.stalled(t + 1.0)
+
+
+def test_off_never_flags():
+    w = StallWatch(StallRule(timeout_s=0), started=0.0)
+    assert w.limit() is None and not w.stalled(1e9)
+
+
+# --- the suspect node ------------------------------------------------------------------------------
+
+def test_a_stopped_rank_names_its_node():
+    ranks = [RankState(0, "n1", 10, "S", 41, 100.0), RankState(1, "n2", 11, "T", 41, 100.0)]
+    node, detail = suspect(ranks)
+    assert node == "n2" and detail.startswith("rank 1 stopped at step 41 (process stopped (T)")
+
+
+def test_a_gone_rank_names_its_node():
+    node, detail = suspect([RankState(0, "n1", 10, "S", 3, 1.0), RankState(1, "n1", 11, "gone", 2, 1.0)])
+    assert node == "n1" and "process gone" in detail
+
+
+def test_nothing_points_at_a_node_then_none_is_named():
+    node, why = suspect([RankState(0, "n1", 10, "S", 3, 1.0), RankState(1, "n1", 11, "S", 3, 50.0)])
+    assert node == "" and "no node to blame" in why  # one node: the rank that stopped first says nothing
+
+
+def test_the_rank_that_stopped_first_names_its_node_across_nodes():
+    node, detail = suspect([RankState(0, "n1", 10, "S", 9, 100.0), RankState(1, "n2", 11, "D", 7, 40.0)])
+    assert node == "n2" and "60 s before any other rank" in detail
+
+
+def test_a_gpu_fault_on_one_node_names_it():
+    node, detail = suspect([RankState(0, "n1", 10, "D", 9, 100.0)], {"n1": "xid 79 on gpu 3"})
+    assert node == "n1" and "xid 79" in detail
+
+
+# --- stragglers --------------------------------------------------------------------------------
+
+def _run_stragglers(slow_factor: float, windows: int = 6) -> list:
+    sw = StragglerWatch(StragglerRule(window_s=60, factor=2.0, windows=3))
+    found, t = [], 0.0
+    while t <= 60 * windows:
+        found += [(t, *f) for f in sw.observe(t, {0: (t, int(t)), 1: (t, int(t / slow_factor))})]
+        t += 2
+    return found
+
+
+def test_a_rank_three_times_slower_is_reported_after_three_windows_once():
+    found = _run_stragglers(3.0)
+    assert len(found) == 1 and found[0][1] == 1
+    assert 180 <= found[0][0] <= 240 and found[0][2] == pytest.approx(3.0, rel=0.1)
+
+
+def test_ranks_at_the_same_pace_are_never_stragglers():
+    assert _run_stragglers(1.2) == []
+
+
+# --- the ranks' progress files -------------------------------------------------------------------
+
+def test_progress_writes_at_most_once_a_second(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURMAGENT_PROGRESS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    trainer.reset()
+    trainer.progress(7)
+    trainer.progress(8)  # within the second: a clock read only
+    got = progress.read_all(tmp_path)
+    assert list(got) == [3] and got[3].step == 7 and got[3].pid == os.getpid()
+    monkeypatch.setattr(trainer, "_progress_due", 0.0)
+    trainer.progress(9)
+    assert progress.read_all(tmp_path)[3].step == 9
+    trainer.reset()
+
+
+def test_progress_outside_the_wrapper_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURMAGENT_PROGRESS_DIR", raising=False)
+    trainer.reset()
+    trainer.progress(1)
+    monkeypatch.setenv("SLURMAGENT_PROGRESS_DIR", str(tmp_path / "gone"))
+    monkeypatch.setattr(trainer, "_progress_due", 0.0)
+    trainer.progress(2)  # a directory that is not there: training goes on
+    assert not (tmp_path / "gone").exists()
+    trainer.reset()
+
+
+def test_malformed_progress_files_are_skipped(tmp_path):
+    (tmp_path / "rank-0").write_text("not numbers\n")
+    (tmp_path / "rank-x").write_text("1 2 3\n")
+    progress.write(tmp_path, 1, 5, 100.0)
+    assert list(progress.read_all(tmp_path)) == [1]
+
+
+# --- evidence from real processes ------------------------------------------------------------------
+
+def test_states_of_a_stopped_a_running_and_a_gone_rank(tmp_path):
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        reports = {i: progress.RankProgress(i, 10 + i, 1.0, p.pid) for i, p in enumerate([*procs, gone])}
+        states = {r.rank: r.state for r in evidence.rank_states(reports, "n1")}
+        assert states == {0: "S", 1: "T", 2: "gone"}
+        assert suspect(evidence.rank_states(reports, "n1"))[1].startswith("rank 1 stopped at step 11")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_evidence_folder_beside_the_output_file_never_over_an_old_one(tmp_path):
+    out = tmp_path / "slurm-5.out"
+    first = evidence.evidence_dir(out, tmp_path, "x", 2)
+    assert first == tmp_path / "slurm-5.out.hang-2"
+    evidence.write_folder(first, {"summary.txt": "s\n"})
+    assert evidence.evidence_dir(out, tmp_path, "x", 2) == tmp_path / "slurm-5.out.hang-2.2"
+    assert evidence.evidence_dir(None, tmp_path, "slurmagent-5", 0) == tmp_path / "slurmagent-5.hang-0"
+
+
+def test_py_spy_missing_is_said(monkeypatch):
+    monkeypatch.setattr(evidence.shutil, "which", lambda name: None)
+    assert "py-spy is not installed" in evidence.py_spy_dumps([1])[1]
+
+
+# --- the output file as the only signal ----------------------------------------------------------
+
+def test_a_growing_output_file_is_progress_and_its_silence_a_hang(tmp_path):
+    now = [0.0]
+    out = open(tmp_path / "out", "a")
+    mon = HangMonitor(StallRule(timeout_s=10, first_progress_s=10), progress_dir=tmp_path / "p",
+                      ckpt_dir=tmp_path / "ck", node="n1", job="5", attempt=0, say=lambda s: None, poll_s=1,
+                      clock=lambda: now[0], out_fds=(out.fileno(),))
+    child = type("C", (), {"pid": 1})()
+    for t in range(0, 60):  # a log line every 5 s
+        now[0] = float(t)
+        if t % 5 == 0:
+            out.write("step\n")
+            out.flush()
+        assert mon.poll(child) == ""
+    for t in range(60, 65):  # the last line came at 55 s
+        now[0] = float(t)
+        assert mon.poll(child) == ""
+    now[0] = 65.0
+    assert mon.poll(child).startswith("hang: no progress for 10 s (limit 10 s; last: output)")
+    out.close()
+
+
+# --- the wrapper's whole hang path on a real child ------------------------------------------------
+
+HUNG_TRAINER = """
+import os, signal, sys, time
+from slurmagent import trainer
+for step in range(5):
+    trainer.progress(step)
+    time.sleep(0.3)
+    trainer._progress_due = 0.0
+trainer.progress(5)
+os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 stops mid-training, as a hung rank would
+"""
+
+
+def test_a_hung_child_is_stopped_with_evidence_its_node_asked_to_drain_and_requeued(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    opts = RunOptions(cmd=[sys.executable, "-c", HUNG_TRAINER], ckpt_dir=tmp_path / "ck", grace_s=60,
+                      sync_interval_s=3600)
+    (tmp_path / "ck").mkdir(mode=0o700)
+    err, requeued, drains = io.StringIO(), [], []
+    env = dict(os.environ, SLURMAGENT_PROGRESS_DIR=str(tmp_path / "progress"))
+    (tmp_path / "progress").mkdir()
+    sup = Supervisor(opts, JobIdentity("slurm", "77", "77", 2), None, requeued.append, env, err)
+    sup.hang = HangMonitor(StallRule(timeout_s=2, first_progress_s=30), progress_dir=tmp_path / "progress",
+                           ckpt_dir=tmp_path / "ck", node="n1", job="77", attempt=2, say=sup.say,
+                           ask_drain=lambda d: drains.append(d) or "granted", poll_s=0.2, out_fds=(),
+                           gpu_state=lambda: ('{"node": "n1"}', ""))
+    outcome = sup.run()
+    text = err.getvalue()
+    assert outcome.exit_code == EXIT_FLUSHED and requeued == ["77"] and outcome.child_killed, text
+    assert outcome.flush_cause.startswith("hang: no progress for 2 s")
+    assert end_of(flushed=True, flush_cause=outcome.flush_cause, child_code=outcome.child_code)[0] == "hang"
+    assert drains == [drains[0]] and drains[0].startswith("rank 0 stopped at step 5 (process stopped (T)"), drains
+    folder = tmp_path / "slurmagent-77.hang-2"
+    assert '"state": "T"' in (folder / "ranks.json").read_text()
+    assert {"summary.txt", "processes.txt", "gpu-n1.json", "py-spy-rank-0.txt"} <= {p.name for p in folder.iterdir()}
+    assert "no checkpoint signal to a hung trainer" in text and "asking the job to checkpoint" not in text
+    assert f"evidence in {folder}" in text
+
+
+def test_the_wrappers_own_lines_in_the_output_are_not_progress(tmp_path):
+    now = [0.0]
+    out = open(tmp_path / "out", "a")
+    own = CountingStream(out)
+    mon = HangMonitor(StallRule(timeout_s=10, first_progress_s=10), progress_dir=tmp_path / "p",
+                      ckpt_dir=tmp_path / "ck", node="n1", job="5", attempt=0, say=lambda s: None, poll_s=1,
+                      clock=lambda: now[0], out_fds=(out.fileno(),), own_stream=own)
+    child = type("C", (), {"pid": 1})()
+    assert mon.poll(child) == ""
+    for t in range(1, 10):
+        now[0] = float(t)
+        own.write("slurmagent run: checkpoint: last commit ...\n")  # the wrapper's report, every second
+        own.flush()
+        assert mon.poll(child) == ""
+    now[0] = 10.0
+    assert mon.poll(child).startswith("hang: no progress 10 s after start")
+    out.close()
+
+
+def _monitor(tmp_path, now, **kw):
+    return HangMonitor(StallRule(timeout_s=10, first_progress_s=30), progress_dir=tmp_path / "p",
+                       ckpt_dir=tmp_path / "ck", node="n1", job="5", attempt=0, poll_s=1, clock=lambda: now[0],
+                       out_fds=(), **kw)
+
+
+def test_a_checkpoint_written_for_three_times_the_timeout_is_not_a_hang(tmp_path):
+    now, child = [0.0], type("C", (), {"pid": 1})()
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "p").mkdir()
+    mon = _monitor(tmp_path, now, say=lambda s: None)
+    progress.write(tmp_path / "p", 0, 1, 0.0)
+    assert mon.poll(child) == ""
+    now[0] = 1.0
+    progress.write(tmp_path / "p", 0, 2, 1.0)
+    assert mon.poll(child) == ""
+    with open(tmp_path / "ck" / ".model.pt.tmp", "ab") as fh:  # 30 s of writing, no progress() call
+        for t in range(2, 33):
+            now[0] = float(t)
+            fh.write(b"x" * 4096)
+            fh.flush()
+            assert mon.poll(child) == "", t
+    now[0] = 42.0
+    assert "last: checkpoint directory" in mon.poll(child)
+
+
+def test_a_straggler_rank_is_said_with_its_node_and_rank(tmp_path):
+    now, child, said, reported = [0.0], type("C", (), {"pid": 1})(), [], []
+    (tmp_path / "p").mkdir()
+    mon = _monitor(tmp_path, now, say=said.append, straggler=StragglerRule(window_s=10, factor=2.0, windows=3),
+                   straggler_report=lambda rank, detail: reported.append(rank))
+    for t in range(0, 60):
+        now[0] = float(t)
+        progress.write(tmp_path / "p", 0, t, float(t))
+        progress.write(tmp_path / "p", 1, t // 3, float(t))  # three times slower
+        assert mon.poll(child) == ""
+    assert reported == [1]
+    assert [s for s in said if s.startswith("straggler on node n1: rank 1 straggles")], said
+
+
+def test_a_stopped_rank_does_not_outlive_its_launcher(tmp_path):
+    launcher = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+                "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP)']); print(p.pid, flush=True); "
+                "import time; time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    rank = int(child.stdout.readline())
+    assert wait_state(rank, "T")
+    assert kill_session(child) is True
+    assert wait_state(rank, "gone"), evidence.proc_stat(rank)  # SIGKILL lands a moment later; a stop would stay
+
+
+def wait_state(pid: int, state: str) -> bool:
+    for _ in range(100):
+        st = evidence.proc_stat(pid)
+        if (st[0] if st is not None else "gone") in ((state, "Z") if state == "gone" else (state,)):
+            return True
+        time.sleep(0.05)
+    return False
