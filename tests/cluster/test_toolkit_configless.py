@@ -66,7 +66,8 @@ def test_doctor_passes_the_prolog_and_epilog_of_the_toolkit_layout(toolkit):
     for name in ("slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf PrologFlags", "slurm.conf nohold_on_prolog_fail"):
         assert rows[name]["status"] == "ok", rows[name]
     assert f"{PROLOG_D}/{HOOK_DIR_NAME} (runs {root}/venv/bin/slurmagent prolog)" in rows["slurm.conf Prolog"]["detail"]
-    assert rows["GPUs"]["detail"] == "8 GPU(s) seen, 8 expected", rows["GPUs"]
+    # the count comes from the gres the controller sent this configless node (its conf cache)
+    assert rows["GPUs"]["detail"] == f"8 GPU(s) seen, 8 expected (gres of n1 in {cache})", rows["GPUs"]
 
 
 def test_seven_of_eight_gpus_drains_n1_and_the_job_completes_on_n2(toolkit):
