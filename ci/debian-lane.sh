@@ -30,12 +30,13 @@
 # pytest passed and ran at least one test.
 set -euo pipefail
 
-SUITE=${SUITE:?set SUITE=trixie or SUITE=forky}
-case "$SUITE" in *[!a-z]*) echo "debian-lane: bad SUITE '$SUITE'" >&2; exit 2;; esac
+case "${SUITE:-}" in
+  ""|*[!a-z]*) echo "debian-lane: set SUITE to a Debian codename (trixie, forky), not '${SUITE:-}'" >&2; exit 2;;
+esac
 export SUITE
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CACHE=${SLURMAGENT_CI_CACHE:-/var/cache/slurmagent-ci}
-PACKAGES=(slurmctld slurmd slurm-client munge python3 python3-venv procps util-linux logrotate
+PACKAGES=(slurmctld slurmd slurm-client munge python3 python3-venv procps util-linux
           ca-certificates)
 VENV=/opt/slurmagent-venv
 BUILD_TIMEOUT_S=${LANE_BUILD_TIMEOUT_S:-1200}
@@ -225,4 +226,4 @@ wait $! || rc=$?
 secs=$(( $(date +%s) - t2 ))
 
 python3 "$HERE/lane_summary.py" --lane "$SUITE" --versions "Slurm $SLURM_V, Python $PY_V" \
-  --pytest-rc "$rc" --seconds "$secs" --junit "$ROOT/lane/junit.xml" ${LANE_SUMMARY_FILE:+--out "$LANE_SUMMARY_FILE"}
+  --pytest-rc "$rc" --seconds "$secs" --junit "$ROOT/lane/junit.xml" --ran "$*" ${LANE_SUMMARY_FILE:+--out "$LANE_SUMMARY_FILE"}
