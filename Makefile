@@ -13,8 +13,8 @@ LANES  := build/lanes
 # (trixie, Slurm 24.11) runs tests/unit only. FORKY_PYTEST_ARGS / TRIXIE_PYTEST_ARGS override.
 FORKY_PYTEST_ARGS  ?= $(PYTEST_ARGS)
 TRIXIE_PYTEST_ARGS ?= tests/unit $(PYTEST_ARGS)
-# Measured on 2 loaded cores: host ~38 min, forky 28 min (1660 s of pytest), trixie's unit
-# tests 2 min; with apt and the chroots, about 70 minutes in all. Trixie's hang guard fits its
+# Measured on 2 shared cores: host ~38 min, forky 25 min (1516 s of pytest), trixie's unit
+# tests 2-3 min; with apt and the chroots, 68-70 minutes in all. Trixie's hang guard fits its
 # unit run: with TRIXIE_PYTEST_ARGS= (the whole suite) set TRIXIE_TEST_TIMEOUT_S=2100 too.
 TRIXIE_TEST_TIMEOUT_S ?= 600
 

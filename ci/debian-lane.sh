@@ -40,7 +40,7 @@ PACKAGES=(slurmctld slurmd slurm-client munge python3 python3-venv procps util-l
           ca-certificates)
 VENV=/opt/slurmagent-venv
 BUILD_TIMEOUT_S=${LANE_BUILD_TIMEOUT_S:-1200}
-# A hang guard: the whole suite took 1660 s in the forky lane on 2 loaded cores; the Makefile
+# A hang guard: the whole suite took 1516-1657 s in the forky lane on 2 shared cores; the Makefile
 # gives trixie's tests/unit 600 s, so host (2700) + forky + trixie stay inside CI's 90 min.
 TEST_TIMEOUT_S=${LANE_TEST_TIMEOUT_S:-2100}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
