@@ -32,4 +32,4 @@ rc=0
 
 python3 "$HERE/lane_summary.py" --lane "$LANE" --versions "Slurm ${SLURM_V:-none}, Python $PY_V" \
   --pytest-rc "$rc" --seconds "$(( $(date +%s) - t0 ))" --junit "$OUT/$LANE-junit.xml" \
-  ${LANE_SUMMARY_FILE:+--out "$LANE_SUMMARY_FILE"}
+  --ran "$*" ${LANE_SUMMARY_FILE:+--out "$LANE_SUMMARY_FILE"}

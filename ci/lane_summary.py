@@ -5,7 +5,10 @@ A lane passes only when pytest exited 0 *and* ran at least one test: exit status
 tests collected") or an empty report is a failure, never a silent success.
 
     lane_summary.py --lane trixie --versions "Slurm 24.11.5, Python 3.13.5" \
-        --pytest-rc 0 --seconds 612 --junit junit.xml [--out FILE]
+        --pytest-rc 0 --seconds 612 --junit junit.xml [--ran tests/unit] [--out FILE]
+
+`--ran` names what the lane ran when it was not the whole suite (pytest's arguments):
+    lane trixie (tests/unit): Slurm 24.11.5, Python 3.13.5: 1594 passed in 123 s -- ok
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pytest-rc", type=int, required=True)
     ap.add_argument("--seconds", type=int, required=True)
     ap.add_argument("--junit", type=Path, required=True)
+    ap.add_argument("--ran", default="", help="pytest's arguments, when not the whole suite")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     c = counts(a.junit)
@@ -60,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       ("skipped", "skipped")) if c[k]]
     result = ", ".join(parts) or "no report"
     why = verdict(a.pytest_rc, c)
-    line = f"lane {a.lane}: {a.versions}: {result} in {a.seconds} s"
+    ran = " ".join(a.ran.split())
+    line = f"lane {a.lane}{f' ({ran})' if ran else ''}: {a.versions}: {result} in {a.seconds} s"
     line += f" -- FAILED ({why})" if why else " -- ok"
     print(line)
     if a.out:

@@ -64,9 +64,10 @@ def parse_slurm_time(text: str) -> float | None:
     """`2026-11-30T09:49:04` (slurmctld's local time, as scontrol prints it) -> epoch seconds."""
     if not text or text in ("None", "Unknown", "(null)", "N/A"):
         return None
-    if len(text) == 19 and text[10] == "T" and text[13] == ":" and text[16] == ":":
+    if len(text) == 19 and text[10] == "T" and text[13] == ":" and text[16] == ":" and text[11:13] != "24":
         # the usual form through fromisoformat (C, no _strptime): every node of a `show node`
         # has one, and a failing prolog reads them all twice; anything else as strptime reads it
+        # (hour 24 too: Python 3.14's fromisoformat reads it as the next midnight, strptime not)
         try:
             return time.mktime(datetime.fromisoformat(text).timetuple())
         except ValueError:

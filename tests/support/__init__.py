@@ -95,6 +95,24 @@ def need_slurm() -> None:
         pytest.skip(why)
 
 
+CHROOT_LANES = ("trixie", "forky")  # ci/debian-lane.sh's suites: neither installs Chromium nor Prometheus
+
+
+def chroot_lane() -> str:
+    """The Debian suite of ci/debian-lane.sh's chroot this runs in ("trixie", "forky"), else "":
+    known by the marker the lane writes at the chroot's root or by os-release's codename."""
+    name = ""
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("VERSION_CODENAME="):
+                name = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    if name in CHROOT_LANES:
+        return name
+    return (name or "chroot") if Path("/.slurmagent-ci-complete").exists() else ""
+
+
 class SlurmEnv:
     """The session cluster plus the per-node files its hooks read."""
 

@@ -1,9 +1,14 @@
-"""`make test`'s lane verdicts (ci/lane_summary.py): a lane that ran no test never passes."""
+"""`make test`'s lanes: the verdicts (ci/lane_summary.py: a lane that ran no test never passes),
+which lane runs what (the Makefile over stub lane scripts: host and forky the whole suite, trixie
+tests/unit) and the wrappers' SUITE (ci/trixie-lane.sh, ci/forky-lane.sh over ci/debian-lane.sh)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +56,72 @@ def test_failures_fail_the_lane_with_their_count(tmp_path):
 def test_killed_pytest_without_report_fails(tmp_path):
     code, line, _ = summary(tmp_path, 124, None)
     assert code == 1 and line.endswith("no report in 7 s -- FAILED (pytest exit status 124)")
+
+
+def test_a_lane_that_ran_part_of_the_suite_says_which(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(JUNIT.format(tests=3, failures=0, errors=0, skipped=0))
+    proc = subprocess.run([sys.executable, str(REPO / "ci" / "lane_summary.py"), "--lane", "trixie",
+                           "--versions", "Slurm 24.11.5, Python 3.13.5", "--pytest-rc", "0", "--seconds", "7",
+                           "--junit", str(path), "--ran", "tests/unit  -q"], capture_output=True, text=True, timeout=30)
+    assert proc.stdout == "lane trixie (tests/unit -q): Slurm 24.11.5, Python 3.13.5: 3 passed in 7 s -- ok\n"
+
+
+STUB_LANE = """#!/bin/sh
+# what the real lane prints last, with what it was given
+echo "lane {name}: ${{SUITE:-no suite}}: args [$*]" | tee "$LANE_SUMMARY_FILE"
+exit {rc}
+"""
+
+
+def stub_repo(tmp_path, fail: str = "") -> Path:
+    """The real Makefile and lane wrappers over a stub ci/debian-lane.sh and ci/host-lane.sh."""
+    (tmp_path / "ci").mkdir()
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    for name in ("trixie-lane.sh", "forky-lane.sh"):
+        shutil.copy(REPO / "ci" / name, tmp_path / "ci" / name)
+    for script, name in (("host-lane.sh", "host"), ("debian-lane.sh", "debian")):
+        path = tmp_path / "ci" / script
+        path.write_text(STUB_LANE.format(name=name, rc=1 if fail == name else 0))
+        path.chmod(0o755)
+    (tmp_path / "pyproject.toml").touch()
+    os.utime(tmp_path / "pyproject.toml", (1, 1))  # deps and the venv count as made: the stubs need neither
+    (tmp_path / ".deps.stamp").touch()
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").touch()
+    return tmp_path
+
+
+def make_test(repo: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", "test"],
+                          cwd=repo, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "PYTEST_ARGS"))})
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_runs_host_and_forky_whole_and_trixie_unit_only_then_one_line_each(tmp_path):
+    proc = make_test(stub_repo(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-4:] == [
+        "== test lanes",
+        "lane host: no suite: args []",
+        "lane debian: trixie: args [tests/unit]",
+        "lane debian: forky: args []",
+    ]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_fails_when_one_lane_fails_and_still_runs_the_others(tmp_path):
+    proc = make_test(stub_repo(tmp_path, fail="host"))
+    assert proc.returncode != 0
+    assert proc.stdout.splitlines()[-3:] == ["lane host: no suite: args []", "lane debian: trixie: args [tests/unit]",
+                                             "lane debian: forky: args []"]
+
+
+@pytest.mark.parametrize("suite", [None, "", "../trixie", "Forky"])
+def test_the_debian_lane_refuses_a_missing_or_odd_suite_before_anything_else(suite):
+    env = {k: v for k, v in os.environ.items() if k != "SUITE"}
+    if suite is not None:
+        env["SUITE"] = suite
+    proc = subprocess.run([str(REPO / "ci" / "debian-lane.sh")], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2 and "SUITE" in proc.stderr

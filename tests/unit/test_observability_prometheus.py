@@ -7,9 +7,10 @@ renamed metric or label (e.g. a series' own `job` label, which Prometheus stores
 `exported_job`) shows up as an empty panel here, not in front of an admin.
 
 Needs Debian's `prometheus` (with promtool) and `prometheus-node-exporter`: skipped where
-they are missing, failed in CI (`CI` set) except in ci/trixie-lane.sh's chroot, which does not
-install them (the host lane runs these tests). The chroot is recognised by the marker file the
-lane writes at its root, `/.slurmagent-ci-complete`, or by a Debian 13 os-release.
+they are missing, failed in CI (`CI` set) except in ci/debian-lane.sh's chroots (trixie, forky),
+which do not install them (the host lane runs these tests). A chroot is recognised by the marker
+file the lane writes at its root, `/.slurmagent-ci-complete`, or by its os-release codename
+(`support.chroot_lane`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, wait_for, xid_snapshot_dict
+from support import REPO, chroot_lane, wait_for, xid_snapshot_dict
 from support.fakes.slurm import FakeSlurm
 from slurmagent import __version__
 from slurmagent.commands.expiry import ExpiryWatch
@@ -50,23 +51,15 @@ NODE = "n1"
 BUILTINS = {"__range": "1m", "__rate_interval": "1m", "__interval": "15s"}
 
 
-def _in_trixie_lane() -> bool:
-    if Path("/.slurmagent-ci-complete").exists():  # ci/trixie-lane.sh's chroot marker
-        return True
-    try:
-        return "VERSION_CODENAME=trixie" in Path("/etc/os-release").read_text()
-    except OSError:
-        return False
-
-
 def _tool(*names: str) -> str:
     for name in names:
         path = shutil.which(name)
         if path:
             return path
     why = f"{names[0]} not installed (apt-get install prometheus prometheus-node-exporter)"
-    if _in_trixie_lane():
-        pytest.skip(f"{why}: the Debian 13 chroot lane does not install it; the host lane runs this test")
+    lane = chroot_lane()
+    if lane:
+        pytest.skip(f"{why}: the Debian {lane} chroot lane does not install it; the host lane runs this test")
     if os.environ.get("CI"):
         pytest.fail(f"{why}: CI must run the Prometheus tests (.ci/run installs the packages)")
     pytest.skip(why)

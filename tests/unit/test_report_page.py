@@ -1,8 +1,8 @@
 """`slurmagent report --html`: the page opened in a real headless Chromium (Debian's package)
 shows what the JSON says: the ETTR figure and one bar per cause, and its screenshot is a picture,
 not a blank page. Without Chromium it skips with one line, except in CI's host lane (`.ci/run`
-installs `chromium` there); the Debian 13 chroot lane (ci/trixie-lane.sh, /etc/os-release
-VERSION_CODENAME=trixie) has no Chromium and skips.
+installs `chromium` there); the Debian chroot lanes (ci/debian-lane.sh: trixie, forky; see
+`support.chroot_lane`) have no Chromium and skip.
 
 The same report from a real wrapped job: tests/cluster/test_ledger_slurm.py.
 """
@@ -16,34 +16,22 @@ import shutil
 import struct
 import subprocess
 import zlib
-from pathlib import Path
 
 import pytest
 
 from slurmagent.commands.report import run_report
 from slurmagent.state.config import Config
+from support import chroot_lane
 from test_goodput import two_attempts
-
-CHROMIUM_LANE_WITHOUT = "trixie"  # ci/trixie-lane.sh's chroot: no chromium package installed there
-
-
-def codename() -> str:
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("VERSION_CODENAME="):
-                return line.split("=", 1)[1].strip().strip('"')
-    except OSError:
-        pass
-    return ""
-
 
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found:
         return found
-    if os.environ.get("CI") and codename() != CHROMIUM_LANE_WITHOUT:
+    lane = chroot_lane()  # ci/debian-lane.sh's chroots install no chromium
+    if os.environ.get("CI") and not lane:
         pytest.fail("chromium is missing in CI's host lane (.ci/run installs it: apt-get install chromium)")
-    why = "the Debian 13 lane has no chromium" if codename() == CHROMIUM_LANE_WITHOUT else "apt-get install chromium"
+    why = f"the Debian {lane} lane has no chromium" if lane else "apt-get install chromium"
     pytest.skip(f"chromium not installed: the report page is not checked in a browser ({why})")
 
 
