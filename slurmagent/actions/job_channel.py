@@ -207,9 +207,13 @@ class ChannelMetrics:
 
     def update(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None:
         """Keys are (name, labels) as for state.metrics.Metrics; root sets the `job` label itself."""
+        def wire(name: str, labels: tuple) -> str:  # a `part` label travels in the name (job_requests.JOB_PARTS)
+            part = dict(labels).get("part")
+            return f"{name}/{part}" if part else name
+
         request = {"op": "metrics", "job": self.job, "node": self.node,
-                   "set": {name: v for (name, _), v in (set_ or {}).items()},
-                   "add": {name: v for (name, _), v in (add or {}).items()}}
+                   "set": {wire(*k): v for k, v in (set_ or {}).items()},
+                   "add": {wire(*k): v for k, v in (add or {}).items()}}
         if replace_prefix:  # the supervisor removes the job's own lag series as it ends
             request["clear"] = True
         try:

@@ -31,6 +31,9 @@ from ..core import reasons
 from ..slurm.model import JobOwner
 
 MAX_REQUEST_BYTES = 16 * 1024
+# An attempt's seconds by part (core/goodput.attempt_parts), summed per node: the goodput panel's
+# progress / all. Asked as "slurmagent_job_seconds_total/<part>"; root sets the `part` label.
+JOB_PARTS = ("progress", "startup", "restore", "recompute", "flush")
 # name -> "set" (a gauge) or "add" (a counter); the wrapper's own figures, nothing else
 JOB_METRICS = {
     "slurmagent_checkpoint_lag_seconds": "set",
@@ -38,6 +41,8 @@ JOB_METRICS = {
     "slurmagent_bytes_synced_total": "add",
     "slurmagent_checkpoint_sync_errors_total": "add",
     "slurmagent_requeues_total": "add",
+    "slurmagent_hangs_total": "add",
+    **{f"slurmagent_job_seconds_total/{part}": "add" for part in JOB_PARTS},
 }
 PER_JOB = ("slurmagent_checkpoint_lag_seconds",)  # labelled {job}; the others are node totals
 JOB_DRAIN_RULES = ("hang", "straggler")
@@ -124,6 +129,9 @@ def metric_update(req: JobRequest) -> tuple[dict, dict, str | None]:
     """(set_, add, replace_prefix) for `Metrics.update`: per-job gauges labelled with the judged
     job id; `clear` removes that job's per-job series (no other job's)."""
     def key(name: str) -> tuple:
+        if "/" in name:  # a fixed label value, checked against JOB_METRICS in parsing
+            base, part = name.split("/", 1)
+            return (base, (("part", part),))
         return (name, (("job", req.job),)) if name in PER_JOB else (name, ())
 
     clear = f'slurmagent_checkpoint_lag_seconds{{job="{req.job}"}}' if req.clear else None

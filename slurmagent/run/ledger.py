@@ -141,8 +141,9 @@ class AttemptLedger:
                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
     def ended(self, outcome: Any, *, expiry_source: str = "", fault_node: str = "", fault: str = "",
-              error: str = "") -> None:
-        """The full record, once, at the end of the attempt (waits for the "started" write first)."""
+              error: str = "") -> dict[str, Any]:
+        """The full record, once, at the end of the attempt (waits for the "started" write first);
+        returned for the node's goodput counters."""
         ended = self.clock()
         with self.lock:
             self.done = True
@@ -162,6 +163,7 @@ class AttemptLedger:
                           requeued=bool(outcome is not None and outcome.requeued),
                           resumed=bool(outcome is not None and outcome.resumed))
         self._write(rec, END_DEADLINE_S, "end")
+        return rec
 
 
 class LedgerReport:

@@ -15,6 +15,7 @@ from ..actions.executor import JournalExecutor
 from ..checkpoint import report as ckpt_report
 from ..state import expiry_state
 from ..checkpoint.report import CheckpointReport
+from ..policy.job_requests import JOB_PARTS
 from ..state.config import Config
 from .cut_store import QuietCutStore
 from ..errors import SlurmagentError
@@ -173,7 +174,9 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
     if report is not None:
         report.ended(outcome.summary)
     if ledger is not None:
-        end_ledger(ledger, outcome, options, env, slurm)
+        record = end_ledger(ledger, outcome, options, env, slurm)
+        if metrics is not None:
+            _record_goodput(metrics, record)
     sup.say(outcome.summary)
     return outcome.exit_code
 
@@ -253,14 +256,28 @@ def attempt_ledger(env, ident: JobIdentity, options: RunOptions, store, started:
         submission=ident.submission, platform=ident.platform)
 
 
-def end_ledger(ledger, outcome, options: RunOptions, env, slurm) -> None:
+def _record_goodput(m, record: dict) -> None:
+    """The attempt's seconds by part into the node's counters (goodput = progress / all), and a hang."""
+    from ..core.goodput import attempt_parts  # start-up speed
+
+    try:
+        parts = attempt_parts(record, None)["parts"]
+        add = {("slurmagent_job_seconds_total", (("part", p),)): parts[p] for p in JOB_PARTS}
+        if record.get("end") == "hang":
+            add[("slurmagent_hangs_total", ())] = 1
+        m.update(add=add)
+    except Exception:  # noqa: BLE001 - metrics never fail the job
+        pass
+
+
+def end_ledger(ledger, outcome, options: RunOptions, env, slurm) -> dict:
     """Why the attempt ended, from what this node knows: the expiry state, a node drained for a fault."""
     source = expiry_source(options.expiry_files, options.flush_lead_s + 300.0) \
         if outcome.flushed else ""
     node = fault = ""
     if is_fault(outcome.flush_cause) and slurm is not None:
         node, fault = faulty_node(slurm, env)
-    ledger.ended(outcome, expiry_source=source, fault_node=node, fault=fault)
+    return ledger.ended(outcome, expiry_source=source, fault_node=node, fault=fault)
 
 
 def _requeue_of(executor: JournalExecutor):

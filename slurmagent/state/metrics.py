@@ -43,6 +43,11 @@ HELP = {
     "slurmagent_journal_pending": (
         "gauge", "journaled actions (drain, requeue, repair...) not carried out yet: Slurm or the Compute API "
         "did not take them; retried on the next run"),
+    "slurmagent_job_seconds_total": (
+        "counter", "wrapped jobs' attempts that ended on this node (the batch step's), seconds by part: progress "
+        "(first progress -> last commit), startup, restore, recompute (after the last commit), flush; goodput = "
+        "progress / all"),
+    "slurmagent_hangs_total": ("counter", "wrapped jobs' attempts ended by the hang watch on this node"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
     "slurmagent_jobs_requeued_on_fault_total": (
         "counter", "jobs that left a node whose GPU failed under them, requeued (by: slurmagent, or the job's wrapper)"),

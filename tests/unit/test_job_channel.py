@@ -204,3 +204,22 @@ def test_a_straggler_report_goes_to_the_decision_log_only_and_is_bounded(served)
         assert ask_root(server.path, ask)["ok"] is True
     assert ask_root(server.path, ask) == {"ok": False, "why": f"job 7 already sent "
                                                               f"{job_requests.MAX_REPORTS_PER_JOB} reports to n1"}
+
+
+def test_an_attempts_goodput_seconds_reach_the_node_by_part_and_a_made_up_part_does_not(served):
+    from slurmagent.run.main import _record_goodput
+
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    sink = ChannelMetrics(server.path, "7", "n1", say=print)
+    # started 1000, restore 10 s, first progress 1030, last commit 1600, ended 1700 after a 5 s flush
+    record = {"started": 1000.0, "restore_s": 10.0, "first_progress": 1030.0, "last_commit": 1600.0,
+              "ended": 1700.0, "flush_s": 5.0, "end": "hang"}
+    _record_goodput(sink, record)
+    text = prom(tmp_path)
+    for part, seconds in (("progress", 570), ("startup", 20), ("restore", 10), ("recompute", 95), ("flush", 5)):
+        assert f'slurmagent_job_seconds_total{{part="{part}"}} {seconds}\n' in text, text
+    assert "slurmagent_hangs_total 1\n" in text
+    bad = {"op": "metrics", "job": "7", "node": "n1", "add": {"slurmagent_job_seconds_total/idle": 5}}
+    assert ask_root(server.path, bad) == {
+        "ok": False, "why": "'slurmagent_job_seconds_total/idle' is not a job metric one may add"}

@@ -39,6 +39,7 @@ from slurmagent.core.timefmt import from_epoch
 from slurmagent.gcp.compute import SchedulingInfo
 from slurmagent.gcp.events import Events
 from slurmagent.slurm.commands import Slurm
+from slurmagent.run.main import _record_goodput
 from slurmagent.state import metrics
 from slurmagent.state.config import parse
 
@@ -147,6 +148,9 @@ def _write_node_metrics(tmp_path: Path) -> Path:
                   ("slurmagent_requeues_total", ()): 1,
                   ("slurmagent_jobs_requeued_on_fault_total", (("by", "slurmagent"),)): 1,
                   ("slurmagent_jobs_cancelled_on_fault_total", ()): 1})
+    # one wrapped attempt that ended here, counted as the wrapper counts it (goodput panel), a hang
+    _record_goodput(m, {"started": now - 700, "restore_s": 10.0, "first_progress": now - 670,
+                        "last_commit": now - 100, "ended": now, "flush_s": 5.0, "end": "hang"})
     textdir = m.textfile.parent
     if "slurmagent_build_info" in metrics.HELP:
         m.update(set_={("slurmagent_build_info", (("version", __version__),)): 1})
