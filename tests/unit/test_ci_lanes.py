@@ -1,5 +1,5 @@
 """`make test`'s lanes: the verdicts (ci/lane_summary.py: a lane that ran no test never passes),
-which lane runs what (the Makefile over stub lane scripts: host and forky the whole suite, trixie
+which lane runs what (the Makefile over stub lane scripts: host the whole suite, trixie and forky
 tests/unit) and the wrappers' SUITE (ci/trixie-lane.sh, ci/forky-lane.sh over ci/debian-lane.sh)."""
 
 from __future__ import annotations
@@ -99,14 +99,14 @@ def make_test(repo: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-def test_make_test_runs_host_and_forky_whole_and_trixie_unit_only_then_one_line_each(tmp_path):
+def test_make_test_runs_host_whole_and_trixie_and_forky_unit_only_then_one_line_each(tmp_path):
     proc = make_test(stub_repo(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[-4:] == [
         "== test lanes",
         "lane host: no suite: args []",
         "lane debian: trixie: args [tests/unit]",
-        "lane debian: forky: args []",
+        "lane debian: forky: args [tests/unit]",
     ]
 
 
@@ -115,7 +115,7 @@ def test_make_test_fails_when_one_lane_fails_and_still_runs_the_others(tmp_path)
     proc = make_test(stub_repo(tmp_path, fail="host"))
     assert proc.returncode != 0
     assert proc.stdout.splitlines()[-3:] == ["lane host: no suite: args []", "lane debian: trixie: args [tests/unit]",
-                                             "lane debian: forky: args []"]
+                                             "lane debian: forky: args [tests/unit]"]
 
 
 @pytest.mark.parametrize("suite", [None, "", "../trixie", "Forky"])
