@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +25,6 @@ from . import evidence
 
 HANG_CAUSE = "hang"  # a flush cause that starts with it is ours (run/supervisor.py, core/goodput.end_of)
 MAX_DIR_ENTRIES = 100_000
-REAP_WAIT_S = 10.0
 
 
 def dir_signature(path: Path, limit: int = MAX_DIR_ENTRIES) -> tuple:
@@ -142,9 +139,9 @@ class HangMonitor:
 
     # --- the hang ------------------------------------------------------------------------------
 
-    def stop(self, child: subprocess.Popen) -> bool:
-        """Evidence first, then the suspect's drain asked, then the job's processes killed.
-        True: they were killed (always, unless the child had already exited)."""
+    def stop(self, child: subprocess.Popen) -> None:
+        """Evidence first, then the suspect's drain asked; the caller then kills the job's
+        processes (run/child.kill_group: SIGKILL, never the checkpoint signal)."""
         started = self.clock()
         ranks = evidence.rank_states(progress_files.read_all(self.progress_dir), self.node, self.proc)
         procs = evidence.session_processes(child.pid, self.proc)
@@ -182,30 +179,3 @@ class HangMonitor:
         self.say(f"{summary}; {where}")
         self.say("hang: no checkpoint signal to a hung trainer (it could not act on it): killing its processes; "
                  "the last committed checkpoint counts")
-        return kill_session(child)
-
-
-def kill_session(child: subprocess.Popen) -> bool:
-    """SIGKILL to the child's whole group, whatever is left of it (a stopped rank outlives its
-    launcher). No SIGTERM: a trainer's handler takes it as the checkpoint signal, and a rank
-    that saves while another is hung may leave a checkpoint of mixed steps."""
-    if child.poll() is not None:
-        _killpg(child, signal.SIGKILL)  # the launcher is gone; what it started may not be
-        return False
-    _killpg(child, signal.SIGKILL)
-    try:
-        child.wait(timeout=REAP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        print(f"slurmagent run: hang: the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): "
-              "leaving it behind", file=sys.stderr, flush=True)
-    return True
-
-
-def _killpg(child: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(child.pid, signum)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        if child.poll() is None:
-            child.send_signal(signum)

@@ -253,6 +253,18 @@ def terminate_group(child: subprocess.Popen, wait_s: float, say: Callable[[str],
         return False
 
 
+def kill_group(child: subprocess.Popen, say: Callable[[str], None]) -> bool:
+    """SIGKILL to the child's whole group, whatever is left of it (a stopped rank outlives its
+    launcher); True when the child was still there to kill. No SIGTERM: a trainer's handler takes
+    it as the checkpoint signal, and a rank that saves while another is hung may leave a
+    checkpoint of mixed steps (the hang watch's end)."""
+    alive = child.poll() is None
+    killpg(child, signal.SIGKILL)  # the launcher gone, what it started may not be
+    if alive and not reap(child, REAP_WAIT_S):
+        say(f"the job did not die {REAP_WAIT_S:g} s after SIGKILL (stuck in the kernel?): leaving it behind")
+    return alive
+
+
 def reap(child: subprocess.Popen, timeout_s: float) -> bool:
     """Wait for a killed child at most `timeout_s`; False when it is still there (a process in
     uninterruptible sleep, e.g. a driver call on a dead GPU, dies only when that call returns)."""

@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Protocol, TextIO
 from ..checkpoint.manifest import Manifest, no_progress_after
 from ..checkpoint.hash_cache import state_file_for
 from ..checkpoint.cut import committed_part
-from .child import KillWatch, RequeueHold, exit_by_itself, killpg, signal_at_exit, terminate_group
+from .child import KillWatch, RequeueHold, exit_by_itself, kill_group, killpg, signal_at_exit, terminate_group
 from ..checkpoint.report import CheckpointReport
 from ..errors import SlurmagentError
 from ..state.expiry_state import termination_time
@@ -392,7 +392,8 @@ class Supervisor:
         grace = flush_grace(self.opts.grace_s, cause)
         deadline = self.flush_deadline = started + grace
         if self.hang is not None and self.hang.owns(cause):
-            outcome.child_killed = self.hang.stop(child)
+            self.hang.stop(child)  # evidence and the suspect's drain, then SIGKILL (no checkpoint signal)
+            outcome.child_killed = kill_group(child, lambda line: self.say(f"hang: {line}"))
         elif child.poll() is not None and cause != SELF_REQUEUE_CAUSE:
             self.say(f"{cause} came as the job exited (exit {child.returncode}): syncing the checkpoint it left")
             outcome.held_requeue = self.hold is not None and self.hold.requested()  # its verb is asked

@@ -18,7 +18,8 @@ from support import REPO
 from slurmagent import trainer
 from slurmagent.core.goodput import end_of
 from slurmagent.hang import evidence
-from slurmagent.hang.monitor import CountingStream, HangMonitor, kill_session
+from slurmagent.hang.monitor import CountingStream, HangMonitor
+from slurmagent.run.child import kill_group
 from slurmagent.policy.stall import RankState, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from slurmagent.run.job import JobIdentity, RunOptions
 from slurmagent.run.supervisor import EXIT_FLUSHED, Supervisor
@@ -314,7 +315,7 @@ def test_a_stopped_rank_does_not_outlive_its_launcher(tmp_path):
                              start_new_session=True)
     rank = int(child.stdout.readline())
     assert wait_state(rank, "T")
-    assert kill_session(child) is True
+    assert kill_group(child, print) is True
     assert wait_state(rank, "gone"), evidence.proc_stat(rank)  # SIGKILL lands a moment later; a stop would stay
 
 
