@@ -82,10 +82,13 @@ class Metrics:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             values = read_values(self.state_dir)
+            before = dict(values)
             yield values
             for k in [k for k in values if k.startswith("slurmagent_build_info")]:
                 del values[k]  # one series: a half-upgraded node shows the version that writes now
             values[_key("slurmagent_build_info", {"version": version()})] = 1.0
+            if values == before and self.textfile.exists():
+                return  # nothing changed (e.g. a journal backlog still 0 after a replay): no rewrite
             atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
             atomic_write_text(self.textfile, render(values), 0o644, durable=False)
         finally:

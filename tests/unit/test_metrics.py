@@ -71,3 +71,16 @@ def test_every_value_parses_back_exactly_with_prometheus_s_parser(tmp_path):
     assert parsed["slurmagent_bytes_synced_total"] == 2 ** 53 - 1
     uuids = {k for k in parsed if k.startswith("slurmagent_gpu_healthy{")}
     assert len(uuids) == 8 and all('UUID="GPU-' in k and "pci_bus_id=" in k for k in uuids)
+
+
+def test_an_update_that_changes_nothing_rewrites_nothing(tmp_path):
+    """A gauge set to the value it has (the journal backlog 0 after every replay) costs a lock and
+    a read, not two atomic rewrites on the drain path."""
+    m = Metrics(tmp_path)
+    m.update(set_={("slurmagent_journal_pending", ()): 0})
+    prom = tmp_path / "slurmagent.prom"
+    first = prom.stat().st_ino
+    m.update(set_={("slurmagent_journal_pending", ()): 0})
+    assert prom.stat().st_ino == first  # atomic_write_text replaces the file: a new inode
+    m.update(set_={("slurmagent_journal_pending", ()): 1})
+    assert prom.stat().st_ino != first and "slurmagent_journal_pending 1\n" in prom.read_text()
