@@ -43,7 +43,7 @@ def needs_attention(state_dir: Path) -> bool:
     """For the healthy prolog: anything to replay or clear? One listdir and one stat."""
     try:
         with os.scandir(state_dir / "journal" / PENDING) as it:
-            if any(e.name.endswith(".json") and not e.name.startswith(".") for e in it):
+            if any(_is_entry(e.name) for e in it):
                 return True
     except OSError:
         pass
@@ -222,25 +222,26 @@ class Journal:
     # --- reading --------------------------------------------------------------------
 
     def has_pending(self) -> bool:
-        """Cheap (one directory listing): the healthy prolog path calls this."""
-        try:
-            with os.scandir(self.pending_dir) as it:
-                return any(e.name.endswith(".json") and not e.name.startswith(".") for e in it)
-        except OSError:
-            return False
+        """Cheap (one directory listing, stopping at the first entry): the healthy prolog path calls this."""
+        return self.pending_count(stop_at=1) > 0
 
-    def pending_count(self) -> int:
-        """One directory listing (0 when the directory cannot be read)."""
+    def pending_count(self, stop_at: int = 0) -> int:
+        """One directory listing (0 when the directory cannot be read); `stop_at` > 0 stops counting there."""
+        n = 0
         try:
             with os.scandir(self.pending_dir) as it:
-                return sum(1 for e in it if e.name.endswith(".json") and not e.name.startswith("."))
+                for e in it:
+                    n += _is_entry(e.name)
+                    if stop_at and n >= stop_at:
+                        break
         except OSError:
             return 0
+        return n
 
     def _load_dir(self, d: Path) -> list[Entry]:
         out = []
         try:
-            names = sorted(n for n in os.listdir(d) if n.endswith(".json") and not n.startswith("."))
+            names = sorted(n for n in os.listdir(d) if _is_entry(n))
         except OSError:
             return out
         for name in names:
@@ -294,7 +295,7 @@ class Journal:
 
     def _cap_pending(self) -> None:
         try:
-            names = sorted(n for n in os.listdir(self.pending_dir) if n.endswith(".json") and not n.startswith("."))
+            names = sorted(n for n in os.listdir(self.pending_dir) if _is_entry(n))
         except OSError:
             return
         excess = len(names) - self.max_pending
@@ -309,7 +310,7 @@ class Journal:
 
     def _trim_done(self) -> None:
         try:
-            names = sorted(n for n in os.listdir(self.done_dir) if n.endswith(".json") and not n.startswith("."))
+            names = sorted(n for n in os.listdir(self.done_dir) if _is_entry(n))
         except OSError:
             return
         for name in names[: max(0, len(names) - self.max_done)]:
@@ -403,3 +404,8 @@ class Journal:
             "pending_kinds": sorted({e.kind for e in pend}),
             "last_error": next((e.last_error for e in reversed(pend) if e.last_error), ""),
         }
+
+
+def _is_entry(name: str) -> bool:
+    """A journal entry's file name (hidden files are ones being written)."""
+    return name.endswith(".json") and not name.startswith(".")
