@@ -233,7 +233,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 
 
 @cli.command("node-agent", hidden=True)
-@click.argument("action", type=click.Choice(["restore", "sync"]))
+@click.argument("action", type=click.Choice(["restore", "sync", "evidence"]))
 @click.option("--ckpt-dir", required=True)
 @click.option("--remote", default="")
 @click.option("--state-file", default=None)
@@ -252,7 +252,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.option("--fresh", is_flag=True)
 def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline, transfers,
                parallel_upload_mib, cache_gib, cache_copies, cache_dir, peers, owner, private, fresh) -> None:
-    """Internal: one node's part of a multi-node job's restore or sync (run by the wrapper via srun)."""
+    """Internal: one node's part of a multi-node job's restore, sync or hang evidence (the wrapper runs it via srun)."""
     from .run.node_agent import node_agent_main  # start-up speed: only this hidden command needs it
 
     sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,

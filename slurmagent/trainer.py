@@ -77,7 +77,7 @@ def progress(step: int) -> None:
     from .state.progress import write  # start-up speed: a trainer pays only when it reports
 
     try:
-        write(directory, _rank(), step, time.time())
+        write(directory, _rank(), step, time.time(), os.environ.get("SLURMD_NODENAME", ""))
     except (OSError, ValueError, TypeError):
         pass  # the directory is gone (the attempt ends) or another node's path: training goes on
 

@@ -11,7 +11,8 @@ JSON answer (`{"ok": bool, "why": str}`). The caller's uid comes from the kernel
 cached for `OWNER_TTL_S`; the request's own words are judged, never believed
 (policy/job_requests.py). Granted metrics go into the node's textfile; a granted drain goes
 through the journal and the breaker like any other fault drain, at most once per job on a
-node. Every request is answered within `CONNECTION_TIMEOUT_S`; one connection at a time, so a
+node; a hang counted against every node of a job goes into this node's repair state (the
+lemon count's other input, `state/repair_state.record_hangs`). Every request is answered within `CONNECTION_TIMEOUT_S`; one connection at a time, so a
 flood of them delays answers and costs root nothing else.
 """
 
@@ -35,6 +36,7 @@ from ..slurm.model import JobOwner
 from ..state import metrics
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog
+from ..state.repair_state import record_hangs
 
 CONNECTION_TIMEOUT_S = 2.0
 OWNER_TTL_S = 30.0
@@ -59,7 +61,8 @@ class ChannelServer:
         self.say = say
         self.path = Path(cfg.node_path(cfg.watch.channel_socket, node))
         self.owners: dict[str, tuple[float, JobOwner | None]] = {}
-        self.drained_for: set[str] = set()  # jobs that already had their one drain on this node
+        self.drained_for: set[str] = set()  # jobs that already had their one drain from this node
+        self.counted_for: set[str] = set()  # jobs whose hang was counted against their nodes
         self.reports: dict[str, int] = {}  # job -> reports written to the decision log from it
         self.counts: dict[str, int] = {"granted": 0, "refused": 0, "malformed": 0, "failed": 0}
         self._sock: socket.socket | None = None
@@ -124,7 +127,9 @@ class ChannelServer:
             return {"ok": False, "why": f"cannot read job {req.job} from Slurm: {exc}"}
         why = job_requests.judge(req, uid, owner, self.node)
         if not why and req.op == "drain" and req.job in self.drained_for:
-            why = f"job {req.job} already asked for a drain of {self.node}"
+            why = f"job {req.job} already asked for a drain from {self.node}"
+        if not why and req.op == "count" and req.job in self.counted_for:
+            why = f"job {req.job} already counted a hang from {self.node}"
         if not why and req.op == "report" and self.reports.get(req.job, 0) >= job_requests.MAX_REPORTS_PER_JOB:
             why = f"job {req.job} already sent {job_requests.MAX_REPORTS_PER_JOB} reports to {self.node}"
         if why:
@@ -141,13 +146,20 @@ class ChannelServer:
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="report", verdict="granted",
                            rule=req.rule, detail=req.detail)
             return {"ok": True, "why": "reported"}
+        if req.op == "count":  # a hang that names no node: every node of the job, as Slurm lists them
+            self.counted_for.add(req.job)
+            nodes = sorted(owner.nodes)
+            record_hangs(self.cfg.state_path(self.node), nodes, time.time())
+            self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="count", verdict="granted",
+                           rule=req.rule, detail=req.detail, nodes=nodes)
+            return {"ok": True, "why": f"counted against {', '.join(nodes)}"}
         self.drained_for.add(req.job)
         reason = job_requests.drain_reason(req)
         outcome = JournalExecutor(self.cfg, self.slurm, self.node).drain_fault(
-            reason, node=self.node, source=f"job {req.job} ({req.rule})", job=req.job)
+            reason, node=req.node, source=f"job {req.job} ({req.rule})", job=req.job)
         self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="drain", verdict="granted",
-                       reason=reason, action=outcome.action)
-        self.say(f"job {req.job} (uid {uid}) asked to drain {self.node} ({req.rule}): {outcome.action}")
+                       reason=reason, action=outcome.action, drained=req.node)
+        self.say(f"job {req.job} (uid {uid}) asked to drain {req.node} ({req.rule}): {outcome.action}")
         return {"ok": True, "why": outcome.action}
 
     def _owner(self, job: str) -> JobOwner | None:

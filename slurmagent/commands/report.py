@@ -79,10 +79,10 @@ def add_root_side(cfg: Config, report: dict, now: float, state_dir: str | None, 
     if state_dir or os.path.exists(repair_state.state_file(sdir)):  # False, not raised, in a dir it may not enter
         if not os.access(repair_state.state_file(sdir), os.R_OK):
             report["errors"].append(f"cannot read the repair history {repair_state.state_file(sdir)}")
-        history = repair_state.load_state(sdir).get("history", {})
+        state = repair_state.load_state(sdir)
         keys = dict(faults=int(cfg.repair.lemon_faults), window_s=float(cfg.repair.lemon_window_s))
         report["lemon"] = keys
-        report["nodes"] = lemon.node_faults(history, now, **keys)
+        report["nodes"] = lemon.node_faults(state.get("history", {}), now, hangs=state.get("hangs"), **keys)
     logs = [Path(p) for p in decision_logs] or [p for p in [decisionlog.path_for(cfg, node_name())] if os.path.exists(p)]
     records: list = []
     for path in logs:

@@ -4,8 +4,9 @@ and on a hang collect the evidence, name a suspect node and stop the job's proce
 Signals, cheapest first: the ranks' `trainer.progress` files (`state/progress.py`), the
 checkpoint directory changing (any file, temporary ones included: a long checkpoint write
 is progress), the job's output growing (the wrapper's stdout/stderr when they are files: the
-batch step's StdOut, which the trainer inherits). Sampled every `poll_s` from the wrapper's
-main loop, judged on its clock (`policy/stall.py`). A hung trainer gets no checkpoint signal:
+batch step's StdOut, which the trainer inherits; srun forwards every rank's lines to it), and, in
+a multi-node job, the other nodes' ranks as their node agents report them (`hang/remote.py`).
+Sampled every `poll_s` from the wrapper's main loop, judged on its clock (`policy/stall.py`). A hung trainer gets no checkpoint signal:
 it could not act on it; the last committed checkpoint is what counts.
 """
 
@@ -22,6 +23,7 @@ from typing import Callable
 from ..policy.stall import StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from ..state import progress as progress_files
 from . import evidence
+from .remote import RemoteEvidence, RemoteRanks
 
 HANG_CAUSE = "hang"  # a flush cause that starts with it is ours (run/supervisor.py, core/goodput.end_of)
 MAX_DIR_ENTRIES = 100_000
@@ -74,7 +76,8 @@ class CountingStream:
 
 class HangMonitor:
     def __init__(self, rule: StallRule, *, progress_dir: Path, ckpt_dir: Path, node: str, job: str, attempt: int,
-                 say: Callable[[str], None], ask_drain: Callable[[str], str] | None = None,
+                 say: Callable[[str], None], ask_drain: Callable[[str, str], str] | None = None,
+                 ask_count: Callable[[str], str] | None = None, remote: RemoteRanks | None = None,
                  straggler: StragglerRule | None = None, straggler_report: Callable[[int, str], None] | None = None,
                  poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
                  own_stream: CountingStream | None = None, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
@@ -83,6 +86,7 @@ class HangMonitor:
         self.node, self.job, self.attempt, self.say = node, job, attempt, say
         self.ask_drain, self.poll_s, self.clock, self.out_fds, self.proc = ask_drain, poll_s, clock, out_fds, proc
         self.gpu_state, self.py_spy, self.own_stream = gpu_state, py_spy, own_stream
+        self.ask_count, self.remote = ask_count, remote  # ask_drain(node, detail); ask_count(detail): every node
         self.output_mark = -1  # the job's output bytes (ours taken off) at their highest: only growth past it counts
         self.stragglers = StragglerWatch(straggler) if straggler is not None else None
         self.straggler_report = straggler_report
@@ -99,10 +103,17 @@ class HangMonitor:
     # --- sampling -----------------------------------------------------------------------------
 
     def sample(self) -> dict[str, object]:
-        ranks = progress_files.read_all(self.progress_dir)
-        return {"progress": {r: (p.step, p.at) for r, p in ranks.items()},
-                "checkpoint directory": dir_signature(self.ckpt_dir),
-                "output": output_bytes(self.out_fds) - (self.own_stream.written if self.own_stream else 0)}
+        ranks = self._local_ranks()
+        out: dict[str, object] = {"progress": {r: (p.step, p.at) for r, p in ranks.items()},
+                                  "checkpoint directory": dir_signature(self.ckpt_dir),
+                                  "output": output_bytes(self.out_fds) - (self.own_stream.written if self.own_stream else 0)}
+        if self.remote is not None:
+            out["progress on other nodes"] = self.remote.progress()
+        return out
+
+    def _local_ranks(self) -> dict:
+        """This node's ranks (a rank of another node on a path that is not node-local is its agent's)."""
+        return {r: p for r, p in progress_files.read_all(self.progress_dir).items() if p.on(self.node)}
 
     def poll(self, child: subprocess.Popen) -> str:
         """The hang's cause ("hang: ...") when the rule says so now, else ""; cheap between samples."""
@@ -121,14 +132,14 @@ class HangMonitor:
         if moved:
             self.watch.progressed(now, moved[0])
         if self.stragglers is not None:
-            self._stragglers(now, current["progress"])
+            self._stragglers(now, {**current.get("progress on other nodes", {}), **current["progress"]})
         why = self.watch.stalled(now)
         if why:
             self.cause = f"{HANG_CAUSE}: {why}"
         return self.cause
 
     def _stragglers(self, now: float, ranks: dict) -> None:
-        steps = {r: (at, step) for r, (step, at) in ranks.items()}
+        steps = {r: (at, step) for r, (step, at) in ranks.items() if step is not None and at is not None}
         for rank, rate, median in self.stragglers.observe(now, steps):
             detail = (f"rank {rank} straggles: {rate:.2f} s/step, {rate / median:.1f}x the other ranks' median "
                       f"{median:.2f} s/step for {self.stragglers.rule.windows} windows of "
@@ -140,10 +151,16 @@ class HangMonitor:
     # --- the hang ------------------------------------------------------------------------------
 
     def stop(self, child: subprocess.Popen) -> None:
-        """Evidence first, then the suspect's drain asked; the caller then kills the job's
-        processes (run/child.kill_group: SIGKILL, never the checkpoint signal)."""
+        """Evidence first (this node's, and the other nodes' through their agents, side by side),
+        then the suspect's drain asked (or, with no suspect, the hang counted against every node
+        of the job); the caller then kills the job's processes (run/child.kill_group: SIGKILL,
+        never the checkpoint signal)."""
         started = self.clock()
-        ranks = evidence.rank_states(progress_files.read_all(self.progress_dir), self.node, self.proc)
+        remote: list[RemoteEvidence] = []
+        far = threading.Thread(target=lambda: remote.append(self.remote.evidence()), daemon=True)
+        if self.remote is not None:
+            far.start()
+        ranks = evidence.rank_states(self._local_ranks(), self.node, self.proc)
         procs = evidence.session_processes(child.pid, self.proc)
         pids = [r.pid for r in ranks if r.state not in ("gone", "Z")] or [p for p, st, _ in procs if st != "Z"]
         gpu: list[tuple[str, str]] = []
@@ -151,25 +168,28 @@ class HangMonitor:
         t.start()
         dumps = self.py_spy(pids)
         t.join(evidence.GPU_TIMEOUT_S + 2)
+        if self.remote is not None:
+            far.join(max(1.0, started + evidence.GPU_TIMEOUT_S + 10 - self.clock()))
+        far_ev = remote[0] if remote else RemoteEvidence(notes=["the other nodes' evidence did not come in time"]
+                                                         if self.remote is not None else [])
         gpu_text, gpu_fault = gpu[0] if gpu else ("GPU state did not come in time", "")
-        node, detail = suspect(ranks, {self.node: gpu_fault})
-        drain = "none drained"
-        if node and node == self.node and self.ask_drain is not None:
-            drain = f"drain of {node} asked: {self.ask_drain(detail)}"
-        elif node:
-            drain = f"suspect {node}: not this node, not drained from here"
-        elif ranks and not self.node and not detail.startswith("no "):
-            drain = "not a Slurm job: no node to drain"
+        ranks = sorted(ranks + far_ev.ranks, key=lambda r: r.rank)
+        faults = {self.node: gpu_fault, **{n: f for n, (_, f) in far_ev.gpu.items()}}
+        node, detail = suspect(ranks, faults)
         self.suspect_node = node
-        states = ", ".join(f"rank {r.rank} {r.state} step {r.step}" for r in ranks) or "no rank reported progress"
-        summary = (f"{self.cause}; {states}; {detail}; {drain}; evidence took {self.clock() - started:.1f} s")
+        summary = f"{self.cause}; {self._states(ranks)}; {detail}; {self._act(node, detail, ranks)}"
+        if far_ev.notes:
+            summary += "; " + "; ".join(far_ev.notes)
+        summary += f"; evidence took {self.clock() - started:.1f} s"
         files = {"summary.txt": summary + "\n",
                  "ranks.json": json.dumps([r.__dict__ for r in ranks], indent=1) + "\n",
                  "processes.txt": "".join(f"{p} {st} {cmd}\n" for p, st, cmd in procs),
-                 f"gpu-{self.node or 'node'}.json": gpu_text}
-        by_pid = {r.pid: r.rank for r in ranks}
+                 f"gpu-{self.node or 'node'}.json": gpu_text,
+                 **{f"gpu-{n}.json": text for n, (text, _) in far_ev.gpu.items()}}
+        by_pid = {r.pid: r.rank for r in ranks if r.node == self.node}
         for pid, text in dumps.items():
             files[f"py-spy-{'rank-%d' % by_pid[pid] if pid in by_pid else 'pid-%d' % pid}.txt"] = text
+        files.update({f"py-spy-rank-{rank}.txt": text for rank, text in far_ev.dumps.items()})
         try:
             self.folder = evidence.write_folder(
                 evidence.evidence_dir(evidence.output_file(), Path.cwd(), f"slurmagent-{self.job}", self.attempt), files)
@@ -179,3 +199,21 @@ class HangMonitor:
         self.say(f"{summary}; {where}")
         self.say("hang: no checkpoint signal to a hung trainer (it could not act on it): killing its processes; "
                  "the last committed checkpoint counts")
+
+    @staticmethod
+    def _states(ranks: list) -> str:
+        return ", ".join(f"rank {r.rank} on {r.node or 'this node'} {r.state} step {r.step}" for r in ranks) \
+            or "no rank reported progress"
+
+    def _act(self, node: str, detail: str, ranks: list) -> str:
+        """Ask root for the suspect's drain (any node of the job: the batch node's root judges it),
+        or, when nothing points at one node, count the hang against every node of the job."""
+        if node and self.ask_drain is not None and self.node:
+            return f"drain of {node} asked: {self.ask_drain(node, detail)}"
+        if node:
+            return f"suspect {node}: not drained from here (no root channel)"
+        if not self.node:
+            return "not a Slurm job: no node to drain"
+        if self.ask_count is not None:
+            return f"no node drained; the hang counted against every node of the job: {self.ask_count(detail)}"
+        return "none drained"

@@ -5,14 +5,18 @@ asks the `watch` service over a local socket instead (DESIGN: "Wrapper -> root")
 in a request is untrusted input: it is parsed here with hard limits, then judged against
 what root read itself: the asking process's uid (the kernel's SO_PEERCRED, never the
 request) and the job as Slurm shows it (owner uid, state, nodes). A request is granted
-only for a RUNNING job of the asking uid, about this node, which must be one of the job's.
+only for a RUNNING job of the asking uid that runs on this node, about this node or (a
+drain, a report) another node of the same job: a multi-node job's batch step names the node
+its evidence points at.
 
-Three operations:
+Four operations:
 
 - `metrics`: per-job checkpoint figures folded into the node's textfile. Only the names in
   `JOB_METRICS`, each with the one label `job` that root sets itself from the judged job id.
-- `drain`: this node out, for a rule in `JOB_DRAIN_RULES` (a hang or a straggler the wrapper
-  saw), with a cleaned detail; root still decides through the breaker and the journal.
+- `drain`: a node of the job out, for a rule in `JOB_DRAIN_RULES` (a hang or a straggler the
+  wrapper saw), with a cleaned detail; root still decides through the breaker and the journal.
+- `count`: a hang that points at no node, counted against every node of the job (as Slurm
+  lists them, not as the request does) for lemon tracking (policy/lemon.py); once per job.
 - `report`: the same rule and detail, written to root's decision log only (a straggler the
   job's owner chose to report, not drain); at most `MAX_REPORTS_PER_JOB` per job on a node.
 
@@ -46,6 +50,8 @@ JOB_METRICS = {
 }
 PER_JOB = ("slurmagent_checkpoint_lag_seconds",)  # labelled {job}; the others are node totals
 JOB_DRAIN_RULES = ("hang", "straggler")
+OPS = ("metrics", "drain", "report", "count")
+ANY_NODE_OPS = ("drain", "report")  # may name another node of the job (the batch step's evidence)
 MAX_REPORTS_PER_JOB = 16
 MAX_VALUE = 1e15  # a value past this is a lie or a bug: refused, never written
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,9})?$")
@@ -57,7 +63,7 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class JobRequest:
-    op: str  # "metrics" | "drain" | "report"
+    op: str  # "metrics" | "drain" | "report" | "count"
     job: str
     node: str
     set_: dict[str, float] = field(default_factory=dict)
@@ -77,8 +83,8 @@ def parse_request(raw: bytes) -> JobRequest:
     if not isinstance(doc, dict):
         raise RequestError("request is not one JSON object")
     op, job, node = doc.get("op"), doc.get("job"), doc.get("node")
-    if op not in ("metrics", "drain", "report"):
-        raise RequestError(f"unknown op {str(op)[:20]!r} (metrics, drain, report)")
+    if op not in OPS:
+        raise RequestError(f"unknown op {str(op)[:20]!r} ({', '.join(OPS)})")
     if not isinstance(job, str) or not _JOB_ID.match(job):
         raise RequestError("job must be a Slurm job id")
     if not isinstance(node, str) or not 0 < len(node) <= 255:  # judged against this node's own name
@@ -87,8 +93,9 @@ def parse_request(raw: bytes) -> JobRequest:
         return JobRequest(op, job, node, set_=_values(doc.get("set"), "set"), add=_values(doc.get("add"), "add"),
                           clear=doc.get("clear") is True)
     rule, detail = doc.get("rule"), doc.get("detail", "")
-    if rule not in JOB_DRAIN_RULES:
-        raise RequestError(f"{op} rule must be one of {', '.join(JOB_DRAIN_RULES)}")
+    rules = ("hang",) if op == "count" else JOB_DRAIN_RULES
+    if rule not in rules:
+        raise RequestError(f"{op} rule must be one of {', '.join(rules)}")
     if not isinstance(detail, str):
         raise RequestError("detail must be text")
     return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150])
@@ -112,7 +119,7 @@ def _values(doc: Any, kind: str) -> dict[str, float]:
 
 def judge(req: JobRequest, peer_uid: int, owner: JobOwner | None, this_node: str) -> str:
     """Why root refuses the request ("" = granted)."""
-    if req.node != this_node:
+    if req.node != this_node and req.op not in ANY_NODE_OPS:
         return f"node {req.node} is not this node ({this_node})"
     if owner is None:
         return f"job {req.job} is not known to Slurm"
@@ -122,6 +129,8 @@ def judge(req: JobRequest, peer_uid: int, owner: JobOwner | None, this_node: str
         return f"job {req.job} is {owner.state or 'not running'}, not RUNNING"
     if this_node not in owner.nodes:
         return f"job {req.job} does not run on {this_node}"
+    if req.node not in owner.nodes:
+        return f"node {req.node} is not one of job {req.job}'s"
     return ""
 
 

@@ -1,6 +1,9 @@
 """Lemon nodes: a node whose repairs keep coming back (`[repair] lemon_faults` within
 `lemon_window_s`). The repair loop records every repair it asks for per node
-(state/repair_state.record_history); this reads that history. Pure: no clock, no files.
+(state/repair_state.record_history); a hung job whose evidence pointed at no node is counted
+against every node of the job (`hangs`, state/repair_state.record_hangs, through the job's
+root channel): a node that keeps turning up under hangs nobody can pin becomes a lemon too.
+This reads both. Pure: no clock, no files.
 
 A recreate puts the same VM name on whatever host the MIG picks, possibly the same bad one;
 `reportHostAsFaulty` makes Google take the host out, so with `lemon_action = "report-faulty"` a
@@ -20,22 +23,33 @@ def recent(times: Any, now: float, window_s: float) -> list[float]:
                   if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= now - float(t) < window_s)
 
 
-def node_faults(history: Any, now: float, *, faults: int, window_s: float) -> list[dict[str, Any]]:
-    """Per node with a repair in the window: faults seen, the last one, lemon or not (most faults first)."""
-    if not isinstance(history, dict):
-        return []
+def merged(history: Any, hangs: Any = None) -> dict[str, list]:
+    """node -> the times of its repairs and of the hangs counted against it."""
+    out: dict[str, list] = {}
+    for source in (history, hangs):
+        if isinstance(source, dict):
+            for node, times in source.items():
+                if isinstance(times, list):
+                    out.setdefault(str(node), []).extend(times)
+    return out
+
+
+def node_faults(history: Any, now: float, *, faults: int, window_s: float, hangs: Any = None) -> list[dict[str, Any]]:
+    """Per node with a repair or a counted hang in the window: faults seen (both), the hangs among
+    them, the last one, lemon or not (most faults first)."""
     rows = []
-    for node, times in history.items():
+    for node, times in merged(history, hangs).items():
         seen = recent(times, now, window_s)
         if seen:
-            rows.append({"node": str(node), "faults": len(seen), "last_fault": seen[-1],
+            hung = len(recent(hangs.get(node) if isinstance(hangs, dict) else None, now, window_s))
+            rows.append({"node": node, "faults": len(seen), "hangs": hung, "last_fault": seen[-1],
                          "lemon": faults > 0 and len(seen) >= faults})
     return sorted(rows, key=lambda r: (-r["faults"], r["node"]))
 
 
-def escalation(node: str, history: Any, now: float, *, faults: int, window_s: float) -> str:
+def escalation(node: str, history: Any, now: float, *, faults: int, window_s: float, hangs: Any = None) -> str:
     """Why this repair of `node` (the fault being repaired now counts too) is a lemon's; "" if not one."""
-    seen = recent(history.get(node) if isinstance(history, dict) else None, now, window_s)
+    seen = recent(merged(history, hangs).get(node), now, window_s)
     if faults <= 0 or len(seen) + 1 < faults:
         return ""
     return f"lemon: {len(seen) + 1} faults within {window_s / 86400:g} days ([repair] lemon_faults = {faults})"
@@ -50,9 +64,10 @@ def gauges(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     return out
 
 
-def judge(history: Any, now: float, todo: list[str], repair_cfg: Any) -> tuple[dict[tuple, float], dict[str, str]]:
+def judge(history: Any, now: float, todo: list[str], repair_cfg: Any,
+          hangs: Any = None) -> tuple[dict[tuple, float], dict[str, str]]:
     """For one `repair` run: the metrics' gauges, and the nodes to repair now that are lemons to
     escalate (node -> why; none unless `[repair] lemon_action = "report-faulty"`)."""
-    keys = dict(faults=int(repair_cfg.lemon_faults), window_s=float(repair_cfg.lemon_window_s))
+    keys = dict(faults=int(repair_cfg.lemon_faults), window_s=float(repair_cfg.lemon_window_s), hangs=hangs)
     lemons = {n: why for n in todo if (why := escalation(n, history, now, **keys))}
     return gauges(node_faults(history, now, **keys)), lemons if repair_cfg.lemon_action == "report-faulty" else {}

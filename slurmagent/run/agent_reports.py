@@ -25,6 +25,7 @@ class NodeReport:
     bytes_sent: int = 0
     messages: list[str] = field(default_factory=list)
     node_local: bool = False  # restore: failed because of this node's disk or path (another node would do)
+    ranks: list[dict] = field(default_factory=list)  # sync: this node's ranks' progress and state (hang/remote.py)
 
     def payload(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":")).encode()

@@ -149,7 +149,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
         job_store.trainer_running = sup.child_running
     if executor is not None:
         sup.slurm_nodes = executor  # a restore failing on a node's disk: requeued without it
-    sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup)
+    sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup, whole_job)
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)
@@ -182,10 +182,12 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
 
 
 def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions, timeout: float | None,
-                 sup: Supervisor):
+                 sup: Supervisor, whole_job=None):
     """The hang watch (`hang/monitor.py`) with its private progress directory, named to the
-    trainer in SLURMAGENT_PROGRESS_DIR (through `env`, which the child gets); None when off."""
+    trainer in SLURMAGENT_PROGRESS_DIR (through `env`, which the child gets); None when off.
+    A multi-node job's agents make that directory on every node and report its ranks (`hang/remote.py`)."""
     from ..hang.monitor import CountingStream, HangMonitor  # start-up speed: built once, after the config
+    from ..hang.remote import RemoteRanks  # start-up speed (with the monitor)
     from ..policy.stall import StallRule, StragglerRule  # start-up speed (with the monitor)
 
     rc = cfg.run
@@ -202,13 +204,13 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     node = slurm_env.slurmd_node(env) or ""
     socket_path = cfg.node_path(cfg.watch.channel_socket, node) if ident.platform == "slurm" and node else ""
 
-    def ask(rule_name: str, detail: str, op: str = "drain") -> str:
+    def ask(rule_name: str, detail: str, op: str = "drain", about: str = "") -> str:
         if not socket_path:
             return "no root channel (not a Slurm job, or [watch] channel_socket empty)"
         from ..actions.job_channel import ask_root  # start-up speed: only on a hang or a straggler
 
         try:
-            answer = ask_root(socket_path, {"op": op, "job": ident.job_id, "node": node, "rule": rule_name,
+            answer = ask_root(socket_path, {"op": op, "job": ident.job_id, "node": about or node, "rule": rule_name,
                                             "detail": detail})
         except (OSError, ValueError) as exc:
             return f"no answer from root at {socket_path} ({exc})"
@@ -222,9 +224,16 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
             if not answer.startswith("granted"):
                 say(f"straggler: not in root's decision log: {answer}")
 
+    remote = None
+    if whole_job is not None:  # the other nodes' ranks, through the node agents
+        remote = RemoteRanks(node, progress_dir, options.ckpt_dir, ask=getattr(whole_job.launcher, "payloads", None))
+        whole_job.restore_options += ["--private-dir", str(progress_dir)]  # made on every node before the ranks start
+        whole_job.peer_env[PROGRESS_ENV] = str(progress_dir)  # the agents' environment: they read it there
+        whole_job.on_reports = remote.take
     return HangMonitor(rule, progress_dir=progress_dir, ckpt_dir=options.ckpt_dir, node=node,
                        job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,
-                       say=say, ask_drain=lambda detail: ask("hang", detail),
+                       say=say, ask_drain=lambda about, detail: ask("hang", detail, about=about),
+                       ask_count=lambda detail: ask("hang", detail, op="count"), remote=remote,
                        straggler=StragglerRule(rc.straggler_window_s, rc.straggler_factor, rc.straggler_windows),
                        straggler_report=straggler, own_stream=own)
 

@@ -149,6 +149,14 @@ class SrunLauncher:
         r.error = f"{prefix}{r.who}{why}"
         return r
 
+    def payloads(self, args: list[str], deadline_s: float) -> dict[int, bytes]:
+        """A one-off round's whole raw reports by node index (the hang's evidence); none when srun fails."""
+        try:
+            step = run_step(self.argv(args), self.env, deadline_s)
+        except OSError:
+            return {}
+        return read_frames(step.stdout.splitlines()).reports
+
     def run(self, args: list[str], deadline_s: float, cancel: threading.Event | None = None) -> list[NodeReport]:
         n = self.alloc.num_nodes
         if cancel is not None and cancel.is_set():
@@ -232,6 +240,7 @@ class AllocationStore:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self.rounds = Rounds()  # cancel_rounds ends the agent step in flight
+        self.on_reports: Callable[[list[NodeReport]], None] | None = None
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
@@ -361,6 +370,8 @@ class AllocationStore:
             sent_ns = self.clock_ns()
             reports = self._round(ticket, args, deadline_s)
             received_ns = self.clock_ns()
+            if self.on_reports is not None:
+                self.on_reports(reports)  # the hang watch's view of the other nodes' ranks (hang/remote.py)
             failed = self._failures(reports, "upload")
             if failed:
                 raise CheckpointError(f"{failed}; the last complete checkpoint stays")

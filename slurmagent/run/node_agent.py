@@ -27,6 +27,7 @@ from ..errors import SlurmagentError
 from ..slurm import env as slurm_env
 from ..state.host import node_name
 from ..state.private_dirs import check_private_file, ensure_private_dir, private_ckpt_dir
+from ..state.progress import PROGRESS_ENV
 from .job import DirRecord
 
 TOKEN_ENV = "SLURMAGENT_PEER_TOKEN"  # the batch step's per-restore token for the peers (never in argv)
@@ -136,9 +137,15 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
                     fresh: bool = False, cache_gib: float = -1.0, cache_copies: int = 2, cache_dir: str = "",
                     peers: str = "") -> int:
-    """`slurmagent node-agent restore|sync`: one task of the agent step; one framed report."""
+    """`slurmagent node-agent restore|sync|evidence`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
+    progress_dir = env.get(PROGRESS_ENV, "")  # the hang watch's, in the agents' environment (run/main.py)
+    if action == "evidence":  # a hang: this node's ranks, stacks and GPU state (hang/remote.py)
+        from ..hang.remote import node_evidence  # start-up speed: only on a hang
+
+        write_frames(out, index, node_evidence(progress_dir, node, index))
+        return 0
     num_nodes = slurm_env.num_nodes(env)
     store = None
     if remote:
@@ -165,6 +172,10 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
         report = agent_sync(store, path, index=index, node=node, attempt=attempt,
                             state_file=state,
                             deadline_s=deadline_s)
+    if action == "sync" and progress_dir:  # the hang watch's view of this node's ranks
+        from ..hang.remote import node_ranks  # start-up speed: only for a job with a hang watch
+
+        report.ranks = node_ranks(progress_dir, node)
     for message in report.messages:
         print(f"slurmagent node-agent {node}: {message}", file=err, flush=True)
     write_frames(out, index, report.payload())

@@ -2,7 +2,9 @@
 
 A private directory per attempt on the node (`SLURMAGENT_PROGRESS_DIR`, made by the wrapper,
 0700 under the user's private temp parent): never under `--ckpt-dir`, which is synced. One
-small file per rank, `rank-<R>`, replaced atomically: `<step> <wall time> <pid>`.
+small file per rank, `rank-<R>`, replaced atomically: `<step> <wall time> <pid> [<node>]`. The
+node (SLURMD_NODENAME of the rank) tells a rank of another node apart where the path is not
+node-local (a multi-node job's other ranks are reported by their own node's agent).
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ class RankProgress:
     step: int
     at: float  # wall clock of the write
     pid: int
+    node: str = ""  # the rank's node as it wrote it ("": not said, a single-node job's)
+
+    def on(self, node: str) -> bool:
+        """Is this rank one of `node`'s (a file that names no node is the reader's own)?"""
+        return not self.node or not node or self.node == node
 
 
-def write(directory: str | os.PathLike[str], rank: int, step: int, at: float) -> None:
+def write(directory: str | os.PathLike[str], rank: int, step: int, at: float, node: str = "") -> None:
     """Replace this rank's file (raises OSError: the caller ignores it, training goes on)."""
     path = Path(directory) / f"rank-{rank}"
     tmp = path.with_name(f".rank-{rank}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, f"{int(step)} {at:.3f} {os.getpid()}\n".encode())
+        where = f" {node}" if node and node.isprintable() and " " not in node else ""
+        os.write(fd, f"{int(step)} {at:.3f} {os.getpid()}{where}\n".encode())
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -51,8 +59,9 @@ def read_all(directory: str | os.PathLike[str]) -> dict[int, RankProgress]:
             try:
                 rank = int(entry.name[5:])
                 with open(entry.path, "rb") as fh:
-                    step, at, pid = fh.read(200).decode().split()[:3]
-                out[rank] = RankProgress(rank, int(step), float(at), int(pid))
+                    fields = fh.read(400).decode().split()
+                step, at, pid = fields[:3]
+                out[rank] = RankProgress(rank, int(step), float(at), int(pid), fields[3][:255] if len(fields) > 3 else "")
             except (OSError, ValueError, UnicodeDecodeError):
                 continue
     return out

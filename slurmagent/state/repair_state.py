@@ -55,6 +55,17 @@ def record_history(state_dir: Path, nodes: list[str], now: float, keep_s: float 
     save_state(state_dir, data)
 
 
+def record_hangs(state_dir: Path, nodes: list[str], now: float, keep_s: float = HISTORY_KEEP_S,
+                 keep_n: int = HISTORY_KEEP_N) -> None:
+    """A hung job that pointed at no node, counted against each of its nodes: the lemon count
+    reads it beside the repairs (policy/lemon.py); `max_repairs_per_day` does not."""
+    data = load_state(state_dir)
+    hangs = data.setdefault("hangs", {})
+    for n in nodes:
+        hangs[n] = [t for t in hangs.get(n, []) if isinstance(t, (int, float)) and now - t < keep_s][-keep_n:] + [now]
+    save_state(state_dir, data)
+
+
 def remember_drained_at(state_dir: Path, drained_at: dict[str, float]) -> None:
     """When each node was drained, kept before its reason (and the reason's time) turns `repairing`."""
     data = load_state(state_dir)

@@ -40,7 +40,7 @@ def req(**kw) -> bytes:
     (b"x" * (job_requests.MAX_REQUEST_BYTES + 1), "request over 16384 bytes"),
     (b"not json", "request is not one JSON object"),
     (b"[1]", "request is not one JSON object"),
-    (req(op="resume"), "unknown op 'resume' (metrics, drain, report)"),
+    (req(op="resume"), "unknown op 'resume' (metrics, drain, report, count)"),
     (req(job="7; scontrol update"), "job must be a Slurm job id"),
     (req(set={"slurmagent_breaker_open": 0}), "'slurmagent_breaker_open' is not a job metric one may set"),
     (req(add={"slurmagent_checkpoint_lag_seconds": 1}), "'slurmagent_checkpoint_lag_seconds' is not a job metric one may add"),
@@ -160,7 +160,7 @@ def test_a_hang_drain_goes_through_the_breaker_once_per_job(served):
     assert sc.nodes["n1"]["Reason"] == "slurmagent: hang: job 7: rank 1 stopped at step 40"
     assert "DRAIN" in sc.nodes["n1"]["State"]
     again = ask_root(server.path, ask)
-    assert again == {"ok": False, "why": "job 7 already asked for a drain of n1"}
+    assert again == {"ok": False, "why": "job 7 already asked for a drain from n1"}
     assert len(sc.of("scontrol", "update")) == 1
 
 

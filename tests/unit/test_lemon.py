@@ -32,8 +32,8 @@ def test_a_node_is_a_lemon_from_the_nth_fault_within_the_window():
     history = {"n1": [NOW - 8 * DAY, NOW - 3 * DAY, NOW - 2 * DAY, NOW - 60], "n2": [NOW - DAY], "n3": [NOW - 9 * DAY],
                "n4": ["junk", True, None]}
     rows = lemon.node_faults(history, NOW, faults=3, window_s=7 * DAY)
-    assert rows == [{"node": "n1", "faults": 3, "last_fault": NOW - 60, "lemon": True},
-                    {"node": "n2", "faults": 1, "last_fault": NOW - DAY, "lemon": False}]  # n3: out of the window
+    assert rows == [{"node": "n1", "faults": 3, "hangs": 0, "last_fault": NOW - 60, "lemon": True},
+                    {"node": "n2", "faults": 1, "hangs": 0, "last_fault": NOW - DAY, "lemon": False}]  # n3: out of the window
     assert lemon.gauges(rows) == {("slurmagent_lemon_nodes", ()): 1.0, ("slurmagent_node_faults", (("node", "n1"),)): 3.0,
                                   ("slurmagent_node_faults", (("node", "n2"),)): 1.0}
     # the repair about to be asked counts: 2 past + this one = 3

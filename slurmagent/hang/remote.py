@@ -1,0 +1,144 @@
+"""A multi-node job's ranks on its other nodes, for the batch step's hang watch.
+
+A rank on node 2 writes its `progress()` file on node 2: the progress directory is made at the
+same path on every node by the restore round (`--private-dir`), and the batch step cannot read
+another node's disk. The node agents (run/multinode.py's `srun --overlap` step, no other
+process) tell it, two ways:
+
+- every sync round (`[checkpoint] sync_interval_s`, 60 s by default) each agent adds its node's
+  ranks to its report: step, the step's time, pid, process state. A rank whose step changed is
+  progress at the time the batch step received the report, on its own clock (node clocks never
+  decide a hang). Cost: a few small files read per node and round. Freshness: one sync
+  interval plus the round's time, so remote-only progress keeps a job alive only when the
+  limit is above that (the adaptive floor, 120 s, is); on the batch node the ranks, the
+  output file (srun forwards every rank's lines to it) and the checkpoint directory are read
+  every 2 s as before.
+- on a hang, one evidence round (`node-agent evidence`, at most EVIDENCE_DEADLINE_S): each
+  agent reads its ranks' process states now (running, stopped `T`, `D`, gone), their py-spy
+  stacks where installed and its GPU state. A node whose agent does not answer keeps the
+  states of its last sync report, marked as old; the batch step names the suspect among all
+  of the job's nodes.
+
+Pure but for `node_ranks`/`node_evidence` (this node's files and processes).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..policy.stall import RankState
+from ..state import progress as progress_files
+from . import evidence
+
+EVIDENCE_DEADLINE_S = 25.0  # py-spy (10 s) and the GPU check (20 s) run side by side on each node
+MAX_GPU_TEXT = 64 * 1024
+
+
+def node_ranks(progress_dir: str | Path, node: str, proc: str = "/proc") -> list[dict[str, Any]]:
+    """This node's ranks (their files name it, or no node) with their process state now."""
+    mine = {r: p for r, p in progress_files.read_all(progress_dir).items() if p.on(node)}
+    return [r.__dict__ for r in evidence.rank_states(mine, node, proc)]
+
+
+def node_evidence(progress_dir: str | Path, node: str, index: int, *, proc: str = "/proc",
+                  py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps,
+                  gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state) -> bytes:
+    """One node's evidence as the agent's report payload: ranks, py-spy dumps, GPU state."""
+    ranks = node_ranks(progress_dir, node, proc)
+    gpu: list[tuple[str, str]] = []
+    t = threading.Thread(target=lambda: gpu.append(gpu_state()), daemon=True)
+    t.start()
+    pids = [r["pid"] for r in ranks if r["state"] not in ("gone", "Z")]
+    dumps = py_spy(pids) if pids else {}
+    t.join(evidence.GPU_TIMEOUT_S + 2)
+    text, fault = gpu[0] if gpu else ("GPU state did not come in time", "")
+    by_pid = {r["pid"]: r["rank"] for r in ranks}
+    return json.dumps({"index": index, "node": node, "ranks": ranks, "gpu": text[:MAX_GPU_TEXT], "fault": fault,
+                       "dumps": {str(by_pid[p]): d for p, d in dumps.items() if p in by_pid}}).encode()
+
+
+def _rank_state(raw: Any, node: str) -> RankState | None:
+    """A rank from an agent's report (the job's own processes wrote it: checked, never trusted further)."""
+    try:
+        r = RankState(int(raw["rank"]), node, int(raw["pid"]), str(raw["state"])[:8],
+                      None if raw.get("step") is None else int(raw["step"]),
+                      None if raw.get("last_at") is None else float(raw["last_at"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return r if r.rank >= 0 else None
+
+
+@dataclass
+class RemoteEvidence:
+    ranks: list[RankState] = field(default_factory=list)
+    dumps: dict[int, str] = field(default_factory=dict)  # rank -> py-spy text
+    gpu: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (check --json text, fault)
+    notes: list[str] = field(default_factory=list)  # a node that did not answer, and what stands in for it
+
+
+class RemoteRanks:
+    """The other nodes' ranks as their agents last reported them.
+
+    `ask(args, deadline_s)`: one agent round with `args`, each node index's raw payload
+    (run/multinode.SrunLauncher.payloads); None outside a multi-node job."""
+
+    def __init__(self, node: str, progress_dir: str | Path, ckpt_dir: str | Path,
+                 ask: Callable[[list[str], float], dict[int, bytes]] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.node, self.progress_dir, self.ckpt_dir, self.ask, self.clock = node, str(progress_dir), str(ckpt_dir), ask, clock
+        self.ranks: dict[int, RankState] = {}  # rank -> as its node's agent last saw it
+        self.seen_at: dict[str, float] = {}  # node -> when its last report came (our clock)
+
+    def take(self, reports: Iterable[Any]) -> None:
+        """The ranks in a sync round's node reports (run/agent_reports.NodeReport.ranks)."""
+        now = self.clock()
+        for report in reports:
+            node = getattr(report, "node", "")
+            if not getattr(report, "ok", False) or not node or node == self.node:
+                continue
+            self.seen_at[node] = now
+            for raw in getattr(report, "ranks", None) or []:
+                r = _rank_state(raw, node) if isinstance(raw, dict) else None
+                if r is not None:
+                    self.ranks[r.rank] = r
+
+    def progress(self) -> dict[int, tuple[int | None, float | None]]:
+        """rank -> (step, its time) on the other nodes: a change is progress (HangMonitor.poll)."""
+        return {rank: (r.step, r.last_at) for rank, r in self.ranks.items()}
+
+    def evidence(self, deadline_s: float = EVIDENCE_DEADLINE_S) -> RemoteEvidence:
+        """Every other node's ranks, py-spy stacks and GPU state now, from one evidence round."""
+        out = RemoteEvidence()
+        got: dict[str, dict] = {}
+        if self.ask is not None:
+            args = ["evidence", "--ckpt-dir", self.ckpt_dir, "--deadline", f"{deadline_s:g}"]
+            for payload in self.ask(args, deadline_s).values():
+                try:
+                    doc = json.loads(payload)
+                except ValueError:
+                    continue
+                if isinstance(doc, dict) and isinstance(doc.get("node"), str) and doc["node"] != self.node:
+                    got[doc["node"]] = doc
+        fresh: set[int] = set()
+        for node, doc in sorted(got.items()):
+            for raw in doc.get("ranks") or []:
+                r = _rank_state(raw, node) if isinstance(raw, dict) else None
+                if r is not None:
+                    out.ranks.append(r)
+                    fresh.add(r.rank)
+            dumps = doc.get("dumps") if isinstance(doc.get("dumps"), dict) else {}
+            out.dumps.update({int(k): str(v) for k, v in dumps.items() if str(k).isdigit()})
+            out.gpu[node] = (str(doc.get("gpu", "")), str(doc.get("fault", ""))[:200])
+        now = self.clock()
+        for node in sorted({r.node for r in self.ranks.values()} - set(got)):
+            old = [r for r in self.ranks.values() if r.node == node and r.rank not in fresh]
+            out.ranks.extend(old)
+            out.notes.append(f"{node}: no evidence from its agent; its ranks as its last sync report said "
+                             f"{now - self.seen_at.get(node, now):.0f} s ago")
+        out.ranks.sort(key=lambda r: r.rank)
+        return out
