@@ -66,6 +66,20 @@ def test_only_a_running_job_of_the_asking_uid_on_this_node_is_granted():
     assert judge(r, 1000, mine, "n2") == "node n1 is not this node (n2)"
 
 
+def test_a_drain_may_name_another_node_of_the_job_never_one_outside_it():
+    """A multi-node job's batch step asks its own node's root for the node its evidence names."""
+    mine = JobOwner("7", 1000, "RUNNING", ("n1", "n2"))
+    drain = parse_request(req(op="drain", node="n2", rule="hang", detail="rank 1 stopped at step 40"))
+    assert judge(drain, 1000, mine, "n1") == ""
+    outside = parse_request(req(op="drain", node="n9", rule="hang"))
+    assert judge(outside, 1000, mine, "n1") == "node n9 is not one of job 7's"
+    assert judge(drain, 1000, JobOwner("7", 1000, "RUNNING", ("n2", "n3")), "n1") == "job 7 does not run on n1"
+    count = parse_request(req(op="count", node="n2", rule="hang"))
+    assert judge(count, 1000, mine, "n1") == "node n2 is not this node (n1)"  # counted from the asker's node only
+    with pytest.raises(RequestError, match="count rule must be one of hang"):
+        parse_request(req(op="count", rule="straggler"))
+
+
 def test_the_job_label_is_roots_and_a_drain_reason_is_cleaned():
     r = parse_request(req(set={"slurmagent_checkpoint_lag_seconds": 5}, add={"slurmagent_bytes_synced_total": 10}))
     set_, add, clear = job_requests.metric_update(r)
@@ -162,6 +176,24 @@ def test_a_hang_drain_goes_through_the_breaker_once_per_job(served):
     again = ask_root(server.path, ask)
     assert again == {"ok": False, "why": "job 7 already asked for a drain from n1"}
     assert len(sc.of("scontrol", "update")) == 1
+
+
+def test_the_batch_nodes_root_drains_the_node_the_evidence_names_and_counts_a_blameless_hang_once(served):
+    from slurmagent.state import repair_state
+
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid="0")
+    sc.add_job("8", node="n[1-3]", Uid="0")
+    drain = {"op": "drain", "job": "7", "node": "n2", "rule": "hang", "detail": "rank 1 stopped at step 40"}
+    assert ask_root(server.path, drain)["ok"] is True
+    assert sc.nodes["n2"]["Reason"] == "slurmagent: hang: job 7: rank 1 stopped at step 40"
+    assert "DRAIN" not in sc.nodes["n1"].get("State", "")
+    count = {"op": "count", "job": "8", "node": "n1", "rule": "hang", "detail": "no rank stopped or gone"}
+    assert ask_root(server.path, count) == {"ok": True, "why": "counted against n1, n2, n3"}  # Slurm's list, not ours
+    assert ask_root(server.path, count) == {"ok": False, "why": "job 8 already counted a hang from n1"}
+    hangs = repair_state.load_state(tmp_path / "state" / "n1")["hangs"]
+    assert sorted(hangs) == ["n1", "n2", "n3"] and all(len(t) == 1 for t in hangs.values())
+    assert "history" not in repair_state.load_state(tmp_path / "state" / "n1")  # not a repair: no repair budget spent
 
 
 def test_a_flood_of_garbage_is_answered_and_the_server_still_serves(served):

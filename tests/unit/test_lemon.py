@@ -43,6 +43,16 @@ def test_a_node_is_a_lemon_from_the_nth_fault_within_the_window():
     assert lemon.node_faults(history, NOW, faults=0, window_s=7 * DAY)[0]["lemon"] is False  # 0: never
 
 
+def test_hangs_that_named_no_node_count_toward_a_lemon_beside_its_repairs():
+    history = {"n1": [NOW - 2 * DAY]}
+    hangs = {"n1": [NOW - DAY, NOW - 60], "n2": [NOW - 60], "n3": [NOW - 30 * DAY]}
+    rows = lemon.node_faults(history, NOW, faults=3, window_s=7 * DAY, hangs=hangs)
+    assert rows == [{"node": "n1", "faults": 3, "hangs": 2, "last_fault": NOW - 60, "lemon": True},
+                    {"node": "n2", "faults": 1, "hangs": 1, "last_fault": NOW - 60, "lemon": False}]
+    assert lemon.escalation("n2", {}, NOW, faults=2, window_s=7 * DAY, hangs=hangs).startswith("lemon: 2 faults")
+    assert lemon.escalation("n2", {}, NOW, faults=2, window_s=7 * DAY) == ""
+
+
 def test_a_lemon_gets_report_faulty_only_where_its_vm_takes_it():
     node = NodeInfo("n1", frozenset({"IDLE", "DRAIN"}), XID79, None, "")
     assert choose_repair("recreate", node, A3U, lemon="lemon: 3 faults").action == "report-faulty"
