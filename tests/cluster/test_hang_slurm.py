@@ -2,7 +2,9 @@
 SIGSTOPped mid-training is found by the wrapper's hang watch, its evidence lands beside the
 job's output, its node is drained through root's channel with the hang reason, and the job is
 requeued once and resumes on another node from its last committed checkpoint. A job that
-never calls `progress()` but logs a line every 5 s is watched through its output file.
+never calls `progress()` but logs a line every 5 s is watched through its output file (its
+hang, pointing at no node, is counted against its node for the lemon count). No false
+positive: a slow restore and first step, and a long checkpoint write, run to their end.
 
 The rule with a fake clock, the evidence of real stopped processes and the wrapper's whole
 path without Slurm: tests/unit/test_hang.py.
@@ -25,6 +27,7 @@ from slurmagent.actions.job_channel import ChannelServer
 from slurmagent.checkpoint.gcs.ledger import LedgerBucket
 from slurmagent.slurm.commands import Slurm
 from slurmagent.state.config import load
+from slurmagent.state import repair_state
 from slurmagent.state.decisionlog import DecisionLog
 from test_wrapper_slurm import TOY, ledger_steps
 
@@ -144,3 +147,63 @@ def test_a_job_without_progress_calls_is_watched_through_its_output(slurm, hang_
     assert len(said) == 1 and "last: output" in said[0] and "no node to blame" in said[0], log
     assert "done" in log.splitlines()
     assert "T " in (tmp_path / "out.hang-0" / "processes.txt").read_text().replace(" T ", "T ")
+    # nothing pointed at the node: none drained, the hang counted against it for the lemon count, by root
+    node = re.search(r"the hang counted against every node of the job: granted: counted against ([\w.-]+)", said[0])
+    assert node and "DRAIN" not in c.node(node.group(1))["State"], said[0]
+    hangs = repair_state.load_state(slurm.state_dir(node.group(1))).get("hangs", {})
+    assert list(hangs) == [node.group(1)] and len(hangs[node.group(1)]) == 1, hangs
+
+
+SLOW_START = """
+import time
+from slurmagent import trainer
+time.sleep(3 * {timeout})  # the trainer's own restore: no line, no file, no progress
+time.sleep({timeout} + 5)  # then a slow first step
+for step in range(1, 21):
+    trainer.progress(step)
+    time.sleep(0.2)
+print("done", flush=True)
+"""
+
+LONG_CHECKPOINT = """
+import os, time
+from slurmagent import trainer
+d = trainer.ckpt_dir()
+for step in range(1, 11):
+    trainer.progress(step)
+    time.sleep(0.2)
+with open(d / ".model.pt.tmp", "wb") as fh:  # a checkpoint written for 3x the timeout: no progress(), no line
+    for _ in range(3 * {timeout}):
+        fh.write(os.urandom(4096))
+        fh.flush()
+        time.sleep(1)
+os.replace(d / ".model.pt.tmp", d / "model.pt")
+for step in range(11, 21):
+    trainer.progress(step)
+    time.sleep(0.2)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_slow_restore_and_first_step_and_a_long_checkpoint_write_run_to_their_end_untouched(slurm, hang_setup,
+                                                                                              tmp_path):
+    """No false positive: the first-progress grace (here 6x the timeout) covers a restore of 3x the
+    timeout and a slow first step; a checkpoint directory that changes is progress."""
+    c = slurm.cluster
+    env, config = hang_setup
+    config.write_text(config.read_text().replace("[run]\n", f"[run]\nhang_first_progress_s = {6 * HANG_TIMEOUT_S}\n"))
+    jobs = {}
+    for name, script in (("slow-start", SLOW_START), ("long-checkpoint", LONG_CHECKPOINT)):
+        (tmp_path / name).mkdir()
+        jobs[name] = submit(env, tmp_path / name / "out", tmp_path / name,
+                            [sys.executable, "-c", script.format(timeout=HANG_TIMEOUT_S)])
+    for name, job_id in jobs.items():
+        job = ended(c, job_id, 240)
+        log = (tmp_path / name / "out").read_text()
+        assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) == 0, (name, log)
+        assert "done" in log.splitlines() and "hang:" not in log, (name, log)
+        assert not list((tmp_path / name).glob("out.hang-*")), name
+        print(f"{name}: ran {job['RunTime']} untouched (hang_timeout_s {HANG_TIMEOUT_S})")
+    assert not [n for n in c.nodes if "DRAIN" in c.node(n)["State"]]
