@@ -6,7 +6,8 @@ checkpoint directory changing (any file, temporary ones included: a long checkpo
 is progress), the job's output growing (the wrapper's stdout/stderr when they are files: the
 batch step's StdOut, which the trainer inherits; srun forwards every rank's lines to it), and, in
 a multi-node job, the other nodes' ranks as their node agents report them (`hang/remote.py`).
-Sampled every `poll_s` from the wrapper's main loop, judged on its clock (`policy/stall.py`). A hung trainer gets no checkpoint signal:
+Sampled every `poll_s` from the wrapper's main loop, judged on its clock (`policy/stall.py`).
+A hung trainer gets no checkpoint signal:
 it could not act on it; the last committed checkpoint is what counts.
 """
 
@@ -78,7 +79,7 @@ class HangMonitor:
     def __init__(self, rule: StallRule, *, progress_dir: Path, ckpt_dir: Path, node: str, job: str, attempt: int,
                  say: Callable[[str], None], ask_drain: Callable[[str, str], str] | None = None,
                  ask_count: Callable[[str], str] | None = None, remote: RemoteRanks | None = None,
-                 straggler: StragglerRule | None = None, straggler_report: Callable[[int, str], None] | None = None,
+                 straggler: StragglerRule | None = None, straggler_report: Callable[[int, str, str], None] | None = None,
                  poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
                  own_stream: CountingStream | None = None, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
                  py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps):
@@ -104,9 +105,10 @@ class HangMonitor:
 
     def sample(self) -> dict[str, object]:
         ranks = self._local_ranks()
+        ours = self.own_stream.written if self.own_stream else 0
         out: dict[str, object] = {"progress": {r: (p.step, p.at) for r, p in ranks.items()},
                                   "checkpoint directory": dir_signature(self.ckpt_dir),
-                                  "output": output_bytes(self.out_fds) - (self.own_stream.written if self.own_stream else 0)}
+                                  "output": output_bytes(self.out_fds) - ours}
         if self.remote is not None:
             out["progress on other nodes"] = self.remote.progress()
         return out
@@ -140,13 +142,15 @@ class HangMonitor:
 
     def _stragglers(self, now: float, ranks: dict) -> None:
         steps = {r: (at, step) for r, (step, at) in ranks.items() if step is not None and at is not None}
+        far = self.remote.ranks if self.remote is not None else {}
         for rank, rate, median in self.stragglers.observe(now, steps):
+            node = far[rank].node if rank in far and rank not in self._local_ranks() else self.node
             detail = (f"rank {rank} straggles: {rate:.2f} s/step, {rate / median:.1f}x the other ranks' median "
                       f"{median:.2f} s/step for {self.stragglers.rule.windows} windows of "
                       f"{self.stragglers.rule.window_s:g} s")
-            self.say(f"straggler on node {self.node}: {detail}")
+            self.say(f"straggler on node {node}: {detail}")
             if self.straggler_report is not None:
-                self.straggler_report(rank, detail)
+                self.straggler_report(rank, detail, node)
 
     # --- the hang ------------------------------------------------------------------------------
 
@@ -191,8 +195,8 @@ class HangMonitor:
             files[f"py-spy-{'rank-%d' % by_pid[pid] if pid in by_pid else 'pid-%d' % pid}.txt"] = text
         files.update({f"py-spy-rank-{rank}.txt": text for rank, text in far_ev.dumps.items()})
         try:
-            self.folder = evidence.write_folder(
-                evidence.evidence_dir(evidence.output_file(), Path.cwd(), f"slurmagent-{self.job}", self.attempt), files)
+            where = evidence.evidence_dir(evidence.output_file(), Path.cwd(), f"slurmagent-{self.job}", self.attempt)
+            self.folder = evidence.write_folder(where, files)
             where = f"evidence in {self.folder}"
         except OSError as exc:
             where = f"evidence NOT written ({exc.strerror or exc})"

@@ -35,6 +35,7 @@ from ..policy.stall import RankState
 from ..state import progress as progress_files
 from . import evidence
 
+BATCH_NODE_ENV = "SLURMAGENT_HANG_BATCH_NODE"  # in the agents' environment: that node's agent skips the evidence
 EVIDENCE_DEADLINE_S = 25.0  # py-spy (10 s) and the GPU check (20 s) run side by side on each node
 MAX_GPU_TEXT = 64 * 1024
 
@@ -90,7 +91,8 @@ class RemoteRanks:
     def __init__(self, node: str, progress_dir: str | Path, ckpt_dir: str | Path,
                  ask: Callable[[list[str], float], dict[int, bytes]] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.node, self.progress_dir, self.ckpt_dir, self.ask, self.clock = node, str(progress_dir), str(ckpt_dir), ask, clock
+        self.node, self.progress_dir, self.ckpt_dir = node, str(progress_dir), str(ckpt_dir)
+        self.ask, self.clock = ask, clock
         self.ranks: dict[int, RankState] = {}  # rank -> as its node's agent last saw it
         self.seen_at: dict[str, float] = {}  # node -> when its last report came (our clock)
 

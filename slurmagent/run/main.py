@@ -187,7 +187,7 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     trainer in SLURMAGENT_PROGRESS_DIR (through `env`, which the child gets); None when off.
     A multi-node job's agents make that directory on every node and report its ranks (`hang/remote.py`)."""
     from ..hang.monitor import CountingStream, HangMonitor  # start-up speed: built once, after the config
-    from ..hang.remote import RemoteRanks  # start-up speed (with the monitor)
+    from ..hang.remote import BATCH_NODE_ENV, RemoteRanks  # start-up speed (with the monitor)
     from ..policy.stall import StallRule, StragglerRule  # start-up speed (with the monitor)
 
     rc = cfg.run
@@ -216,11 +216,12 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
             return f"no answer from root at {socket_path} ({exc})"
         return ("granted: " if answer.get("ok") else "refused: ") + str(answer.get("why") or "")[:200]
 
-    def straggler(rank: int, detail: str) -> None:
+    def straggler(rank: int, detail: str, where: str) -> None:  # `where`: the rank's node, any of the job's
         if rc.straggler_action == "drain":
-            say(f"straggler: drain of {node} asked (it leaves at the job's next requeue): {ask('straggler', detail)}")
+            say(f"straggler: drain of {where} asked (it leaves at the job's next requeue): "
+                f"{ask('straggler', detail, about=where)}")
         else:
-            answer = ask("straggler", detail, op="report")
+            answer = ask("straggler", detail, op="report", about=where)
             if not answer.startswith("granted"):
                 say(f"straggler: not in root's decision log: {answer}")
 
@@ -228,7 +229,7 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     if whole_job is not None:  # the other nodes' ranks, through the node agents
         remote = RemoteRanks(node, progress_dir, options.ckpt_dir, ask=getattr(whole_job.launcher, "payloads", None))
         whole_job.restore_options += ["--private-dir", str(progress_dir)]  # made on every node before the ranks start
-        whole_job.peer_env[PROGRESS_ENV] = str(progress_dir)  # the agents' environment: they read it there
+        whole_job.peer_env.update({PROGRESS_ENV: str(progress_dir), BATCH_NODE_ENV: node})  # the agents' environment
         whole_job.on_reports = remote.take
     return HangMonitor(rule, progress_dir=progress_dir, ckpt_dir=options.ckpt_dir, node=node,
                        job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,

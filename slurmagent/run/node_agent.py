@@ -142,9 +142,10 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     node = node_name(None, env)
     progress_dir = env.get(PROGRESS_ENV, "")  # the hang watch's, in the agents' environment (run/main.py)
     if action == "evidence":  # a hang: this node's ranks, stacks and GPU state (hang/remote.py)
-        from ..hang.remote import node_evidence  # start-up speed: only on a hang
+        from ..hang.remote import BATCH_NODE_ENV, node_evidence  # start-up speed: only on a hang
 
-        write_frames(out, index, node_evidence(progress_dir, node, index))
+        # the batch node's wrapper reads its own at the same time (two py-spy on one rank: one is refused)
+        write_frames(out, index, b"{}" if node == env.get(BATCH_NODE_ENV) else node_evidence(progress_dir, node, index))
         return 0
     num_nodes = slurm_env.num_nodes(env)
     store = None

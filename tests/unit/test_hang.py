@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -297,13 +296,13 @@ def test_a_straggler_rank_is_said_with_its_node_and_rank(tmp_path):
     now, child, said, reported = [0.0], type("C", (), {"pid": 1})(), [], []
     (tmp_path / "p").mkdir()
     mon = _monitor(tmp_path, now, say=said.append, straggler=StragglerRule(window_s=10, factor=2.0, windows=3),
-                   straggler_report=lambda rank, detail: reported.append(rank))
+                   straggler_report=lambda rank, detail, node: reported.append((rank, node)))
     for t in range(0, 60):
         now[0] = float(t)
         progress.write(tmp_path / "p", 0, t, float(t))
         progress.write(tmp_path / "p", 1, t // 3, float(t))  # three times slower
         assert mon.poll(child) == ""
-    assert reported == [1]
+    assert reported == [(1, "n1")]
     assert [s for s in said if s.startswith("straggler on node n1: rank 1 straggles")], said
 
 

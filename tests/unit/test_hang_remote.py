@@ -135,3 +135,20 @@ def test_a_hang_that_points_at_no_node_is_counted_against_every_node_and_none_is
     mon.stop(Child)
     assert drains == [] and len(counts) == 1 and counts[0].startswith("no rank stopped or gone")
     assert "no node drained; the hang counted against every node of the job: granted: counted against n1, n2" in said[0]
+
+
+def test_a_straggler_on_another_node_is_reported_with_that_node(tmp_path):
+    from slurmagent.policy.stall import StragglerRule
+
+    now, said, reported = [0.0], [], []
+    (tmp_path / "p").mkdir()
+    rr = remote.RemoteRanks("n1", tmp_path / "p", tmp_path / "ck", clock=lambda: now[0])
+    mon = monitor(tmp_path, now, rr, say=said.append, straggler=StragglerRule(window_s=10, factor=2.0, windows=3),
+                  straggler_report=lambda rank, detail, node: reported.append((rank, node)))
+    for t in range(0, 60):
+        now[0] = float(t)
+        progress.write(tmp_path / "p", 0, t, float(t), "n1")
+        rr.take([report("n2", 1, [{"rank": 1, "node": "n2", "pid": 9, "state": "S", "step": t // 3, "last_at": float(t)}])])
+        assert mon.poll(Child) == ""
+    assert reported == [(1, "n2")]
+    assert [s for s in said if s.startswith("straggler on node n2: rank 1 straggles")], said
