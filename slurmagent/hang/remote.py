@@ -97,17 +97,20 @@ class RemoteRanks:
         self.seen_at: dict[str, float] = {}  # node -> when its last report came (our clock)
 
     def take(self, reports: Iterable[Any]) -> None:
-        """The ranks in a sync round's node reports (run/agent_reports.NodeReport.ranks)."""
+        """The ranks in a sync round's node reports (run/agent_reports.NodeReport.ranks); called
+        from the sync thread."""
         now = self.clock()
+        ranks, seen = dict(self.ranks), dict(self.seen_at)  # replaced whole: the main loop reads them meanwhile
         for report in reports:
             node = getattr(report, "node", "")
             if not getattr(report, "ok", False) or not node or node == self.node:
                 continue
-            self.seen_at[node] = now
+            seen[node] = now
             for raw in getattr(report, "ranks", None) or []:
                 r = _rank_state(raw, node) if isinstance(raw, dict) else None
                 if r is not None:
-                    self.ranks[r.rank] = r
+                    ranks[r.rank] = r
+        self.ranks, self.seen_at = ranks, seen
 
     def progress(self) -> dict[int, tuple[int | None, float | None]]:
         """rank -> (step, its time) on the other nodes: a change is progress (HangMonitor.poll)."""
@@ -136,9 +139,9 @@ class RemoteRanks:
             dumps = doc.get("dumps") if isinstance(doc.get("dumps"), dict) else {}
             out.dumps.update({int(k): str(v) for k, v in dumps.items() if str(k).isdigit()})
             out.gpu[node] = (str(doc.get("gpu", "")), str(doc.get("fault", ""))[:200])
-        now = self.clock()
-        for node in sorted({r.node for r in self.ranks.values()} - set(got)):
-            old = [r for r in self.ranks.values() if r.node == node and r.rank not in fresh]
+        now, last = self.clock(), self.ranks
+        for node in sorted({r.node for r in last.values()} - set(got)):
+            old = [r for r in last.values() if r.node == node and r.rank not in fresh]
             out.ranks.extend(old)
             out.notes.append(f"{node}: no evidence from its agent; its ranks as its last sync report said "
                              f"{now - self.seen_at.get(node, now):.0f} s ago")
