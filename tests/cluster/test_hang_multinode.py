@@ -34,6 +34,7 @@ pytest.importorskip("torch")
 
 GLOO = str(SUPPORT / "toy_gloo.py")
 HANG_TIMEOUT_S = 10
+EVERY = 100  # steps between checkpoints: 10 s quiet between saves, so a busy machine still commits
 
 
 @pytest.fixture
@@ -70,9 +71,9 @@ def test_a_rank_stopped_on_the_second_node_drains_that_node_and_the_job_resumes_
         cl, emu, hang_cluster, tmp_path):
     env = hang_cluster
     (tmp_path / "ledger").mkdir()
-    total = 400
+    total = 1500  # 150 s on the first run; the restarted one goes at 5 ms a step
     job, running = land_on(cl, "n1,n2", lambda: submit(
-        cl, tmp_path, emu.url, [], [sys.executable, GLOO, str(total), str(tmp_path / "ledger"), "0.1"],
+        cl, tmp_path, emu.url, [], [sys.executable, GLOO, str(total), str(tmp_path / "ledger"), "0.1", f"every-{EVERY}"],
         config=env.config, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
         TMPDIR=str(cl.local_path / "tmp")))
     first = nodes_of(cl, job)
@@ -128,5 +129,5 @@ def test_a_rank_stopped_on_the_second_node_drains_that_node_and_the_job_resumes_
         second_run = lines[max(i for i, line in enumerate(lines) if line.startswith("start ")):]
         assert steps(second_run) == list(range(resumed_from + 1, total + 1)), rank
         assert steps(lines)[:steps(lines).index(resumed_from + 1)] == list(range(1, resumed_from + 1)), rank
-    assert stopped_step - resumed_from <= 50 + 5  # at most one checkpoint interval (and a round) lost
+    assert stopped_step - resumed_from <= EVERY  # at most one checkpoint interval lost
 
