@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from slurmagent.devtools.localcluster import LocalSlurmCluster, _sbin
-from slurmagent.slurm.features import METRICS_PATHS, SINCE, parse_version
+from slurmagent.slurm.features import METRICS_PATHS, SINCE, SlurmFeatures, parse_version
 from support import REPO, cluster_config_text, need_slurm, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -48,7 +48,7 @@ def c2511(tmp_path_factory):
     need_slurm()
     version = running_slurm_version()
     if version < SINCE:
-        pytest.skip(f"Slurm {'.'.join(map(str, version))} has neither --requeue=expedite nor slurmctld's "
+        pytest.skip(f"Slurm {SlurmFeatures(version=version).version_text} has neither --requeue=expedite nor slurmctld's "
                     "metrics endpoint (both came in 25.11)")
     root = tmp_path_factory.mktemp("s2511")
     root.chmod(0o755)
