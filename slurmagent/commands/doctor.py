@@ -7,7 +7,7 @@ read). Exit 0: every line ok or skipped; 1: a check failed; 2: the config file n
 the bucket gave no answer (3 wins over 1).
 
 Local checks (config, slurm.conf, NVML, state dir) run first. The external ones (metadata
-server, Compute permission, bucket, clock) then run side by side in daemon threads with
+server, Compute permission, bucket, clock, what Slurm 25.11+ does for it: `slurm/features.py`) then run side by side in daemon threads with
 one shared deadline: every request has its own timeout, and a check that still has not
 answered at the deadline is a failed line ("no answer within N s"), so one hung endpoint
 neither hides the other lines nor holds the command past `EXTERNAL_DEADLINE_S`.
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..state import config as config_mod
-from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, EXIT_USAGE, SlurmagentError
+from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, EXIT_USAGE, SlurmagentError, SlurmError
 from ..state.build import version
 from ..state.fsutil import untrusted_reason
 from ..checkpoint.remote import parse_remote
@@ -38,7 +38,9 @@ from ..gcp.compute import Compute, ComputeError
 from ..gcp.metadata import parse_created_by
 from .health import expected, read_snapshot
 from ..state.host import node_name
-from ..slurm.commands import conf_value, read_conf_lines, slurm_conf_path, valid_node_name
+from ..slurm import env as slurm_env
+from ..slurm.commands import Slurm, conf_value, read_conf_lines, slurm_conf_path, valid_node_name
+from ..slurm.features import SlurmFeatures, controller_address, doctor_line
 from ..slurm.hookfiles import Verdict, conf_values, healthcheck_verdict, hook_verdict
 
 METADATA_TIMEOUT_S = 2.0  # one metadata request (capped by [expiry] metadata_timeout_s)
@@ -52,6 +54,9 @@ FIX_ROLE = "roles/compute.instanceAdmin.v1 has every one repair and expiry-watch
 FIX_COMPUTE = "check [gcp] compute_endpoint and the network path to the Compute API"
 FIX_BUCKET_IAM = "grant this VM's service account roles/storage.objectUser on the bucket"
 FIX_CLOCK = "enable NTP (chrony/systemd-timesyncd; on GCE: server metadata.google.internal)"
+SLURM_FEATURES = "slurm 25.11+ features"
+FIX_SLURM_METRICS = ("let this host reach SlurmctldPort (the endpoint answers there), or drop MetricsType; "
+                     "see docs/admin/observability.md")
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,7 @@ def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = tim
         ("checkpoint bucket", "check [checkpoint] remote and the network path to Cloud Storage",
          lambda: _bucket_result(cfg)),
         ("clock", FIX_CLOCK, lambda: _clock_result(cfg, md_timeout, clock)),
+        (SLURM_FEATURES, FIX_SLURM_METRICS, lambda: _slurm_features_result(cfg)),
     ]
     rows = run_bounded(checks, deadline_s)
     i = next(i for i, r in enumerate(rows) if r.name == "compute API")
@@ -249,6 +255,49 @@ def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]
             slot = Result(name, False, f"no answer within {deadline_s:g} s", fix, unreachable=True)
         out.extend(slot if isinstance(slot, list) else [slot])
     return out
+
+
+def _slurm_features_result(cfg: config_mod.Config) -> Result:
+    """What Slurm 25.11+ does for slurmagent (slurm/features.py): one `scontrol show config`, then
+    one GET of slurmctld's metrics index when it is configured."""
+    s = cfg.slurm
+    try:
+        conf = Slurm(s.scontrol, s.timeout_s, runner=_runner_with_conf(s.conf)).show_config(CALL_TIMEOUT_S)
+    except SlurmagentError as exc:
+        return _skip(SLURM_FEATURES, _one_line(f"cannot read the controller's config: {exc}"))
+    features = SlurmFeatures.from_config(conf)
+    url = f"http://{controller_address(conf)}:{features.ctld_port}/metrics"
+    answer = _get_fails(url, CALL_TIMEOUT_S) if features.openmetrics and features.ctld_port else None
+    ok, detail, skipped = doctor_line(features, url, answer)
+    return Result(SLURM_FEATURES, ok, _one_line(detail), "" if ok else FIX_SLURM_METRICS, skipped=skipped)
+
+
+def _runner_with_conf(conf: str):
+    """run_argv with `[slurm] conf` as SLURM_CONF unless one is set, as Slurm.from_config does,
+    without changing this process's environment (doctor runs inside tests too)."""
+    def run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        if conf:
+            env.setdefault(slurm_env.CONF, conf)
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                                  env=env)
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"{argv[0]} {argv[1]} timed out after {timeout:g} s") from None
+        except OSError as exc:
+            raise SlurmError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+    return run
+
+
+def _get_fails(url: str, timeout_s: float) -> str | None:
+    """None when `GET url` answers (any status but a 5xx: 401/403 is a restricted endpoint), else why not."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as exc:
+        return None if exc.code < 500 else f"HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        return str(getattr(exc, "reason", exc))
 
 
 def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:

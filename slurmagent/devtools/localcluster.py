@@ -69,6 +69,7 @@ class LocalSlurmCluster:
     cloud_nodes: list[str] = field(default_factory=list)  # State=CLOUD: powered up for a job, down when told
     configless: bool = False  # slurmd fetches its config from slurmctld (see the module doc)
     gpus: int = 0  # Gres=gpu:N per node, from gres.conf File= (at most len(GPU_STAND_INS))
+    ctld_params: list[str] = field(default_factory=list)  # more SlurmctldParameters (enable_expedited_requeue)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     munged: subprocess.Popen | None = None
 
@@ -142,8 +143,9 @@ class LocalSlurmCluster:
             lines += [f"Prolog={self.prolog}", "PrologFlags=Alloc"]
         if self.epilog:
             lines.append(f"Epilog={self.epilog}")
-        if self.configless:
-            lines.append("SlurmctldParameters=enable_configless")
+        params = ["enable_configless"] * self.configless + self.ctld_params  # one line: a second would replace it
+        if params:
+            lines.append(f"SlurmctldParameters={','.join(params)}")
         node_extra = self.node_extra
         if self.gpus:
             lines.append("GresTypes=gpu")

@@ -22,6 +22,7 @@ from ..errors import SlurmagentError
 from ..state.host import node_name, slurmagent_argv
 from ..slurm import env as slurm_env
 from ..slurm.commands import Slurm
+from ..slurm.features import EXPEDITE, SlurmFeatures, requeue_option, user_chose_requeue
 from .child import RequeueHold
 from .ledger import AttemptLedger, LedgerReport, expiry_source, faulty_node
 from .identity import SUBMISSION_ENV, new_owner
@@ -43,6 +44,7 @@ from .job import (
 from .supervisor import FLUSH_SIGNALS, Supervisor, is_fault
 
 REPORT_INTERVAL_S = 600.0  # the checkpoint's state on the job's stderr at most this often (and on changes)
+CONFIG_READ_S = 5.0  # `slurmagent sbatch`'s one `scontrol show config` (what the controller offers) at most
 
 def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_dir=None, remote=None,
                   ckpt_signal="USR1", grace=None, max_requeues=None, sync_interval=None) -> RunOptions:
@@ -332,6 +334,21 @@ def _record_metrics(m, outcome) -> None:
     m.update(set_=gauges, add=add)
 
 
+def submit_requeue_option(slurm: Slurm) -> str:
+    """`--requeue=expedite` where the controller honours it (one `scontrol show config`, within
+    CONFIG_READ_S), else `--requeue`; said on stderr when expedited (a job failing by itself is held)."""
+    try:
+        features = SlurmFeatures.from_config(slurm.show_config(min(slurm.timeout_s, CONFIG_READ_S)))
+    except SlurmagentError:
+        features = None  # sbatch itself says what is wrong with Slurm; submit as before 25.11
+    option = requeue_option(features)
+    if option == EXPEDITE:
+        print(f"slurmagent sbatch: {EXPEDITE} (Slurm {features.version_text}, enable_expedited_requeue): restarts at "
+              "once after a requeue or a node failure; if it fails by itself Slurm holds it (REQUEUE_HOLD: "
+              "scontrol release or scancel); pass --requeue for the plain one", file=sys.stderr)
+    return option
+
+
 def warn_if_not_requeueable(sup: Supervisor, slurm: Slurm, job_id: str) -> None:
     try:
         job = slurm.job(job_id)
@@ -367,7 +384,8 @@ def submit(cfg: Config, args: list[str]) -> int:
     run_args = rest if "--" in rest else ["--", *rest]
     if not cmd:
         raise WrapperError("nothing to run: slurmagent sbatch [sbatch options] -- CMD ARGS...")
-    extra = ["--requeue"]
+    slurm = Slurm.from_config(cfg)
+    extra = [] if user_chose_requeue(sbatch_opts, dict(os.environ)) else [submit_requeue_option(slurm)]
     if not any(o == "--signal" or o.startswith("--signal=") for o in sbatch_opts):
         extra.append(f"--signal=B:{signal.Signals(signal.SIGUSR1).name[3:]}@{cfg.checkpoint.signal_lead_s}")
     fd, script = tempfile.mkstemp(prefix="slurmagent-sbatch-", suffix=".sh")
@@ -376,7 +394,7 @@ def submit(cfg: Config, args: list[str]) -> int:
             fh.write(WRAPPER_SCRIPT.format(slurmagent=" ".join(shlex.quote(a) for a in slurmagent_argv()),
                                            submission_env=SUBMISSION_ENV, submission=new_owner()))
         os.chmod(script, 0o755)
-        proc = Slurm.from_config(cfg).sbatch([*sbatch_opts, *extra, script, *run_args])
+        proc = slurm.sbatch([*sbatch_opts, *extra, script, *run_args])
     finally:
         os.unlink(script)
     sys.stdout.write(proc.stdout)

@@ -7,8 +7,9 @@ Three rules on top of `scontrol requeue`:
   hidden behind the flag) or a final state, with the restart count unchanged; Slurm would
   otherwise take the requeue of a cancelled job and run it again;
 * a job that is already requeued is not requeued twice: its restart count went up (Slurm's own
-  preemption requeue, an admin, a framework calling scontrol by its absolute path), or scontrol
-  says "Job is pending execution" (an earlier try went through although it timed out here);
+  preemption requeue, an admin, a framework calling scontrol by its absolute path), Slurm 25.11+
+  shows it EXPEDITING (an --requeue=expedite job it requeues itself), or scontrol says "Job is
+  pending execution" (an earlier try went through although it timed out here);
 * slurmctld down or restarting at that moment does not cost the job: the call is retried with
   backoff until the flush deadline, each wait said in one line; a refusal that cannot change
   (job not requeueable, unknown) is not retried. When the job cannot be read, a flush is a flush.
@@ -65,6 +66,8 @@ def judge_job(job: JobInfo | None, restart_count: int) -> tuple[str, str]:
         return "already", (f"Slurm shows restart {job.restarts} (this attempt is {restart_count}): requeued already, "
                            "by Slurm, an admin or a scontrol outside the wrapper's hold")
     flags = set(job.state.replace(",", "+").split("+"))
+    if "EXPEDITING" in flags:  # Slurm 25.11+: an --requeue=expedite job Slurm is requeueing itself
+        return "already", f"Slurm is requeueing it itself (JobState={job.state}: an expedited requeue)"
     if flags & ENDING_STATES:
         return "ending", (f"Slurm is ending it (JobState={job.state}: cancelled with scancel, its time limit or "
                           "its node failed)")

@@ -316,6 +316,17 @@ class Slurm:
         self.calls += 1
         return self.runner([self.sbatch_bin, *args], self.timeout_s)
 
+    def show_config(self, timeout_s: float | None = None) -> dict[str, str]:
+        """The controller's running config (`scontrol show config`), key -> value (`features.py`)."""
+        from .features import parse_show_config  # start-up speed: only where a caller asks what Slurm offers
+
+        self.calls += 1
+        proc = self.runner([self.scontrol, "show", "config"], timeout_s or self.timeout_s)
+        if proc.returncode != 0:
+            msg = (proc.stderr or proc.stdout).strip().splitlines()
+            raise SlurmError(f"scontrol show config: {msg[-1] if msg else 'failed'}")
+        return parse_show_config(proc.stdout)
+
 
 # --- slurm.conf / gres.conf, read locally (the healthy path makes no slurmctld round trip) ---
 

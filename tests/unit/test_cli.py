@@ -28,13 +28,26 @@ def slurmagent(*args: str, config: Path, cwd: Path) -> subprocess.CompletedProce
                           timeout=60, cwd=cwd)
 
 
+# `scontrol show config` as the controller answers it: tmp_path/show-config, else unreachable (exit 1)
+SCONTROL_FAKE = """#!/bin/sh
+echo "$@" >> {log}
+[ -f {answer} ] && exec cat {answer}
+echo "slurm_load_ctl_conf error: Unable to contact slurm controller (connect failure)" >&2
+exit 1
+"""
+
+
 @pytest.fixture
 def sbatch_log(tmp_path) -> Path:
     log = tmp_path / "sbatch.jsonl"
     recorder = tmp_path / "sbatch"
     recorder.write_text(SBATCH_RECORDER.format(python=sys.executable, log=str(log)))
     recorder.chmod(0o755)
-    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n[slurm]\nsbatch = "{recorder}"\n')
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(SCONTROL_FAKE.format(log=tmp_path / "scontrol.log", answer=tmp_path / "show-config"))
+    scontrol.chmod(0o755)
+    (tmp_path / "c.toml").write_text(f'state_dir = "{tmp_path}/state"\n[slurm]\nsbatch = "{recorder}"\n'
+                                     f'scontrol = "{scontrol}"\n')
     return log
 
 
@@ -61,6 +74,46 @@ def test_sbatch_takes_the_readme_forms_with_the_separator_intact(tmp_path, sbatc
     at = call.index(script)
     assert call[:at] == [*sbatch_opts, "--requeue", "--signal=B:USR1@300"]
     assert call[at + 1:] == run_args
+
+
+CONFIG_2605 = """Configuration data as of 2026-12-02T01:46:05
+AuthInfo                = cred_expire=20,socket=/run/munge/munge.socket.2
+MetricsType             = metrics/openmetrics
+SlurmctldParameters     = {params}
+SlurmctldPort           = 6817
+SLURM_VERSION           = 26.05.5
+"""
+
+
+def submitted_requeue(tmp_path, sbatch_log, *argv: str) -> tuple[list[str], str]:
+    """The requeue options `slurmagent sbatch ARGV -- true` passed to sbatch, and its stderr."""
+    proc = slurmagent("sbatch", *argv, "--", "true", config=tmp_path / "c.toml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (call,) = [json.loads(line) for line in sbatch_log.read_text().splitlines()]
+    return [a for a in call if "requeue" in a], proc.stderr
+
+
+def test_sbatch_asks_for_the_expedited_requeue_where_the_controller_enables_it(tmp_path, sbatch_log):
+    (tmp_path / "show-config").write_text(CONFIG_2605.format(params="enable_configless,enable_expedited_requeue"))
+    options, stderr = submitted_requeue(tmp_path, sbatch_log, "-N1")
+    assert options == ["--requeue=expedite"]
+    assert "--requeue=expedite (Slurm 26.05.5" in stderr and "REQUEUE_HOLD" in stderr
+    assert (tmp_path / "scontrol.log").read_text().split("\n")[0] == "show config"
+
+
+def test_sbatch_asks_for_the_plain_requeue_where_expedite_is_off_or_unknown(tmp_path, sbatch_log):
+    (tmp_path / "show-config").write_text(CONFIG_2605.format(params="enable_configless"))
+    assert submitted_requeue(tmp_path, sbatch_log) == (["--requeue"], "")
+    sbatch_log.unlink()
+    (tmp_path / "show-config").unlink()  # slurmctld unreachable: as before 25.11, sbatch says the rest
+    assert submitted_requeue(tmp_path, sbatch_log) == (["--requeue"], "")
+
+
+@pytest.mark.parametrize("own", [["--no-requeue"], ["--requeue"], ["--requeue=expedite"]])
+def test_sbatch_keeps_the_users_own_requeue_choice(tmp_path, sbatch_log, own):
+    (tmp_path / "show-config").write_text(CONFIG_2605.format(params="enable_expedited_requeue"))
+    assert submitted_requeue(tmp_path, sbatch_log, *own) == (own, "")
+    assert not (tmp_path / "scontrol.log").exists()  # nothing to decide: no controller round trip
 
 
 def test_sbatch_without_a_command_is_one_line_exit_2(tmp_path, sbatch_log):

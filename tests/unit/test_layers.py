@@ -38,7 +38,7 @@ FOLDER_LAYERS = {
     "run": RUNTIMES, "commands": RUNTIMES,
 }
 MODULE_LAYERS = {
-    "errors": PURE, "slurm.model": PURE, "slurm.env": PURE, "run.agent_channel": PURE,
+    "errors": PURE, "slurm.model": PURE, "slurm.env": PURE, "slurm.features": PURE, "run.agent_channel": PURE,
     "run.agent_reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
     "slurm.commands": ADAPTERS, "slurm.hookfiles": ADAPTERS,
     "trainer": RUNTIMES,

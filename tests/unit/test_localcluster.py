@@ -93,3 +93,17 @@ def test_a_configless_cluster_gives_slurmd_no_config_of_its_own_and_gpus_from_gr
     assert all(stat.S_ISCHR(os.stat(f).st_mode) for f in files)
     with pytest.raises(ValueError, match="configless cloud nodes"):
         LocalSlurmCluster(tmp_path / "x", nodes=["c1"], cloud_nodes=["c1"], configless=True).start()
+
+
+def test_more_slurmctld_parameters_join_the_one_line(tmp_path):
+    """Slurm keeps the last SlurmctldParameters line only: configless and the extras share one."""
+    tmp = tmp_path
+    c = LocalSlurmCluster(tmp / "a", nodes=["n1"], configless=True, ctld_params=["enable_expedited_requeue"])
+    c.munge_socket = tmp / "munge.sock"
+    c.write_conf()
+    lines = [ln for ln in c.conf.read_text().splitlines() if ln.startswith("SlurmctldParameters=")]
+    assert lines == ["SlurmctldParameters=enable_configless,enable_expedited_requeue"]
+    c = LocalSlurmCluster(tmp / "b", nodes=["n1"])
+    c.munge_socket = tmp / "munge.sock"
+    c.write_conf()
+    assert "SlurmctldParameters" not in c.conf.read_text()

@@ -104,6 +104,14 @@ def test_a_job_requeued_by_someone_else_is_not_requeued_twice():
     assert result.requeued and "requeued already" in result.why and calls == []
 
 
+def test_a_job_slurm_requeues_expedited_is_not_requeued_twice():
+    # Slurm 25.11+: an --requeue=expedite job whose node failed is EXPEDITING before its count moves
+    calls = []
+    result = requeue_own_job("77", 0, lambda: calls.append(1), lambda: job("EXPEDITING"), 100.0, print)
+    assert result.requeued and not result.ending and calls == []
+    assert "Slurm is requeueing it itself (JobState=EXPEDITING" in result.why
+
+
 def test_when_the_state_cannot_be_read_a_flush_is_a_flush():
     said, calls = [], []
 
