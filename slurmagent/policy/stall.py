@@ -156,9 +156,9 @@ class StragglerWatch:
     extra compute. Each rank's arrival relative to a reference rank (its samples against the
     reference's, interpolated at the same step; the median over the window) gives how long
     before the last rank it arrives, i.e. waits in the collective, and its busy time per step =
-    the step's time - that wait. Busy times are compared like rates. Called after the collective instead,
-    every rank arrives together: equal busy times, nothing reported (and nothing seen). Ranks
-    not in lockstep are judged by their s/step. Arrival times are the ranks' wall clocks: on
+    the step's time - that wait. Busy times are compared like rates. Called after the collective
+    instead, every rank arrives together: equal busy times, nothing reported (and nothing seen).
+    Ranks not in lockstep are judged by their s/step. Arrival times are the ranks' wall clocks: on
     several nodes they assume synchronised clocks (NTP: offsets well under a step's compute)."""
     rule: StragglerRule
     samples: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # rank -> [(at, step)] this window

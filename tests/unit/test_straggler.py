@@ -22,9 +22,10 @@ POLL_S = 2.0
 
 def job(compute: dict[int, float], seconds: float, *, before: bool = True, comm: float = 0.005,
         jitter: float = 0.0, start: dict[int, float] | None = None, lockstep: bool = True,
-        seed: int = 1) -> dict[int, list[tuple[float, int]]]:
+        pause_every: float = 0.0, seed: int = 1) -> dict[int, list[tuple[float, int]]]:
     """Each rank's progress writes [(at, step)]: `compute` s per step (+- `jitter` of it), then,
-    in lockstep, a collective that ends `comm` after the last rank reaches it."""
+    in lockstep, a collective that ends `comm` after the last rank reaches it, and every
+    `pause_every` s a 3-s pause of every rank after it (a checkpoint)."""
     rng = random.Random(seed)
     writes: dict[int, list[tuple[float, int]]] = {r: [] for r in compute}
     due = dict.fromkeys(compute, 0.0)
@@ -34,6 +35,8 @@ def job(compute: dict[int, float], seconds: float, *, before: bool = True, comm:
         arrive = {r: done[r] + c * (1 + rng.uniform(-jitter, jitter)) for r, c in compute.items()}
         if lockstep:
             end = max(arrive.values()) + comm
+            if pause_every and int(end / pause_every) > int(min(done.values()) / pause_every):
+                end += 3.0
             done = {r: end + rng.uniform(0, 0.0005) for r in compute}  # each rank leaves the collective
         else:
             done = arrive
@@ -88,6 +91,13 @@ def test_jitter_in_lockstep_reports_nothing():
     for seed in range(5):
         assert watch(job({0: 0.1, 1: 0.1, 2: 0.1}, 90, jitter=0.5, seed=seed), 90) == [], seed
         assert watch(job({0: 0.3, 1: 0.3}, 90, jitter=0.5, seed=seed), 90) == [], seed
+
+
+def test_a_pause_every_rank_shares_is_no_ones_compute():
+    # a 3-s checkpoint every 12 s: in most windows; it would count as everyone's busy time
+    found = watch(job({0: 0.1, 1: 0.3, 2: 0.1}, 90, jitter=0.2, pause_every=12), 90)
+    assert [f.rank for _, f in found] == [1]
+    assert watch(job({0: 0.1, 1: 0.1, 2: 0.1}, 90, jitter=0.5, pause_every=12), 90) == []
 
 
 def test_a_rank_three_times_slower_without_a_collective_is_reported_by_its_rate():
