@@ -64,7 +64,9 @@ def checkpoint_handler(signals: tuple[int, ...] = DEFAULT_SIGNALS) -> Iterator[N
 def progress(step: int) -> None:
     """Tell the wrapper this rank advanced to `step` (its hang and straggler watch). Call it
     every step: at most one small file write per PROGRESS_INTERVAL_S, a clock read otherwise;
-    nothing outside `slurmagent run`. Never raises."""
+    nothing outside `slurmagent run`. Never raises. Ranks that meet in a collective every step:
+    call it after the step's compute, before the collective, or no straggler shows
+    (docs/user/hangs.md "Stragglers")."""
     global _progress_due
     now = time.monotonic()
     if now < _progress_due:

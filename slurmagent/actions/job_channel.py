@@ -144,7 +144,7 @@ class ChannelServer:
         if req.op == "report":  # the decision log only: what a job saw, said where root's decisions are
             self.reports[req.job] = self.reports.get(req.job, 0) + 1
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="report", verdict="granted",
-                           rule=req.rule, detail=req.detail)
+                           rule=req.rule, about=req.node, detail=req.detail)  # about: the node it names
             return {"ok": True, "why": "reported"}
         if req.op == "count":  # a hang that names no node: every node of the job, as Slurm lists them
             self.counted_for.add(req.job)

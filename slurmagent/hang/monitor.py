@@ -143,11 +143,18 @@ class HangMonitor:
     def _stragglers(self, now: float, ranks: dict) -> None:
         steps = {r: (at, step) for r, (step, at) in ranks.items() if step is not None and at is not None}
         far = self.remote.ranks if self.remote is not None else {}
-        for rank, rate, median in self.stragglers.observe(now, steps):
+        rule = self.stragglers.rule
+        for found in self.stragglers.observe(now, steps):
+            rank, value, median = found.rank, found.value, found.median
             node = far[rank].node if rank in far and rank not in self._local_ranks() else self.node
-            detail = (f"rank {rank} straggles: {rate:.2f} s/step, {rate / median:.1f}x the other ranks' median "
-                      f"{median:.2f} s/step for {self.stragglers.rule.windows} windows of "
-                      f"{self.stragglers.rule.window_s:g} s")
+            over = f"for {rule.windows} windows of {rule.window_s:g} s"
+            if found.step_s is None:
+                detail = (f"rank {rank} straggles: {value:.2f} s/step, {value / median:.1f}x the other ranks' "
+                          f"median {median:.2f} s/step {over}")
+            else:  # the root channel keeps 150 characters: what and how much first
+                detail = (f"rank {rank} straggles: busy {value:.3f} s per step, {value / median:.1f}x the other "
+                          f"ranks' median {median:.3f} s, {over} (in lockstep at {found.step_s:.3f} s/step: it "
+                          f"reaches each step {found.lag_s:.3f} s after the first rank)")
             self.say(f"straggler on node {node}: {detail}")
             if self.straggler_report is not None:
                 self.straggler_report(rank, detail, node)

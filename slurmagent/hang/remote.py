@@ -8,7 +8,8 @@ process) tell it, two ways:
 - every sync round (`[checkpoint] sync_interval_s`, 60 s by default) each agent adds its node's
   ranks to its report: step, the step's time, pid, process state. A rank whose step changed is
   progress at the time the batch step received the report, on its own clock (node clocks never
-  decide a hang). Cost: a few small files read per node and round. Freshness: one sync
+  decide a hang). The step's own time, on its node's clock, is used as it is by the straggler
+  watch only (policy/stall.py StragglerWatch: NTP-synchronised nodes assumed). Cost: a few small files read per node and round. Freshness: one sync
   interval plus the round's time, so remote-only progress keeps a job alive only when the
   limit is above that (the adaptive floor, 120 s, is); on the batch node the ranks, the
   output file (srun forwards every rank's lines to it) and the checkpoint directory are read

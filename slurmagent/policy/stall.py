@@ -16,8 +16,11 @@ Pure: the caller passes the clock's readings.
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 ADAPTIVE = -1.0
 OFF = 0.0
@@ -126,21 +129,45 @@ class StragglerRule:
     windows: int = 3
 
 
+LOCKSTEP_TOLERANCE = 0.15  # ranks whose s/step agree within this go at one pace: a collective every step
+BUSY_FLOOR = 0.05  # of the step: a rank's busy time is never taken below it (no ratio to ~0)
+
+
+class Straggler(NamedTuple):
+    """A rank reported: `value` its s/step (rate rule) or its busy s per step (lockstep rule),
+    `median` the other ranks' same measure; `step_s` the common s/step and `lag_s` how much later
+    than the earliest rank it reaches each step, both None under the rate rule."""
+    rank: int
+    value: float
+    median: float
+    step_s: float | None = None
+    lag_s: float | None = None
+
+
 @dataclass
 class StragglerWatch:
-    """Per-rank seconds per step over windows of `window_s`; a rank slower than `factor` x the
-    median rank for `windows` windows in a row is a straggler (reported once)."""
+    """Per rank, over windows of `window_s`: a rank slower than `factor` x the other ranks'
+    median for `windows` windows in a row is a straggler (reported once).
+
+    Slower how: ranks that meet in a collective every step (lockstep: their s/step agree within
+    LOCKSTEP_TOLERANCE and they are less than a step apart) all go at the slowest rank's pace, so
+    their rates say nothing. What differs, when `progress` is called after the step's compute and
+    before its collective, is when each rank reaches a step: the straggler comes last, by its
+    extra compute. Each rank's arrival relative to a reference rank (its samples against the
+    reference's, interpolated at the same step; the median over the window) gives how long
+    before the last rank it arrives, i.e. waits in the collective, and its busy time per step =
+    the step's time - that wait. Busy times are compared like rates. Called after the collective
+    instead, every rank arrives together: equal busy times, nothing reported (and nothing seen).
+    Ranks not in lockstep are judged by their s/step. Arrival times are the ranks' wall clocks: on
+    several nodes they assume synchronised clocks (NTP: offsets well under a step's compute)."""
     rule: StragglerRule
     samples: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # rank -> [(at, step)] this window
     window_start: float | None = None
     slow_streak: dict[int, int] = field(default_factory=dict)
     reported: set[int] = field(default_factory=set)
 
-    def observe(self, now: float, steps: dict[int, tuple[float, int]]) -> list[tuple[int, float, float]]:
-        """Feed each rank's latest (at, step); at a window's end return the new stragglers as
-        (rank, its s/step, the other ranks' median s/step). Steps in lockstep (a
-        collective every step) make every rank as slow as the slowest: call `progress` before
-        the step's collective, or the time spent waiting hides the straggler."""
+    def observe(self, now: float, steps: dict[int, tuple[float, int]]) -> list[Straggler]:
+        """Feed each rank's latest (at, step); at a window's end return the new stragglers."""
         for rank, (at, step) in steps.items():
             seen = self.samples.setdefault(rank, [])
             if not seen or seen[-1] != (at, step):
@@ -149,20 +176,67 @@ class StragglerWatch:
             self.window_start = now
         if now - self.window_start < self.rule.window_s:
             return []
+        samples = self.samples
+        self.samples = {rank: seen[-1:] for rank, seen in samples.items()}
+        self.window_start = now
         rates = {}
-        for rank, seen in self.samples.items():
+        for rank, seen in samples.items():
             if len(seen) >= 2 and seen[-1][1] > seen[0][1]:
                 rates[rank] = (seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1])
-        self.samples = {rank: seen[-1:] for rank, seen in self.samples.items()}
-        self.window_start = now
         if len(rates) < 2:
             return []
+        lockstep = _lockstep(samples, rates)
+        if lockstep is not None:
+            step_s, lags = lockstep
+            last = max(lags.values())  # the others wait that long, less their own lag, in the collective
+            busy = {rank: max(step_s - (last - lag), BUSY_FLOOR * step_s) for rank, lag in lags.items()}
+            return self._judge(busy, lambda rank, value, median: Straggler(rank, value, median, step_s, lags[rank]))
+        return self._judge(rates, Straggler)
+
+    def _judge(self, values: dict[int, float], make) -> list[Straggler]:
+        """Each rank against the median of the OTHER ranks (two ranks suffice)."""
         new = []
-        for rank, rate in rates.items():  # against the median of the OTHER ranks: two ranks suffice
-            median = statistics.median(r for k, r in rates.items() if k != rank)
-            slow = median > 0 and rate > self.rule.factor * median
+        for rank, value in values.items():
+            median = statistics.median(v for k, v in values.items() if k != rank)
+            slow = median > 0 and value > self.rule.factor * median
             self.slow_streak[rank] = self.slow_streak.get(rank, 0) + 1 if slow else 0
             if self.slow_streak[rank] >= self.rule.windows and rank not in self.reported:
                 self.reported.add(rank)
-                new.append((rank, rate, median))
+                new.append(make(rank, value, median))
         return new
+
+
+def _lockstep(samples: dict[int, list[tuple[float, int]]],
+              rates: dict[int, float]) -> tuple[float, dict[int, float]] | None:
+    """(a step's time, rank -> how much later than the earliest rank it reaches each step) when
+    the ranks go in lockstep (one pace, less than a step apart); None when they do not. The
+    step's time is the median over the reference rank's samples: a pause every rank shares (a
+    checkpoint, an evaluation) is no one's compute."""
+    pace = statistics.median(rates.values())
+    if pace <= 0 or any(abs(rate - pace) > LOCKSTEP_TOLERANCE * pace for rate in rates.values()):
+        return None
+    ref = max(rates, key=lambda rank: (len(samples[rank]), -rank))  # the densest samples interpolate best
+    curve = sorted({step: at for at, step in reversed(samples[ref])}.items())  # step -> its first time
+    step_s = statistics.median((t2 - t1) / (s2 - s1) for (s1, t1), (s2, t2) in zip(curve, curve[1:]))
+    if step_s <= 0:
+        return None
+    offsets = {}
+    for rank in rates:
+        offsets[rank] = statistics.median(at - _arrival(curve, step, step_s) for at, step in samples[rank])
+    first = min(offsets.values())
+    lags = {rank: offset - first for rank, offset in offsets.items()}
+    if max(lags.values()) > (1 + LOCKSTEP_TOLERANCE) * step_s:
+        return None  # more than a step apart: not one collective per step (or clocks far apart)
+    return step_s, lags
+
+
+def _arrival(curve: list[tuple[int, float]], step: int, pace: float) -> float:
+    """When the reference rank reached `step`: between its samples linearly, beyond them at `pace`."""
+    i = bisect.bisect_left(curve, (step, -math.inf))
+    if i < len(curve) and curve[i][0] == step:
+        return curve[i][1]
+    if 0 < i < len(curve):
+        (s1, t1), (s2, t2) = curve[i - 1], curve[i]
+        return t1 + (step - s1) * (t2 - t1) / (s2 - s1)
+    s0, t0 = curve[0] if i == 0 else curve[-1]
+    return t0 + (step - s0) * pace

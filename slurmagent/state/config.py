@@ -259,7 +259,8 @@ class RunConfig:
     hang_first_progress_s: float = _key(
         1800.0, "the first progress after the trainer starts may take this long (a restore's load, a slow first step)",
         low=1, high=604800)
-    straggler_window_s: float = _key(60.0, "per-rank seconds per step are compared over windows this long", low=1,
+    straggler_window_s: float = _key(60.0, "per-rank seconds per step (ranks in lockstep: busy seconds per step, "
+                                     "docs/user/hangs.md) are compared over windows this long", low=1,
                                      high=86400)
     straggler_factor: float = _key(2.0, "a rank this many times slower than the other ranks' median is slow",
                                    low=1.01, high=1000)

@@ -227,11 +227,12 @@ def test_no_watch_running_costs_the_job_one_line(tmp_path):
 def test_a_straggler_report_goes_to_the_decision_log_only_and_is_bounded(served):
     server, sc, tmp_path = served
     sc.add_job("7", node="n[1-2]", Uid="0")
-    ask = {"op": "report", "job": "7", "node": "n1", "rule": "straggler", "detail": "rank 3 straggles: 2.9x"}
+    ask = {"op": "report", "job": "7", "node": "n2", "rule": "straggler", "detail": "rank 3 straggles: 2.9x"}
     assert ask_root(server.path, ask) == {"ok": True, "why": "reported"}
-    assert not sc.of("scontrol", "update") and "DRAIN" not in sc.nodes["n1"].get("State", "")
+    assert not sc.of("scontrol", "update") and "DRAIN" not in sc.nodes["n2"].get("State", "")
     [rec] = [r for r in read_records(tmp_path / "state" / "n1" / "hooks.log") if r.get("op") == "report"]
     assert rec["rule"] == "straggler" and rec["detail"] == "rank 3 straggles: 2.9x" and rec["job"] == "7"
+    assert rec["about"] == "n2"  # the straggler's node, as the job named it (asked on the batch node n1)
     for _ in range(job_requests.MAX_REPORTS_PER_JOB - 1):
         assert ask_root(server.path, ask)["ok"] is True
     assert ask_root(server.path, ask) == {"ok": False, "why": f"job 7 already sent "
