@@ -137,6 +137,8 @@ class ChannelServer:
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op=req.op, verdict="refused", why=why)
             return {"ok": False, "why": why}
         self.counts["granted"] += 1
+        if req.rule == "straggler" and req.op in ("report", "drain"):  # labelled by the straggler's node
+            metrics.for_node(self.cfg, self.node).update(add={("slurmagent_stragglers_total", (("node", req.node),)): 1})
         if req.op == "metrics":
             set_, add, clear = job_requests.metric_update(req)
             metrics.for_node(self.cfg, self.node).update(set_=set_, add=add, replace_prefix=clear)

@@ -48,6 +48,8 @@ HELP = {
         "(first progress -> last commit), startup, restore, recompute (after the last commit), flush; goodput = "
         "progress / all"),
     "slurmagent_hangs_total": ("counter", "wrapped jobs' attempts ended by the hang watch on this node"),
+    "slurmagent_stragglers_total": ("counter", "straggling ranks that wrapped jobs reported (or had drained) "
+                                    "through this node's root channel, by the node the straggler ran on"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),
     "slurmagent_jobs_requeued_on_fault_total": (
         "counter", "jobs that left a node whose GPU failed under them, requeued (by: slurmagent, or the job's wrapper)"),

@@ -233,6 +233,7 @@ def test_a_straggler_report_goes_to_the_decision_log_only_and_is_bounded(served)
     [rec] = [r for r in read_records(tmp_path / "state" / "n1" / "hooks.log") if r.get("op") == "report"]
     assert rec["rule"] == "straggler" and rec["detail"] == "rank 3 straggles: 2.9x" and rec["job"] == "7"
     assert rec["about"] == "n2"  # the straggler's node, as the job named it (asked on the batch node n1)
+    assert 'slurmagent_stragglers_total{node="n2"} 1\n' in prom(tmp_path)  # the batch node's textfile
     for _ in range(job_requests.MAX_REPORTS_PER_JOB - 1):
         assert ask_root(server.path, ask)["ok"] is True
     assert ask_root(server.path, ask) == {"ok": False, "why": f"job 7 already sent "
