@@ -8,7 +8,10 @@ node-local directories, and a Cloud Storage emulator on 127.0.0.1).
 
 Job A (n1-n4): each rank writes its shard (SIZE/4 MiB) to its node's `--ckpt-dir`; one
 multi-node sync commits them; one restore (`--restore-scope all`) makes every node hold the
-whole checkpoint (SIZE MiB per node), so every node's cache holds it too.
+whole checkpoint (SIZE MiB per node), so every node's cache holds it too; the job "trains" for
+3 s and ends with the wrapper's final sync (nothing new to upload), which records the restored
+files as verified in each cache (`local_cache`: a take then needs no re-hash; the 3 s keep the
+files out of the racy window that rule shares with the hash cache).
 
 n4 is drained; job B lands on n1-n3 (old) and n5 (new). The old nodes' checkpoint directories
 are emptied first (a job-scoped directory, or one the job cleaned): what they hold is only in
@@ -20,7 +23,11 @@ their caches. Measured in job B, same run:
     bytes from an old node to the new one (sendfile in, recv into a file out);
 (3) the whole restore (the batch step's `AllocationStore.restore`: agent step, peers, cache)
     against the whole restore of the same checkpoint into empty directories with the cache off
-    (everything from the bucket emulator).
+    (everything from the bucket emulator);
+(4) the peak RSS of each node agent (its `getrusage` of the agent as a child of a small shim
+    the launcher runs instead of python) and of the batch step, against the 256 MiB bound.
+Also printed: the floor of any agent round here (an `srun --overlap` step of the same shape
+whose python imports the store and exits).
 
 On one host the five "nodes" share 2 CPUs, one disk and the loopback: read the figures as
 the costs of the paths, not of separate VMs.
@@ -123,13 +130,37 @@ def tcp_fetch(ckpt: Path, port_file: Path, out: Path) -> None:
     out.write_text(json.dumps({"seconds": seconds, "bytes": got}))
 
 
+RSS_SHIM = """import os, resource, subprocess, sys
+rc = subprocess.call([sys.executable, *sys.argv[1:]])
+kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(f"bench-rss {os.environ.get('SLURMD_NODENAME', '?')}: {kib} KiB", file=sys.stderr, flush=True)
+sys.exit(rc)
+"""
+
+
 def store_for(env, remote: str, ckpt: Path, cache_gib: int, err):
     from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
     from slurmagent.run.multinode import allocation_store
 
     gcs = GcsCheckpointStore(remote, local_cache_gib=cache_gib)
-    return allocation_store(env, gcs, ckpt_dir_option=str(ckpt), err=err,
-                            agent_options=["--transfers", "16", "--cache-gib", str(cache_gib)])
+    store = allocation_store(env, gcs, ckpt_dir_option=str(ckpt), err=err,
+                             agent_options=["--transfers", "16", "--cache-gib", str(cache_gib)])
+    shim = Path(str(ckpt) + "-rss-shim")
+    if not shim.exists():
+        shim.write_text(f"#!{sys.executable}\n" + RSS_SHIM)
+        shim.chmod(0o755)
+    store.launcher.python = str(shim)  # the agent runs as its child: its peak RSS is said on stderr
+    return store
+
+
+def step_floor(env) -> float:
+    """An agent round that does nothing: srun --overlap, one task per node, python importing the store."""
+    n = int(env["SLURM_JOB_NUM_NODES"])
+    started = time.perf_counter()
+    subprocess.run(["srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--input=none",
+                    sys.executable, "-P", "-c", "import slurmagent.checkpoint.gcs.store"], check=True, timeout=600,
+                   env=env, cwd="/")
+    return time.perf_counter() - started
 
 
 def srun(*args: str, nodes: list[str] | None = None, wait: bool = True):
@@ -142,8 +173,11 @@ def job_a(args: argparse.Namespace) -> None:
     env, ckpt = dict(os.environ), Path(args.ckpt)
     srun("--write", str(ckpt), str(args.size_mib // 4))
     store = store_for(env, args.remote, ckpt, CACHE_GIB, sys.stderr)
-    store.sync(ckpt, 0, Path(str(ckpt) + ".sync-state.json"), deadline_s=1800)
-    store.restore(ckpt, deadline_s=1800, state_file=Path(str(ckpt) + ".sync-state.json"))
+    state = Path(str(ckpt) + ".sync-state.json")
+    store.sync(ckpt, 0, state, deadline_s=1800)
+    store.restore(ckpt, deadline_s=1800, state_file=state)
+    time.sleep(3.0)  # the job runs; then the wrapper's final sync
+    store.sync(ckpt, 1, state, deadline_s=1800)
 
 
 def job_b(args: argparse.Namespace) -> None:
@@ -156,26 +190,37 @@ def job_b(args: argparse.Namespace) -> None:
     server = srun("--tcp-serve", str(ckpt), str(work / "port"), nodes=[old[1]], wait=False)
     srun("--tcp-fetch", str(ckpt), str(work / "port"), str(work / "tcp.json"), nodes=[new])
     server.wait(600)
+    floor = step_floor(env)
     lines = io.StringIO()
     store = store_for(env, args.remote, ckpt, CACHE_GIB, lines)
     started = time.perf_counter()
     store.restore(ckpt, deadline_s=1800, state_file=Path(str(ckpt) + ".sync-state.json"))
     whole = time.perf_counter() - started
     cold = Path(str(ckpt) + "-cold")
-    bucket_only = store_for(env, args.remote, cold, 0, io.StringIO())
+    cold_lines = io.StringIO()
+    bucket_only = store_for(env, args.remote, cold, -1, cold_lines)
     started = time.perf_counter()
     bucket_only.restore(cold, deadline_s=1800, state_file=Path(str(cold) + ".sync-state.json"))
     from_bucket = time.perf_counter() - started
+    import resource
+
+    batch_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     text = lines.getvalue()
     sys.stderr.write(text)
     cache = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"node-agent (\S+): \d+ file\(s\) \(\d+ bytes\) from the node-local cache \S+ in ([\d.]+) s", text)}
     peers = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"node-agent (\S+): \d+ file\(s\) \(\d+ bytes\) from the job's other nodes in ([\d.]+) s", text)}
+    rss = {m.group(1): int(m.group(2)) for m in re.finditer(r"bench-rss (\S+): (\d+) KiB", text)}
     Path(args.result).write_text(json.dumps({
+        "floor_s": floor, "rss_kib": rss, "batch_rss_kib": batch_rss, "cold_lines": cold_lines.getvalue(),
         "old": old, "new": new, "cache_s": cache, "peers_s": peers, "whole_s": whole, "bucket_s": from_bucket,
         "copy": json.loads((work / "copy.json").read_text()), "tcp": json.loads((work / "tcp.json").read_text()),
         "lines": text}))
+
+
+def fmt_rss(kib: dict[str, int]) -> str:
+    return " ".join(f"{n}={v / 1024:.0f}" for n, v in sorted(kib.items())) or "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['tcp']['seconds']:7.2f} s   ratio {peers_s / r['tcp']['seconds']:.2f}")
     print(f"(3) whole restore (cache + peers):         {r['whole_s']:7.2f} s   all from the bucket emulator:   "
           f"{r['bucket_s']:7.2f} s   speed-up {r['bucket_s'] / r['whole_s']:.1f}x")
+    print(f"    (the floor of any agent round here: {r['floor_s']:.2f} s, srun --overlap + python importing the store)")
+    cold_rss = {m.group(1): int(m.group(2)) for m in re.finditer(r"bench-rss (\S+): (\d+) KiB", r["cold_lines"])}
+    peak = max([*r["rss_kib"].values(), *cold_rss.values(), r["batch_rss_kib"]]) / 1024
+    print(f"(4) peak RSS, MiB: agents (cache + peers) {fmt_rss(r['rss_kib'])}; agents (bucket) {fmt_rss(cold_rss)}; "
+          f"batch step {r['batch_rss_kib'] / 1024:.0f}; highest {peak:.0f} (bound 256)")
     return 0
 
 

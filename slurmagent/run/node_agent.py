@@ -105,7 +105,8 @@ def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *
             cache = getattr(store, "last_cache", None)
             if cache is not None and cache.taken:
                 report.messages.append(f"{cache.taken} file(s) ({cache.taken_bytes} bytes) from the node-local cache "
-                                       f"{cache.root} in {cache.seconds:.2f} s, hash-checked; not downloaded")
+                                       f"{cache.root} in {cache.seconds:.2f} s ({cache.hashed} hash-checked, the others "
+                                       "unchanged since verified); not downloaded")
         report.generation = found
         report.ok = True
     except (SlurmagentError, OSError) as exc:

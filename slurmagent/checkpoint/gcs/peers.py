@@ -10,7 +10,9 @@ the node agents in their environment (never their argv). Each agent:
 2. checks in: what its cache holds, which blobs it still needs after its own cache;
 3. gets its plan back once every agent checked in (or the barrier timed out): for each blob it
    needs, the peer that holds it (the least loaded one); everything else comes from the bucket;
-4. fetches the planned blobs, every byte checked against the content id as it arrives; a peer
+4. fetches the planned blobs, every byte hashed into the content id as it arrives (BLAKE3, or
+   SHA-256 for an older manifest's entry; no CRC32C besides: a match of the content id is the
+   stronger check, and the manifest's CRC32C was computed from those very bytes); a peer
    that serves other bytes, dies mid-transfer or cannot be reached is named in one line, and
    what it should have served comes from the bucket;
 5. reports done and serves on until the coordinator ends the round (every agent done).
@@ -23,7 +25,6 @@ Wire (one TCP connection per request, lines then bytes)::
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import json
@@ -154,7 +155,6 @@ def fetch_from_peer(host: str, port: int, token: str, entry: Mapping, dest: str,
     """Fetch ``entry``'s blob from a peer into ``dest`` (created, absent before), checking every
     byte against its content id; on any failure ``dest`` is gone and :class:`PeerFailed` says why."""
     import blake3
-    import google_crc32c  # the storage path's only
 
     cid, size = entry_content_id(entry), entry["size"]
     legacy = not entry.get("blake3")
@@ -170,7 +170,6 @@ def fetch_from_peer(host: str, port: int, token: str, entry: Mapping, dest: str,
         if len(head) != 2 or head[0] != "OK" or head[1] != str(size):
             raise PeerFailed(f"does not hold {cid}" if head == ["NO"] else f"answered {' '.join(head)[:40]!r}")
         h = hashlib.sha256() if legacy else blake3.blake3(max_threads=4)
-        crc = google_crc32c.Checksum()
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
         buf = bytearray(min(CHUNK, max(size, 1)))
         view = memoryview(buf)
@@ -183,11 +182,11 @@ def fetch_from_peer(host: str, port: int, token: str, entry: Mapping, dest: str,
                 raise PeerFailed(f"closed the connection after {got} of {size} bytes")
             chunk = view[:n]
             h.update(chunk)
-            crc.update(bytes(chunk))
-            os.write(fd, chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk):]
             got += n
         want = entry["sha256"] if legacy else entry["blake3"]
-        if h.hexdigest() != want or base64.b64encode(crc.digest()).decode() != entry["crc32c"]:
+        if h.hexdigest() != want:
             raise PeerFailed(f"served bytes that are not {cid}")
         return got
     except PeerFailed:
