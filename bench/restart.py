@@ -138,17 +138,13 @@ sys.exit(rc)
 """
 
 
-def store_for(env, remote: str, ckpt: Path, cache_gib: int, err):
+def store_for(env, remote: str, ckpt: Path, cache_gib: int, err, shim: Path):
     from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
     from slurmagent.run.multinode import allocation_store
 
     gcs = GcsCheckpointStore(remote, local_cache_gib=cache_gib)
     store = allocation_store(env, gcs, ckpt_dir_option=str(ckpt), err=err,
                              agent_options=["--transfers", "16", "--cache-gib", str(cache_gib)])
-    shim = Path(str(ckpt) + "-rss-shim")
-    if not shim.exists():
-        shim.write_text(f"#!{sys.executable}\n" + RSS_SHIM)
-        shim.chmod(0o755)
     store.launcher.python = str(shim)  # the agent runs as its child: its peak RSS is said on stderr
     return store
 
@@ -172,7 +168,7 @@ def srun(*args: str, nodes: list[str] | None = None, wait: bool = True):
 def job_a(args: argparse.Namespace) -> None:
     env, ckpt = dict(os.environ), Path(args.ckpt)
     srun("--write", str(ckpt), str(args.size_mib // 4))
-    store = store_for(env, args.remote, ckpt, CACHE_GIB, sys.stderr)
+    store = store_for(env, args.remote, ckpt, CACHE_GIB, sys.stderr, Path(args.result).parent / "rss-shim")
     state = Path(str(ckpt) + ".sync-state.json")
     store.sync(ckpt, 0, state, deadline_s=1800)
     store.restore(ckpt, deadline_s=1800, state_file=state)
@@ -192,13 +188,15 @@ def job_b(args: argparse.Namespace) -> None:
     server.wait(600)
     floor = step_floor(env)
     lines = io.StringIO()
-    store = store_for(env, args.remote, ckpt, CACHE_GIB, lines)
+    store = store_for(env, args.remote, ckpt, CACHE_GIB, lines, work / "rss-shim")
+    store.read_manifest()  # as the wrapper does before it restores (run/identity): its client is up
     started = time.perf_counter()
     store.restore(ckpt, deadline_s=1800, state_file=Path(str(ckpt) + ".sync-state.json"))
     whole = time.perf_counter() - started
     cold = Path(str(ckpt) + "-cold")
     cold_lines = io.StringIO()
-    bucket_only = store_for(env, args.remote, cold, -1, cold_lines)
+    bucket_only = store_for(env, args.remote, cold, -1, cold_lines, work / "rss-shim")
+    bucket_only.read_manifest()
     started = time.perf_counter()
     bucket_only.restore(cold, deadline_s=1800, state_file=Path(str(cold) + ".sync-state.json"))
     from_bucket = time.perf_counter() - started
@@ -271,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         script.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {__file__!r}\n"
                           f"runpy.run_path({__file__!r}, run_name='__main__')\n")
         script.chmod(0o755)
+        shim = work / "rss-shim"  # the agents' python: reports their peak RSS
+        shim.write_text(f"#!{sys.executable}\n" + RSS_SHIM)
+        shim.chmod(0o755)
         ckpt = cluster.local_path / "ckpt"
         result = work / "result.json"
         for job, where in (("a", ["--nodelist=n1,n2,n3,n4"]), ("b", ["--exclude=n4"])):

@@ -4,6 +4,9 @@ During a multi-node restore (and only then) the batch step runs a :class:`Coordi
 node's address, an ephemeral port, with a random token made for this restore; the token reaches
 the node agents in their environment (never their argv). Each agent:
 
+0. takes the committed manifest the batch step read (and its generation) from the coordinator,
+   not from the bucket: every agent restores exactly what the batch step decided, and an agent
+   whose checkpoint is all in caches never starts a Cloud Storage client (else it reads the bucket);
 1. starts a :class:`PeerServer` on its own address (the one it reaches the coordinator from),
    an ephemeral port, serving its node-local cache (:mod:`slurmagent.checkpoint.local_cache`) to
    whoever shows the token;
@@ -21,6 +24,7 @@ Wire (one TCP connection per request, lines then bytes)::
 
     peer:   "GET <token> <content id>\\n"  ->  "OK <size>\\n" <bytes>  |  "NO\\n"
     coord:  "HELLO <token>\\n" {check-in JSON}\\n  ->  {plan JSON}\\n ;  {"done": true}\\n  ->  "END\\n"
+    coord:  "MANIFEST <token>\\n"  ->  "OK <generation> <size>\\n" <manifest JSON>  |  "NO\\n"
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import threading
 import time
 from typing import Callable, Iterable, Mapping
 
+from ..errors import CheckpointError
 from ..hashing import is_content_id
 from ..local_cache import BlobCache
-from ..manifest import entry_content_id
+from ..manifest import Manifest, entry_content_id
 from .transfer import Deadline, WorkerPool, one_line
 
 __all__ = ["Coordinator", "PeerFailed", "PeerServer", "PeerSession", "fetch_from_peer", "new_token", "peer_host"]
@@ -113,7 +118,8 @@ class PeerServer:
 
         self._server = Server((host, 0), Handler)
         self.host, self.port = self._server.server_address[:2]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="ckpt-peer-server", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),  # close() waits one poll
+                                        name="ckpt-peer-server", daemon=True)
         self._thread.start()
 
     def serve_one(self, sock: socket.socket) -> None:
@@ -169,7 +175,7 @@ def fetch_from_peer(host: str, port: int, token: str, entry: Mapping, dest: str,
         head = read_line(sock).split(" ")
         if len(head) != 2 or head[0] != "OK" or head[1] != str(size):
             raise PeerFailed(f"does not hold {cid}" if head == ["NO"] else f"answered {' '.join(head)[:40]!r}")
-        h = hashlib.sha256() if legacy else blake3.blake3(max_threads=4)
+        h = hashlib.sha256() if legacy else blake3.blake3()  # one thread: the fetches run side by side
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
         buf = bytearray(min(CHUNK, max(size, 1)))
         view = memoryview(buf)
@@ -236,6 +242,26 @@ class PeerSession:
 
     def say(self, line: str) -> None:
         self.messages.append(line)
+
+    def manifest(self, generation: int) -> tuple[Manifest, int] | None:
+        """The committed manifest as the batch step read it, when it is of ``generation``; None
+        (the agent reads the bucket) when the coordinator has none or cannot be asked."""
+        try:
+            with socket.create_connection(self.coord, timeout=CONNECT_S) as sock:
+                sock.settimeout(30.0)
+                sock.sendall(f"MANIFEST {self.token}\n".encode())
+                head = read_line(sock).split(" ")
+                if len(head) != 3 or head[0] != "OK" or int(head[1]) != generation:
+                    return None
+                size, buf = int(head[2]), bytearray()
+                while len(buf) < size:
+                    chunk = sock.recv(min(size - len(buf), CHUNK))
+                    if not chunk:
+                        return None
+                    buf += chunk
+            return Manifest.from_json(bytes(buf), f"from the batch step at {self.coord[0]}:{self.coord[1]}"), generation
+        except (OSError, ValueError, PeerFailed, CheckpointError):
+            return None
 
     def plan(self, cache: BlobCache | None, needs: Iterable[str]) -> dict[str, tuple[str, int, str]]:
         """Check in (starting this node's server first); content id -> (host, port, peer name)."""
@@ -320,8 +346,10 @@ class PeerSession:
 class Coordinator:
     """The batch step's meeting point: gathers every agent's check-in, plans, ends the round."""
 
-    def __init__(self, nodes: int, token: str, sizes: Mapping[str, int], host: str, *, barrier_s: float = 60.0) -> None:
+    def __init__(self, nodes: int, token: str, sizes: Mapping[str, int], host: str, *, barrier_s: float = 60.0,
+                 manifest: bytes = b"", generation: int = 0) -> None:
         self.nodes, self.token, self.sizes, self.barrier_s = nodes, token, dict(sizes), barrier_s
+        self.manifest, self.generation = manifest, generation  # what the batch step read: the agents restore it
         self._cond = threading.Condition()
         self._hellos: dict[int, dict] = {}
         self._done: set[int] = set()
@@ -353,7 +381,12 @@ class Coordinator:
         try:
             conn.settimeout(self.barrier_s + 30.0)
             parts = read_line(conn).split(" ")
-            if len(parts) != 2 or parts[0] != "HELLO" or not hmac.compare_digest(parts[1].encode(), self.token.encode()):
+            if len(parts) != 2 or parts[0] not in ("HELLO", "MANIFEST") or not hmac.compare_digest(
+                    parts[1].encode(), self.token.encode()):
+                return
+            if parts[0] == "MANIFEST":
+                conn.sendall(f"OK {self.generation} {len(self.manifest)}\n".encode() + self.manifest
+                             if self.manifest else b"NO\n")
                 return
             hello = read_json_line(conn)
             index = int(hello["index"])
