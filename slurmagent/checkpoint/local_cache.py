@@ -5,9 +5,9 @@ beside ``--ckpt-dir`` (default ``<parent of D>/.slurmagent-cache-<uid>``, mode 0
 ``[checkpoint] local_cache_dir``), each under its content id (``blake3-<hex>``). An entry is a
 hard link to the checkpoint's own file wherever the file system allows (no byte is stored
 twice: while ``D`` still holds the file the entry costs nothing), else a copy. An entry is
-taken by a restore only after its bytes hash to the content id the manifest names (a trainer
-that rewrote the file in place, a bad disk: the entry is dropped and the blob comes from the
-bucket); a restore puts a taken entry in place by hard link too.
+taken by a restore only when its bytes are known to be the content id the manifest names (its
+record below, else hashed now; a trainer that rewrote the file in place: the entry is dropped
+and the blob comes from the bucket); a restore puts a taken entry in place by hard link too.
 
 Verified once: the cache keeps a record (``.verified.json``: content id -> device, inode, size,
 mtime) of each entry whose bytes are known to be its content id's, made when a sync enters a
@@ -102,7 +102,7 @@ class BlobCache:
         self.limit = int(limit)
         self.auto = self.limit <= 0  # sized by the checkpoint at hand (fit)
         self.copies = max(1, copies)
-        self.taken = 0  # files a restore took from here (hash-checked)
+        self.taken = 0  # files a restore took from here (verified: by their record, or hashed)
         self.taken_bytes = 0
         self.seconds = 0.0  # spent taking (hash checks and links), for the restore's line
         self.hashed = 0  # taken files whose bytes were read and hashed (the others matched their record)
