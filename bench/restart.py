@@ -8,7 +8,10 @@ node-local directories, and a Cloud Storage emulator on 127.0.0.1).
 
 Job A (n1-n4): each rank writes its shard (SIZE/4 MiB) to its node's `--ckpt-dir`; one
 multi-node sync commits them; one restore (`--restore-scope all`) makes every node hold the
-whole checkpoint (SIZE MiB per node), so every node's cache holds it too.
+whole checkpoint (SIZE MiB per node), so every node's cache holds it too; the job "trains" for
+3 s and ends with the wrapper's final sync (nothing new to upload), which records the restored
+files as verified in each cache (`local_cache`: a take then needs no re-hash; the 3 s keep the
+files out of the racy window that rule shares with the hash cache).
 
 n4 is drained; job B lands on n1-n3 (old) and n5 (new). The old nodes' checkpoint directories
 are emptied first (a job-scoped directory, or one the job cleaned): what they hold is only in
@@ -17,10 +20,19 @@ their caches. Measured in job B, same run:
 (1) the old nodes' restore from their caches (the slowest of the three, from the agents' lines)
     against a local copy of the same bytes on one old node (`shutil.copyfile` of every entry);
 (2) the new node's fetch from its peers (the agents' line) against a raw TCP copy of the same
-    bytes from an old node to the new one (sendfile in, recv into a file out);
+    bytes from an old node to the new one (one connection, sendfile out of the cache entries,
+    recv_into a 4 MiB buffer written to one file; no hashing, where the peers hash every byte
+    into its content id);
+    each baseline is taken ROUNDS times before the restore, all printed, the fastest compared
+    (the machine is shared: the conservative choice);
 (3) the whole restore (the batch step's `AllocationStore.restore`: agent step, peers, cache)
-    against the whole restore of the same checkpoint into empty directories with the cache off
-    (everything from the bucket emulator).
+    against the whole restore of the same checkpoint into empty directories with the cache and
+    the peers off (everything from the bucket emulator), once before and once after it, the
+    faster compared;
+(4) the peak RSS of each node agent (its `getrusage` of the agent as a child of a small shim
+    the launcher runs instead of python) and of the batch step, against the 256 MiB bound.
+Also printed: the floor of any agent round here (an `srun --overlap` step of the same shape
+whose python imports the store and exits).
 
 On one host the five "nodes" share 2 CPUs, one disk and the loopback: read the figures as
 the costs of the paths, not of separate VMs.
@@ -45,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 MiB = 1024 * 1024
 CACHE_GIB = 16
+ROUNDS = 3  # of each baseline
 
 
 def write_shard(ckpt: Path, mib: int) -> None:
@@ -65,6 +78,11 @@ def cache_dir(ckpt: Path) -> Path:
     return ckpt.parent / f".slurmagent-cache-{os.geteuid()}"
 
 
+def entries(ckpt: Path) -> list[str]:
+    """The cache's entries (its records file left out)."""
+    return sorted(n for n in os.listdir(cache_dir(ckpt)) if n.startswith("blake3-"))
+
+
 def local_copy(ckpt: Path, out: Path) -> None:
     """One old node: copy every cache entry to a scratch directory, timed."""
     src = cache_dir(ckpt)
@@ -72,7 +90,7 @@ def local_copy(ckpt: Path, out: Path) -> None:
     scratch.mkdir(exist_ok=True)
     started = time.perf_counter()
     total = 0
-    for name in sorted(os.listdir(src)):
+    for name in entries(ckpt):
         shutil.copyfile(src / name, scratch / name)
         total += os.path.getsize(scratch / name)
     seconds = time.perf_counter() - started
@@ -82,7 +100,7 @@ def local_copy(ckpt: Path, out: Path) -> None:
 
 def tcp_serve(ckpt: Path, port_file: Path) -> None:
     """An old node: send every cache entry, back to back, to the first client (sendfile)."""
-    files = [cache_dir(ckpt) / n for n in sorted(os.listdir(cache_dir(ckpt)))]
+    files = [cache_dir(ckpt) / n for n in entries(ckpt)]
     srv = socket.create_server(("127.0.0.1", 0))
     port_file.write_text(str(srv.getsockname()[1]))
     conn, _ = srv.accept()
@@ -123,13 +141,33 @@ def tcp_fetch(ckpt: Path, port_file: Path, out: Path) -> None:
     out.write_text(json.dumps({"seconds": seconds, "bytes": got}))
 
 
-def store_for(env, remote: str, ckpt: Path, cache_gib: int, err):
+RSS_SHIM = """import os, resource, subprocess, sys
+rc = subprocess.call([sys.executable, *sys.argv[1:]])
+kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(f"bench-rss {os.environ.get('SLURMD_NODENAME', '?')}: {kib} KiB", file=sys.stderr, flush=True)
+sys.exit(rc)
+"""
+
+
+def store_for(env, remote: str, ckpt: Path, cache_gib: int, err, shim: Path):
     from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
     from slurmagent.run.multinode import allocation_store
 
     gcs = GcsCheckpointStore(remote, local_cache_gib=cache_gib)
-    return allocation_store(env, gcs, ckpt_dir_option=str(ckpt), err=err,
-                            agent_options=["--transfers", "16", "--cache-gib", str(cache_gib)])
+    store = allocation_store(env, gcs, ckpt_dir_option=str(ckpt), err=err,
+                             agent_options=["--transfers", "16", "--cache-gib", str(cache_gib)])
+    store.launcher.python = str(shim)  # the agent runs as its child: its peak RSS is said on stderr
+    return store
+
+
+def step_floor(env) -> float:
+    """An agent round that does nothing: srun --overlap, one task per node, python importing the store."""
+    n = int(env["SLURM_JOB_NUM_NODES"])
+    started = time.perf_counter()
+    subprocess.run(["srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--input=none",
+                    sys.executable, "-P", "-c", "import slurmagent.checkpoint.gcs.store"], check=True, timeout=600,
+                   env=env, cwd="/")
+    return time.perf_counter() - started
 
 
 def srun(*args: str, nodes: list[str] | None = None, wait: bool = True):
@@ -141,9 +179,12 @@ def srun(*args: str, nodes: list[str] | None = None, wait: bool = True):
 def job_a(args: argparse.Namespace) -> None:
     env, ckpt = dict(os.environ), Path(args.ckpt)
     srun("--write", str(ckpt), str(args.size_mib // 4))
-    store = store_for(env, args.remote, ckpt, CACHE_GIB, sys.stderr)
-    store.sync(ckpt, 0, Path(str(ckpt) + ".sync-state.json"), deadline_s=1800)
-    store.restore(ckpt, deadline_s=1800, state_file=Path(str(ckpt) + ".sync-state.json"))
+    store = store_for(env, args.remote, ckpt, CACHE_GIB, sys.stderr, Path(args.result).parent / "rss-shim")
+    state = Path(str(ckpt) + ".sync-state.json")
+    store.sync(ckpt, 0, state, deadline_s=1800)
+    store.restore(ckpt, deadline_s=1800, state_file=state)
+    time.sleep(3.0)  # the job runs; then the wrapper's final sync
+    store.sync(ckpt, 1, state, deadline_s=1800)
 
 
 def job_b(args: argparse.Namespace) -> None:
@@ -152,30 +193,59 @@ def job_b(args: argparse.Namespace) -> None:
                            text=True, check=True).stdout.split()
     old, new = [n for n in nodes if n != args.new], args.new
     srun("--wipe", str(ckpt))
-    srun("--copy", str(ckpt), str(work / "copy.json"), nodes=[old[0]])
-    server = srun("--tcp-serve", str(ckpt), str(work / "port"), nodes=[old[1]], wait=False)
-    srun("--tcp-fetch", str(ckpt), str(work / "port"), str(work / "tcp.json"), nodes=[new])
-    server.wait(600)
+    copies, tcps = [], []
+    for k in range(ROUNDS):
+        srun("--copy", str(ckpt), str(work / "copy.json"), nodes=[old[0]])
+        copies.append(json.loads((work / "copy.json").read_text()))
+        (work / "port").unlink(missing_ok=True)
+        server = srun("--tcp-serve", str(ckpt), str(work / "port"), nodes=[old[1 + k % 2]], wait=False)
+        srun("--tcp-fetch", str(ckpt), str(work / "port"), str(work / "tcp.json"), nodes=[new])
+        server.wait(600)
+        tcps.append(json.loads((work / "tcp.json").read_text()))
+    floor = step_floor(env)
+
+    def from_bucket(k: int) -> tuple[float, str]:
+        """The same checkpoint into empty directories, cache and peers off: every byte from the bucket."""
+        cold, said = Path(f"{ckpt}-cold{k}"), io.StringIO()
+        bucket_only = store_for(env, args.remote, cold, -1, said, work / "rss-shim")
+        bucket_only.read_manifest()
+        started = time.perf_counter()
+        bucket_only.restore(cold, deadline_s=1800, state_file=Path(f"{cold}.sync-state.json"))
+        seconds = time.perf_counter() - started
+        srun("--wipe", str(cold))
+        return seconds, said.getvalue()
+
+    before, cold_text = from_bucket(1)  # one before and one after the restore measured: the host is shared
     lines = io.StringIO()
-    store = store_for(env, args.remote, ckpt, CACHE_GIB, lines)
+    store = store_for(env, args.remote, ckpt, CACHE_GIB, lines, work / "rss-shim")
+    store.read_manifest()  # as the wrapper does before it restores (run/identity): its client is up
     started = time.perf_counter()
     store.restore(ckpt, deadline_s=1800, state_file=Path(str(ckpt) + ".sync-state.json"))
     whole = time.perf_counter() - started
-    cold = Path(str(ckpt) + "-cold")
-    bucket_only = store_for(env, args.remote, cold, 0, io.StringIO())
-    started = time.perf_counter()
-    bucket_only.restore(cold, deadline_s=1800, state_file=Path(str(cold) + ".sync-state.json"))
-    from_bucket = time.perf_counter() - started
+    after, _ = from_bucket(2)
+    import resource
+
+    batch_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     text = lines.getvalue()
     sys.stderr.write(text)
     cache = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"node-agent (\S+): \d+ file\(s\) \(\d+ bytes\) from the node-local cache \S+ in ([\d.]+) s", text)}
     peers = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"node-agent (\S+): \d+ file\(s\) \(\d+ bytes\) from the job's other nodes in ([\d.]+) s", text)}
+    rss = {m.group(1): int(m.group(2)) for m in re.finditer(r"bench-rss (\S+): (\d+) KiB", text)}
     Path(args.result).write_text(json.dumps({
-        "old": old, "new": new, "cache_s": cache, "peers_s": peers, "whole_s": whole, "bucket_s": from_bucket,
-        "copy": json.loads((work / "copy.json").read_text()), "tcp": json.loads((work / "tcp.json").read_text()),
+        "floor_s": floor, "rss_kib": rss, "batch_rss_kib": batch_rss, "cold_lines": cold_text,
+        "old": old, "new": new, "cache_s": cache, "peers_s": peers, "whole_s": whole, "bucket_s": [before, after],
+        "copy": copies, "tcp": tcps,
         "lines": text}))
+
+
+def rounds(runs: list[dict]) -> str:
+    return " ".join(f"{x['seconds']:.2f}" for x in runs) + " s"
+
+
+def fmt_rss(kib: dict[str, int]) -> str:
+    return " ".join(f"{n}={v / 1024:.0f}" for n, v in sorted(kib.items())) or "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         script.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {__file__!r}\n"
                           f"runpy.run_path({__file__!r}, run_name='__main__')\n")
         script.chmod(0o755)
+        shim = work / "rss-shim"  # the agents' python: reports their peak RSS
+        shim.write_text(f"#!{sys.executable}\n" + RSS_SHIM)
+        shim.chmod(0o755)
         ckpt = cluster.local_path / "ckpt"
         result = work / "result.json"
         for job, where in (("a", ["--nodelist=n1,n2,n3,n4"]), ("b", ["--exclude=n4"])):
@@ -252,12 +325,20 @@ def main(argv: list[str] | None = None) -> int:
     peers_s = r["peers_s"].get(r["new"], float("nan"))
     print(f"checkpoint: {mib} MiB per node (4 shards of {mib // 4} MiB, every node restores all of it); "
           f"old nodes {', '.join(r['old'])}, new node {r['new']}")
+    copy_s, tcp_s = (min(x["seconds"] for x in r[k]) for k in ("copy", "tcp"))
     print(f"(1) old nodes from their caches (slowest): {cache_s:7.2f} s   local copy of the same bytes: "
-          f"{r['copy']['seconds']:7.2f} s   ratio {cache_s / r['copy']['seconds']:.2f}")
+          f"{copy_s:7.2f} s   ratio {cache_s / copy_s:.2f}   (copies: {rounds(r['copy'])})")
     print(f"(2) new node from its peers:               {peers_s:7.2f} s   raw TCP copy of the same bytes:  "
-          f"{r['tcp']['seconds']:7.2f} s   ratio {peers_s / r['tcp']['seconds']:.2f}")
+          f"{tcp_s:7.2f} s   ratio {peers_s / tcp_s:.2f}   (TCP copies: {rounds(r['tcp'])})")
+    bucket_s = min(r["bucket_s"])
     print(f"(3) whole restore (cache + peers):         {r['whole_s']:7.2f} s   all from the bucket emulator:   "
-          f"{r['bucket_s']:7.2f} s   speed-up {r['bucket_s'] / r['whole_s']:.1f}x")
+          f"{bucket_s:7.2f} s   speed-up {bucket_s / r['whole_s']:.1f}x   (from the bucket before and after: "
+          f"{' '.join(f'{x:.2f}' for x in r['bucket_s'])} s)")
+    print(f"    (the floor of any agent round here: {r['floor_s']:.2f} s, srun --overlap + python importing the store)")
+    cold_rss = {m.group(1): int(m.group(2)) for m in re.finditer(r"bench-rss (\S+): (\d+) KiB", r["cold_lines"])}
+    peak = max([*r["rss_kib"].values(), *cold_rss.values(), r["batch_rss_kib"]]) / 1024
+    print(f"(4) peak RSS, MiB: agents (cache + peers) {fmt_rss(r['rss_kib'])}; agents (bucket) {fmt_rss(cold_rss)}; "
+          f"batch step {r['batch_rss_kib'] / 1024:.0f}; highest {peak:.0f} (bound 256)")
     return 0
 
 

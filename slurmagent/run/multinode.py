@@ -298,7 +298,7 @@ class AllocationStore:
                 "--generation", str(generation), "--scope", self.scope, "--deadline", f"{max(deadline_s - 5.0, 1.0):g}"]
         if state_file is not None:
             args += ["--state-file", os.path.abspath(state_file)]
-        coordinator = self._peers(manifest, deadline_s)
+        coordinator = self._peers(manifest, generation, deadline_s)
         try:
             if coordinator is not None:
                 args += ["--peers", coordinator.address]
@@ -319,10 +319,11 @@ class AllocationStore:
                      f"{manifest.attempt} ({'all' if self.scope == 'all' else 'its own'} files)")
         return manifest
 
-    def _peers(self, manifest: Manifest | None, deadline_s: float):
+    def _peers(self, manifest: Manifest | None, generation: int, deadline_s: float):
         """The meeting point of this restore's peers (`checkpoint/gcs/peers.Coordinator`), its token
-        put in the agents' environment; None when there is nothing to restore, no node caches
-        (`--cache-gib 0`) or this host has no address the others can reach."""
+        put in the agents' environment; it hands them the manifest read here (of `generation`).
+        None when there is nothing to restore, no node caches (`--cache-gib` below 0) or this host
+        has no address the others can reach."""
         if manifest is None or not self.peers_on:
             return None
         from ..checkpoint.gcs.peers import Coordinator, new_token, peer_host  # start-up speed: restore only
@@ -334,7 +335,8 @@ class AllocationStore:
         sizes = {content_key(e): e["size"] for e in manifest.regular_files().values()}
         try:
             coordinator = Coordinator(self.alloc.num_nodes, token, sizes, host,
-                                      barrier_s=min(60.0, max(deadline_s / 4, 5.0)))
+                                      barrier_s=min(60.0, max(deadline_s / 4, 5.0)),
+                                      manifest=manifest.to_json().encode(), generation=generation)
         except OSError as exc:
             self.say(f"no peers for this restore (cannot listen on {host}: {exc.strerror or exc}); the bucket serves")
             return None

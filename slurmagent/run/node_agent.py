@@ -92,7 +92,8 @@ def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *
                 report.messages.append(moved_message(ckpt_dir, moved, "another job left"))
             report.ok = True
             return
-        manifest, found = store.read_manifest(deadline_s=min(60.0, deadline_s))
+        handed = peers.manifest(generation) if peers is not None else None  # the batch step's: no bucket read
+        manifest, found = handed if handed is not None else store.read_manifest(deadline_s=min(60.0, deadline_s))
         if found != generation:
             raise RestoreError(f"the committed checkpoint changed during the restore (generation {found}, "
                                f"the job read {generation}); not resuming from a mix")
@@ -106,7 +107,8 @@ def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *
             cache = getattr(store, "last_cache", None)
             if cache is not None and cache.taken:
                 report.messages.append(f"{cache.taken} file(s) ({cache.taken_bytes} bytes) from the node-local cache "
-                                       f"{cache.root} in {cache.seconds:.2f} s, hash-checked; not downloaded")
+                                       f"{cache.root} in {cache.seconds:.2f} s ({cache.hashed} hash-checked, the others "
+                                       "unchanged since verified); not downloaded")
         report.generation = found
         report.ok = True
     except (SlurmagentError, OSError) as exc:

@@ -62,14 +62,25 @@ def setup(tmp_path: Path) -> tuple[list[Path], dict[str, bytes]]:
     return dirs, tree
 
 
-def restore_both(dirs: list[Path], server_factories: dict[int, object] | None = None):
-    """Both agents at once, as srun starts them; returns their reports, stores and bucket reads."""
+def restore_both(dirs: list[Path], server_factories: dict[int, object] | None = None, *, hand: int | None = None,
+                 manifest_reads: list[int] | None = None):
+    """Both agents at once, as srun starts them; returns their reports, stores and bucket reads.
+    ``hand``: the coordinator hands out the manifest as of that generation offset (0: the one read),
+    as the batch step does; ``manifest_reads``: counts each agent's reads of the manifest in the bucket."""
     token = new_token()
     stores = [GcsCheckpointStore(REMOTE, timeout_s=5, local_cache_gib=1) for _ in dirs]
-    _, generation = stores[0].read_manifest()
+    manifest, generation = stores[0].read_manifest()
     sizes = {}
-    coord = Coordinator(len(dirs), token, sizes, "127.0.0.1", barrier_s=30)
+    handed = {} if hand is None else {"manifest": manifest.to_json().encode(), "generation": generation + hand}
+    coord = Coordinator(len(dirs), token, sizes, "127.0.0.1", barrier_s=30, **handed)
     fetched = [counting(s) for s in stores]
+    if manifest_reads is not None:
+        manifest_reads.extend([0] * len(dirs))
+        for i, s in enumerate(stores):
+            def read_manifest(*a, _i=i, _real=s.read_manifest, **kw):
+                manifest_reads[_i] += 1
+                return _real(*a, **kw)
+            s.read_manifest = read_manifest
     reports = [None] * len(dirs)
 
     def agent(i: int) -> None:
@@ -113,3 +124,21 @@ def test_a_peer_that_fails_costs_one_line_and_a_bucket_download_never_the_restor
     assert len(lines) == 1 and lines[0].startswith("peer v0 (node index 0) failed (") and why in lines[0], lines
     assert "from the bucket instead" in lines[0]
     assert fetched[0] == [] and fetched[1]  # the old node still reads nothing; the new one falls back
+
+
+def test_the_agents_restore_the_manifest_the_batch_step_hands_them_and_read_no_bucket_at_all(emu, tmp_path):
+    dirs, tree = setup(tmp_path)
+    reads: list[int] = []
+    reports, stores, fetched = restore_both(dirs, hand=0, manifest_reads=reads)
+    assert all(r.ok for r in reports), [r.error for r in reports]
+    assert read(dirs[0]) == tree and read(dirs[1]) == tree
+    assert reads == [0, 0] and fetched == [[], []]  # neither the manifest nor a blob from the bucket
+
+
+def test_a_handed_manifest_of_another_generation_is_not_taken_the_agent_reads_the_bucket(emu, tmp_path):
+    dirs, tree = setup(tmp_path)
+    reads: list[int] = []
+    reports, _, _ = restore_both(dirs, hand=1, manifest_reads=reads)
+    assert all(r.ok for r in reports), [r.error for r in reports]
+    assert read(dirs[0]) == tree and read(dirs[1]) == tree
+    assert reads == [1, 1]

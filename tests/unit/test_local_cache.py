@@ -128,3 +128,48 @@ def test_trim_keeps_what_the_restore_needs_and_drops_the_rest_oldest_first(tmp_p
     assert not (cache.root / ".tmp-1-blake3-00").exists()
     cache.trim(keep={ids["wanted"]}, limit=0)
     assert cache.ids() == set()  # the bound wins over what is wanted
+
+
+def test_an_entry_unchanged_since_it_was_verified_is_taken_without_reading_it_again(tmp_path, monkeypatch):
+    f = tmp_path / "ckpt" / "model.pt"
+    entry = put(f, b"v" * 64 * KiB)
+    os.utime(f, (1000, 1000))  # written long ago: a rewrite would show in its mtime
+    st = os.stat(f)
+    first = BlobCache(tmp_path / "c", 1 << 30)
+    first.root.mkdir()
+    assert first.enter(str(f), entry, (st.st_ino, st.st_size, st.st_mtime_ns))  # the hash cache vouches for it
+    first.save_records()
+    reads = []
+    real = local_cache.checkpoint_hash.hash_file
+    monkeypatch.setattr(local_cache.checkpoint_hash, "hash_file", lambda *a, **kw: reads.append(a[0]) or real(*a, **kw))
+    cache = BlobCache(first.root, 1 << 30)  # the next job on this node
+    dest = tmp_path / "stage" / "a"
+    dest.parent.mkdir()
+    assert cache.take(entry, str(dest)) and dest.read_bytes() == b"v" * 64 * KiB
+    assert reads == [] and cache.hashed == 0
+    dest.unlink()
+    with open(f, "r+b") as fh:  # rewritten in place through the shared hard link: its mtime moves
+        fh.write(b"w")
+    assert not cache.take(entry, str(dest))
+    assert len(reads) == 1 and cache.rejected == [entry_content_id(entry)] and cache.ids() == set()
+    cache.save_records()
+    assert BlobCache(first.root, 1 << 30).records() == {}
+
+
+def test_a_touched_entry_is_hashed_once_then_trusted_and_a_fresh_one_is_never_recorded(tmp_path, monkeypatch):
+    old, fresh = tmp_path / "old.pt", tmp_path / "fresh.pt"
+    e_old, e_fresh = put(old, b"o" * 32 * KiB), put(fresh, b"f" * 32 * KiB)
+    cache = BlobCache(tmp_path / "c", 1 << 30)
+    cache.root.mkdir()
+    assert cache.enter(str(old), e_old) and cache.enter(str(fresh), e_fresh)
+    assert cache.records() == {}  # just written: a rewrite in the same clock tick would not show
+    os.utime(old, (2000, 2000))
+    reads = []
+    real = local_cache.checkpoint_hash.hash_file
+    monkeypatch.setattr(local_cache.checkpoint_hash, "hash_file", lambda *a, **kw: reads.append(a[0]) or real(*a, **kw))
+    for n in range(2):
+        dest = tmp_path / f"take{n}"
+        assert cache.take(e_old, str(dest)) and cache.take(e_fresh, str(tmp_path / f"fresh{n}"))
+    assert reads.count(cache.path_of(entry_content_id(e_old))) == 1  # then recorded
+    assert reads.count(cache.path_of(entry_content_id(e_fresh))) == 2  # never recorded while racy
+    assert cache.hashed == 3 and set(cache.records()) == {entry_content_id(e_old)}

@@ -4,13 +4,18 @@ During a multi-node restore (and only then) the batch step runs a :class:`Coordi
 node's address, an ephemeral port, with a random token made for this restore; the token reaches
 the node agents in their environment (never their argv). Each agent:
 
+0. takes the committed manifest the batch step read (and its generation) from the coordinator,
+   not from the bucket: every agent restores exactly what the batch step decided, and an agent
+   whose checkpoint is all in caches never starts a Cloud Storage client (else it reads the bucket);
 1. starts a :class:`PeerServer` on its own address (the one it reaches the coordinator from),
    an ephemeral port, serving its node-local cache (:mod:`slurmagent.checkpoint.local_cache`) to
    whoever shows the token;
 2. checks in: what its cache holds, which blobs it still needs after its own cache;
 3. gets its plan back once every agent checked in (or the barrier timed out): for each blob it
    needs, the peer that holds it (the least loaded one); everything else comes from the bucket;
-4. fetches the planned blobs, every byte checked against the content id as it arrives; a peer
+4. fetches the planned blobs, every byte hashed into the content id as it arrives (BLAKE3, or
+   SHA-256 for an older manifest's entry; no CRC32C besides: a match of the content id is the
+   stronger check, and the manifest's CRC32C was computed from those very bytes); a peer
    that serves other bytes, dies mid-transfer or cannot be reached is named in one line, and
    what it should have served comes from the bucket;
 5. reports done and serves on until the coordinator ends the round (every agent done).
@@ -19,11 +24,11 @@ Wire (one TCP connection per request, lines then bytes)::
 
     peer:   "GET <token> <content id>\\n"  ->  "OK <size>\\n" <bytes>  |  "NO\\n"
     coord:  "HELLO <token>\\n" {check-in JSON}\\n  ->  {plan JSON}\\n ;  {"done": true}\\n  ->  "END\\n"
+    coord:  "MANIFEST <token>\\n"  ->  "OK <generation> <size>\\n" <manifest JSON>  |  "NO\\n"
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import json
@@ -35,9 +40,10 @@ import threading
 import time
 from typing import Callable, Iterable, Mapping
 
+from ..errors import CheckpointError
 from ..hashing import is_content_id
 from ..local_cache import BlobCache
-from ..manifest import entry_content_id
+from ..manifest import Manifest, entry_content_id
 from .transfer import Deadline, WorkerPool, one_line
 
 __all__ = ["Coordinator", "PeerFailed", "PeerServer", "PeerSession", "fetch_from_peer", "new_token", "peer_host"]
@@ -112,7 +118,8 @@ class PeerServer:
 
         self._server = Server((host, 0), Handler)
         self.host, self.port = self._server.server_address[:2]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="ckpt-peer-server", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),  # close() waits one poll
+                                        name="ckpt-peer-server", daemon=True)
         self._thread.start()
 
     def serve_one(self, sock: socket.socket) -> None:
@@ -154,7 +161,6 @@ def fetch_from_peer(host: str, port: int, token: str, entry: Mapping, dest: str,
     """Fetch ``entry``'s blob from a peer into ``dest`` (created, absent before), checking every
     byte against its content id; on any failure ``dest`` is gone and :class:`PeerFailed` says why."""
     import blake3
-    import google_crc32c  # the storage path's only
 
     cid, size = entry_content_id(entry), entry["size"]
     legacy = not entry.get("blake3")
@@ -169,8 +175,7 @@ def fetch_from_peer(host: str, port: int, token: str, entry: Mapping, dest: str,
         head = read_line(sock).split(" ")
         if len(head) != 2 or head[0] != "OK" or head[1] != str(size):
             raise PeerFailed(f"does not hold {cid}" if head == ["NO"] else f"answered {' '.join(head)[:40]!r}")
-        h = hashlib.sha256() if legacy else blake3.blake3(max_threads=4)
-        crc = google_crc32c.Checksum()
+        h = hashlib.sha256() if legacy else blake3.blake3()  # one thread: the fetches run side by side
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
         buf = bytearray(min(CHUNK, max(size, 1)))
         view = memoryview(buf)
@@ -183,11 +188,11 @@ def fetch_from_peer(host: str, port: int, token: str, entry: Mapping, dest: str,
                 raise PeerFailed(f"closed the connection after {got} of {size} bytes")
             chunk = view[:n]
             h.update(chunk)
-            crc.update(bytes(chunk))
-            os.write(fd, chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk):]
             got += n
         want = entry["sha256"] if legacy else entry["blake3"]
-        if h.hexdigest() != want or base64.b64encode(crc.digest()).decode() != entry["crc32c"]:
+        if h.hexdigest() != want:
             raise PeerFailed(f"served bytes that are not {cid}")
         return got
     except PeerFailed:
@@ -237,6 +242,26 @@ class PeerSession:
 
     def say(self, line: str) -> None:
         self.messages.append(line)
+
+    def manifest(self, generation: int) -> tuple[Manifest, int] | None:
+        """The committed manifest as the batch step read it, when it is of ``generation``; None
+        (the agent reads the bucket) when the coordinator has none or cannot be asked."""
+        try:
+            with socket.create_connection(self.coord, timeout=CONNECT_S) as sock:
+                sock.settimeout(30.0)
+                sock.sendall(f"MANIFEST {self.token}\n".encode())
+                head = read_line(sock).split(" ")
+                if len(head) != 3 or head[0] != "OK" or int(head[1]) != generation:
+                    return None
+                size, buf = int(head[2]), bytearray()
+                while len(buf) < size:
+                    chunk = sock.recv(min(size - len(buf), CHUNK))
+                    if not chunk:
+                        return None
+                    buf += chunk
+            return Manifest.from_json(bytes(buf), f"from the batch step at {self.coord[0]}:{self.coord[1]}"), generation
+        except (OSError, ValueError, PeerFailed, CheckpointError):
+            return None
 
     def plan(self, cache: BlobCache | None, needs: Iterable[str]) -> dict[str, tuple[str, int, str]]:
         """Check in (starting this node's server first); content id -> (host, port, peer name)."""
@@ -321,8 +346,10 @@ class PeerSession:
 class Coordinator:
     """The batch step's meeting point: gathers every agent's check-in, plans, ends the round."""
 
-    def __init__(self, nodes: int, token: str, sizes: Mapping[str, int], host: str, *, barrier_s: float = 60.0) -> None:
+    def __init__(self, nodes: int, token: str, sizes: Mapping[str, int], host: str, *, barrier_s: float = 60.0,
+                 manifest: bytes = b"", generation: int = 0) -> None:
         self.nodes, self.token, self.sizes, self.barrier_s = nodes, token, dict(sizes), barrier_s
+        self.manifest, self.generation = manifest, generation  # what the batch step read: the agents restore it
         self._cond = threading.Condition()
         self._hellos: dict[int, dict] = {}
         self._done: set[int] = set()
@@ -354,7 +381,12 @@ class Coordinator:
         try:
             conn.settimeout(self.barrier_s + 30.0)
             parts = read_line(conn).split(" ")
-            if len(parts) != 2 or parts[0] != "HELLO" or not hmac.compare_digest(parts[1].encode(), self.token.encode()):
+            if len(parts) != 2 or parts[0] not in ("HELLO", "MANIFEST") or not hmac.compare_digest(
+                    parts[1].encode(), self.token.encode()):
+                return
+            if parts[0] == "MANIFEST":
+                conn.sendall(f"OK {self.generation} {len(self.manifest)}\n".encode() + self.manifest
+                             if self.manifest else b"NO\n")
                 return
             hello = read_json_line(conn)
             index = int(hello["index"])

@@ -81,7 +81,7 @@ def place(
     peers: PeerSession | None = None,
 ) -> tuple[Manifest, dict[str, tuple[int, int]]]:
     """The restore of ``manifest`` into ``root``, staged in place (see :func:`make_room`); with a
-    node-local ``cache``, what it holds is taken from there (hash-checked), not downloaded; with
+    node-local ``cache``, what it holds is taken from there (verified), not downloaded; with
     ``peers`` (a multi-node restore), what other nodes' caches hold comes from them."""
     root.mkdir(parents=True, exist_ok=True)
     items = sorted(manifest.regular_files().items())
@@ -149,6 +149,7 @@ def place(
     if cache is not None:
         cache.enter_many(root, {rel: e for rel, e, _ in placed})
         cache.trim(keep=wanted)
+        cache.save_records()
     log.info("restored %d files (%d bytes) from %s, %d from the node-local cache", len(items), manifest.total_bytes,
              objects.manifest_url, cache.taken if cache is not None else 0)
     return manifest, committed
@@ -156,7 +157,7 @@ def place(
 
 def take_cached(cache: BlobCache, items: list[tuple[str, dict]], stage: list[str],
                 dl: Deadline) -> tuple[list[tuple[str, dict]], list[str]]:
-    """Put in staging what the node-local cache holds (each hash-checked, a few at once); returns
+    """Put in staging what the node-local cache holds (each verified, a few at once); returns
     the items (and their staging paths) left to download."""
     held = cache.ids()
     todo = [k for k, (_, e) in enumerate(items) if entry_content_id(e) in held]

@@ -451,8 +451,9 @@ class GcsCheckpointStore:
                 except OSError:
                     continue
                 if st.st_mtime_ns < began_ns:  # the bytes this sync hashed (a take checks them again)
-                    cache.enter(path, e, (st.st_ino, st.st_size, st.st_mtime_ns))
+                    cache.enter(path, e, (st.st_ino, st.st_size, st.st_mtime_ns), verified=False)
             cache.trim(keep={cache_id(e) for e in result.files.values() if "link" not in e})
+            cache.save_records()
         except OSError as exc:  # the cache never fails a sync
             self.notices.say_once(f"cache:{exc}", f"node-local checkpoint cache {cache.root}: {exc.strerror or exc}")
 
