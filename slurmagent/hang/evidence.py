@@ -4,7 +4,8 @@ Per rank: its process state from `/proc/<pid>/stat` (R running, S sleeping, D in
 T stopped, Z zombie, or gone: no such process in the job's session); a Python stack of each
 rank with py-spy when it is installed (it needs ptrace rights over the ranks, which
 `kernel.yama.ptrace_scope` may deny: said in the dump); the node's GPU state
-(`slurmagent check --json`). Every call has a deadline; the folder is written beside the
+(`slurmagent check --json`); PyTorch's NCCL flight-recorder dump of each rank, asked through
+its pipe where the job enabled it. Every call has a deadline; the folder is written beside the
 job's output (`<output>.hang-<attempt>/`).
 """
 
@@ -106,6 +107,51 @@ def py_spy_dumps(pids: list[int], timeout_s: float = PY_SPY_TIMEOUT_S) -> dict[i
     for t in threads:
         t.join(timeout_s + 2)
     return {pid: out.get(pid, "py-spy dump did not finish in time") for pid in pids[:MAX_DUMPS]}
+
+
+# PyTorch's flight recorder (ProcessGroupNCCL's DumpPipe): with a trace buffer and a pipe stem set,
+# each rank makes a FIFO `<stem><rank>.pipe` and dumps its trace (to `<dump stem><rank>`) when
+# anything is written there. Its own dump comes on its own timeout, after ours; newer PyTorch
+# reads the TORCH_FR_* names first.
+FR_PIPE_VARS = ("TORCH_FR_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+FR_BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def _first(env: dict[str, str], names: tuple[str, ...]) -> tuple[str, str]:
+    return next(((n, env[n]) for n in names if env.get(n)), ("", ""))
+
+
+def flight_recorder_dumps(ranks: list[int], env: dict[str, str] | None = None) -> str:
+    """Ask each rank's NCCL flight recorder for its dump, where the job enabled it: one write to
+    the rank's pipe, never blocking (O_NONBLOCK: no reader, no write), never following a link or
+    writing anything but a FIFO. Returns what was done, one line per rank ("" when not enabled).
+    Runs as the job's user (the wrapper or its node agent), like the ranks themselves."""
+    env = os.environ if env is None else env
+    var, stem = _first(env, FR_PIPE_VARS)
+    if not stem or not ranks:
+        return ""
+    size_var, size = _first(env, FR_BUFFER_VARS)
+    if not size.strip().lstrip("-").isdigit() or int(size) <= 0:
+        return (f"NCCL flight recorder: {var} is set but {' or '.join(FR_BUFFER_VARS)} is not a positive "
+                "number: PyTorch keeps no trace, none asked\n")
+    dump = _first(env, FR_DUMP_VARS)[1] or "/tmp/nccl_trace_rank_"
+    lines = []
+    for rank in sorted(set(ranks)):
+        pipe = f"{stem}{rank}.pipe"
+        try:
+            if not stat.S_ISFIFO(os.lstat(pipe).st_mode):
+                lines.append(f"rank {rank}: {pipe} is not a pipe: not written")
+                continue
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            try:
+                os.write(fd, b"1\n")
+            finally:
+                os.close(fd)
+            lines.append(f"rank {rank}: dump asked through {pipe}; PyTorch writes it to {dump}{rank}")
+        except OSError as exc:  # ENOENT: no such rank here or no NCCL group; ENXIO: nobody reads it
+            lines.append(f"rank {rank}: {pipe}: {exc.strerror or exc}: no dump asked")
+    return "".join(f"NCCL flight recorder ({var}, {size_var}={size}): {line}\n" for line in lines)
 
 
 def gpu_state(timeout_s: float = GPU_TIMEOUT_S) -> tuple[str, str]:

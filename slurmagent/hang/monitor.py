@@ -177,6 +177,7 @@ class HangMonitor:
         gpu: list[tuple[str, str]] = []
         t = threading.Thread(target=lambda: gpu.append(self.gpu_state()), daemon=True)
         t.start()
+        flight = evidence.flight_recorder_dumps([r.rank for r in ranks if r.state not in ("gone", "Z")])
         dumps = self.py_spy(pids)
         t.join(evidence.GPU_TIMEOUT_S + 2)
         if self.remote is not None:
@@ -201,6 +202,8 @@ class HangMonitor:
         for pid, text in dumps.items():
             files[f"py-spy-{'rank-%d' % by_pid[pid] if pid in by_pid else 'pid-%d' % pid}.txt"] = text
         files.update({f"py-spy-rank-{rank}.txt": text for rank, text in far_ev.dumps.items()})
+        flights = {self.node: flight, **far_ev.flight}
+        files.update({f"flight-recorder-{n or 'node'}.txt": text for n, text in flights.items() if text})
         try:
             where = evidence.evidence_dir(evidence.output_file(), Path.cwd(), f"slurmagent-{self.job}", self.attempt)
             self.folder = evidence.write_folder(where, files)

@@ -56,12 +56,13 @@ def node_evidence(progress_dir: str | Path, node: str, index: int, *, proc: str 
     t = threading.Thread(target=lambda: gpu.append(gpu_state()), daemon=True)
     t.start()
     pids = [r["pid"] for r in ranks if r["state"] not in ("gone", "Z")]
+    flight = evidence.flight_recorder_dumps([r["rank"] for r in ranks if r["state"] not in ("gone", "Z")])
     dumps = py_spy(pids) if pids else {}
     t.join(evidence.GPU_TIMEOUT_S + 2)
     text, fault = gpu[0] if gpu else ("GPU state did not come in time", "")
     by_pid = {r["pid"]: r["rank"] for r in ranks}
     return json.dumps({"index": index, "node": node, "ranks": ranks, "gpu": text[:MAX_GPU_TEXT], "fault": fault,
-                       "dumps": {str(by_pid[p]): d for p, d in dumps.items() if p in by_pid}}).encode()
+                       "flight": flight[:MAX_GPU_TEXT], "dumps": {str(by_pid[p]): d for p, d in dumps.items() if p in by_pid}}).encode()
 
 
 def _rank_state(raw: Any, node: str) -> RankState | None:
@@ -81,6 +82,7 @@ class RemoteEvidence:
     dumps: dict[int, str] = field(default_factory=dict)  # rank -> py-spy text
     gpu: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (check --json text, fault)
     notes: list[str] = field(default_factory=list)  # a node that did not answer, and what stands in for it
+    flight: dict[str, str] = field(default_factory=dict)  # node -> what its flight-recorder ask did
 
 
 class RemoteRanks:
@@ -140,6 +142,8 @@ class RemoteRanks:
             dumps = doc.get("dumps") if isinstance(doc.get("dumps"), dict) else {}
             out.dumps.update({int(k): str(v) for k, v in dumps.items() if str(k).isdigit()})
             out.gpu[node] = (str(doc.get("gpu", "")), str(doc.get("fault", ""))[:200])
+            if doc.get("flight"):
+                out.flight[node] = str(doc["flight"])[:MAX_GPU_TEXT]
         now, last = self.clock(), self.ranks
         for node in sorted({r.node for r in last.values()} - set(got)):
             old = [r for r in last.values() if r.node == node and r.rank not in fresh]

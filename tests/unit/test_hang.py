@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -325,3 +326,34 @@ def wait_state(pid: int, state: str) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_the_flight_recorder_of_each_rank_is_asked_through_its_pipe_and_nothing_else_is_written(tmp_path):
+    stem = str(tmp_path / "fr_")
+    env = {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+           "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "trace_")}
+    os.mkfifo(f"{stem}1.pipe")
+    reader = os.open(f"{stem}1.pipe", os.O_RDONLY | os.O_NONBLOCK)  # what ProcessGroupNCCL holds open
+    os.mkfifo(f"{stem}3.pipe")  # a pipe nobody reads: must not block
+    Path(f"{stem}2.pipe").write_text("keep")  # a regular file under the name: never written
+    os.symlink(f"{stem}1.pipe", f"{stem}4.pipe")  # a link, even to a pipe: never followed
+    try:
+        text = evidence.flight_recorder_dumps([0, 1, 2, 3, 4], env)
+        assert os.read(reader, 16) == b"1\n"
+    finally:
+        os.close(reader)
+    lines = text.splitlines()
+    assert len(lines) == 5 and all(line.startswith("NCCL flight recorder (TORCH_NCCL_DEBUG_INFO_PIPE_FILE, "
+                                                   "TORCH_NCCL_TRACE_BUFFER_SIZE=2000): rank ") for line in lines)
+    assert f"rank 1: dump asked through {stem}1.pipe; PyTorch writes it to {tmp_path}/trace_1" in text
+    assert "rank 0: " in text and "No such file or directory: no dump asked" in lines[0]
+    assert f"rank 2: {stem}2.pipe is not a pipe: not written" in text
+    assert "rank 3: " in lines[3] and "no dump asked" in lines[3]  # ENXIO: no reader
+    assert f"rank 4: {stem}4.pipe is not a pipe: not written" in text
+    assert Path(f"{stem}2.pipe").read_text() == "keep"
+
+
+def test_no_flight_recorder_ask_without_the_jobs_settings():
+    assert evidence.flight_recorder_dumps([0, 1], {}) == ""
+    said = evidence.flight_recorder_dumps([0], {"TORCH_FR_DEBUG_INFO_PIPE_FILE": "/nonexistent/fr_"})
+    assert said.startswith("NCCL flight recorder: TORCH_FR_DEBUG_INFO_PIPE_FILE is set but ") and "none asked" in said

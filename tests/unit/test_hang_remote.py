@@ -7,6 +7,7 @@ The same on the real cluster: tests/cluster/test_hang_multinode.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from slurmagent.hang import remote
@@ -152,3 +153,22 @@ def test_a_straggler_on_another_node_is_reported_with_that_node(tmp_path):
         assert mon.poll(Child) == ""
     assert reported == [(1, "n2")]
     assert [s for s in said if s.startswith("straggler on node n2: rank 1 straggles")], said
+
+
+def test_another_nodes_flight_recorder_is_asked_by_its_agent_and_said_in_the_evidence(tmp_path, monkeypatch):
+    stem = str(tmp_path / "fr_")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", stem)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
+    os.mkfifo(f"{stem}1.pipe")
+    reader = os.open(f"{stem}1.pipe", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        proc = fake_proc(tmp_path / "proc", {501: "T"})
+        rank_file(tmp_path / "p", 1, 40, 90.0, 501, "n2")
+        payload = remote.node_evidence(tmp_path / "p", "n2", 1, proc=proc, py_spy=lambda pids: {},
+                                       gpu_state=lambda: ("{}", ""))
+        assert os.read(reader, 16) == b"1\n"
+    finally:
+        os.close(reader)
+    rr = remote.RemoteRanks("n1", tmp_path / "p", tmp_path / "ck", clock=lambda: 200.0,
+                            ask=lambda args, deadline: {1: payload})
+    assert f"rank 1: dump asked through {stem}1.pipe" in rr.evidence().flight["n2"]
