@@ -76,10 +76,11 @@ def progress(step: int) -> None:
     if not directory:
         _progress_due = float("inf")  # not under the wrapper: never look again
         return
+    from .slurm.env import slurmd_node
     from .state.progress import write  # start-up speed: a trainer pays only when it reports
 
     try:
-        write(directory, _rank(), step, time.time(), os.environ.get("SLURMD_NODENAME", ""))
+        write(directory, _rank(), step, time.time(), slurmd_node(os.environ) or "")
     except (OSError, ValueError, TypeError):
         pass  # the directory is gone (the attempt ends) or another node's path: training goes on
 

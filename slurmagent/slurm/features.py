@@ -58,6 +58,9 @@ def _names(value: str) -> frozenset[str]:
     return frozenset(p.split("=", 1)[0].strip().lower() for p in value.split(",") if p.strip())
 
 
+VERSION_KEY = "SLURM_VERSION"  # a key of `scontrol show config`'s output, not an environment variable
+
+
 @dataclass(frozen=True)
 class SlurmFeatures:
     version: tuple[int, ...] = ()
@@ -72,7 +75,7 @@ class SlurmFeatures:
     @classmethod
     def from_config(cls, conf: dict[str, str]) -> SlurmFeatures:
         port = conf.get("SlurmctldPort", "").split("-", 1)[0]  # a range "6817-6818" listens on its first
-        return cls(version=parse_version(conf.get("SLURM_VERSION", "")),
+        return cls(version=parse_version(conf.get(VERSION_KEY, "")),
                    ctld_params=_names(conf.get("SlurmctldParameters", "")),
                    metrics_type=conf.get("MetricsType", ""), metrics_params=_names(conf.get("MetricsParameters", "")),
                    metrics_auth_users=conf.get("MetricsAuthUsers", ""),
