@@ -76,8 +76,8 @@ def progress(step: int) -> None:
     if not directory:
         _progress_due = float("inf")  # not under the wrapper: never look again
         return
-    from .slurm.env import slurmd_node
-    from .state.progress import write  # start-up speed: a trainer pays only when it reports
+    from .slurm.env import slurmd_node  # start-up speed: a trainer pays only when it reports
+    from .state.progress import write  # start-up speed: likewise
 
     try:
         write(directory, _rank(), step, time.time(), slurmd_node(os.environ) or "")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..policy.stall import StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
+from ..policy.stall import RANK_SIGNALS, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from ..state import progress as progress_files
 from . import evidence
 from .remote import RemoteEvidence, RemoteRanks
@@ -132,7 +132,7 @@ class HangMonitor:
         moved = [k for k, v in current.items() if (grew if k == "output" else v != self.last.get(k))]
         self.last = current
         if moved:
-            self.watch.progressed(now, moved[0])
+            self.watch.progressed(now, moved[0], ranks=any(k in RANK_SIGNALS for k in moved))
         if self.stragglers is not None:
             self._stragglers(now, {**current.get("progress on other nodes", {}), **current["progress"]})
         why = self.watch.stalled(now)

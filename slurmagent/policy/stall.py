@@ -9,7 +9,12 @@ the limit is a hang:
 - then `timeout_s` when set (> 0); `0` turns the rule off; `-1` (default) is adaptive:
   `factor` x the longest gap seen so far between two progresses, within [floor, ceiling], so
   a job that writes a checkpoint for 10 minutes while its files change is never flagged, and
-  one that logs every 5 s is caught in minutes.
+  one whose ranks call `trainer.progress` every few seconds is caught in minutes. Adaptive
+  learns only from the ranks' own progress: a job that has sent none in this attempt (output
+  and checkpoint files are all it shows) gets the ceiling, because a trainer that logs at start
+  and then trains, compiles or evaluates in silence for minutes is healthy (a Lightning job
+  without a progress bar was killed at the 120 s floor). An explicit `timeout_s` applies to
+  every signal.
 
 Pure: the caller passes the clock's readings.
 """
@@ -24,6 +29,7 @@ from typing import NamedTuple
 
 ADAPTIVE = -1.0
 OFF = 0.0
+RANK_SIGNALS = ("progress", "progress on other nodes")  # the ranks' own trainer.progress (hang/monitor.py)
 STOPPED_STATES = {"T": "process stopped (T)", "t": "process stopped by a tracer (t)", "Z": "process is a zombie (Z)",
                   "gone": "process gone"}
 
@@ -50,12 +56,16 @@ class StallWatch:
         self.last: float | None = None  # the last progress (None: none since start)
         self.longest_gap = 0.0
         self.what = ""  # the signal that moved last
+        self.ranks_reported = False  # a rank's own progress() seen: adaptive may learn from the gaps
 
-    def progressed(self, now: float, what: str = "") -> None:
+    def progressed(self, now: float, what: str = "", *, ranks: bool | None = None) -> None:
+        """A signal moved; `ranks` (default: `what` is one of RANK_SIGNALS) says a rank's own
+        progress was among the signals that moved."""
         if self.last is not None:
             self.longest_gap = max(self.longest_gap, now - self.last)
         self.last = now
         self.what = what or self.what
+        self.ranks_reported = self.ranks_reported or (what in RANK_SIGNALS if ranks is None else ranks)
 
     def limit(self) -> float | None:
         """Seconds without progress that make a hang now; None when the rule is off."""
@@ -66,6 +76,8 @@ class StallWatch:
             return rule.first_progress_s
         if rule.timeout_s > 0:
             return rule.timeout_s
+        if not self.ranks_reported:  # output and checkpoint files only: too weak to learn a pace from
+            return rule.ceiling_s
         return min(rule.ceiling_s, max(rule.floor_s, rule.factor * self.longest_gap))
 
     def stalled(self, now: float) -> str:
@@ -78,7 +90,9 @@ class StallWatch:
             return ""
         if self.last is None:
             return f"no progress {since:.0f} s after start (first-progress limit {limit:g} s)"
-        how = "" if self.rule.timeout_s > 0 else f", adaptive: {self.rule.factor:g} x the longest gap {self.longest_gap:.0f} s"
+        how = ("" if self.rule.timeout_s > 0 else
+               f", adaptive: {self.rule.factor:g} x the longest gap {self.longest_gap:.0f} s" if self.ranks_reported else
+               ", adaptive: no trainer.progress from the ranks, so the ceiling")
         return f"no progress for {since:.0f} s (limit {limit:g} s{how}; last: {self.what or 'progress'})"
 
 

@@ -45,14 +45,30 @@ def test_fixed_timeout_counts_from_the_last_progress():
 
 def test_adaptive_limit_is_bounded_multiple_of_the_longest_gap():
     w = StallWatch(StallRule(), started=0.0)
-    for t in range(10, 200, 5):  # a line every 5 s: the floor (120 s) holds, not 25 s
-        w.progressed(float(t))
+    for t in range(10, 200, 5):  # a progress() every 5 s: the floor (120 s) holds, not 25 s
+        w.progressed(float(t), "progress")
     assert w.limit() == 120
     assert not w.stalled(195 + 119) and w.stalled(195 + 120)
-    w.progressed(195 + 100.0)  # one 100 s gap (a checkpoint save): 5 x 100 = 500 s
+    w.progressed(195 + 100.0, "checkpoint directory")  # one 100 s gap (a checkpoint save): 5 x 100 = 500 s
     assert w.limit() == 500
     w.progressed(295 + 1000.0)  # a gap longer than anything: the ceiling
     assert w.limit() == 1800
+
+
+def test_adaptive_learns_no_pace_from_output_and_checkpoint_files_alone():
+    """A trainer that logs at start, then trains (or compiles, or evaluates) in silence is not
+    hung: without the ranks' own progress() the adaptive limit is the ceiling."""
+    w = StallWatch(StallRule(), started=0.0)
+    for t in range(10, 60, 5):  # start-up lines every 5 s, then nothing
+        w.progressed(float(t), "output")
+    w.progressed(70.0, "checkpoint directory")
+    assert w.limit() == 1800 and not w.stalled(70 + 1799)
+    assert "no trainer.progress from the ranks, so the ceiling" in w.stalled(70 + 1800)
+    w.progressed(100.0, "progress on other nodes")  # a rank's own progress: from now on it learns
+    assert w.limit() == 5 * (100 - 70)
+    explicit = StallWatch(StallRule(timeout_s=30), started=0.0)
+    explicit.progressed(5.0, "output")  # an explicit timeout holds for every signal
+    assert explicit.limit() == 30
 
 
 def test_a_ten_minute_checkpoint_that_writes_files_is_never_flagged():

@@ -65,7 +65,7 @@ def test_sbatch_adds_requeue_and_end_signal_and_keeps_argv_intact(monkeypatch, c
     nasty = ["python", "train.py", "--name", "a b; rm -rf / $(id) `x` 'q'"]
     code = submit(parse({"checkpoint": {"signal_lead_s": 240}}), ["-t", "10", "--", *nasty])
     assert code == 0 and capsys.readouterr().out == "77\n"
-    argv = runner.calls[0]
+    [argv] = [c for c in runner.calls if c[0] == "sbatch"]  # after its `scontrol show config` (22.05 here)
     assert argv[:4] == ["sbatch", "-t", "10", "--requeue"]
     assert argv[4] == "--signal=B:USR1@240"
     script_index = 5
@@ -76,7 +76,7 @@ def test_sbatch_keeps_user_signal_and_passes_run_options(monkeypatch, capsys):
     runner = FakeSlurm()
     monkeypatch.setattr(Slurm, "from_config", classmethod(lambda cls, cfg: cls(runner=runner)))
     submit(parse({}), ["--signal=B:USR1@900", "--", "--grace", "30", "--", "python", "t.py"])
-    argv = runner.calls[0]
+    [argv] = [c for c in runner.calls if c[0] == "sbatch"]  # after its `scontrol show config` (22.05 here)
     assert argv.count("--signal=B:USR1@900") == 1 and not any(a.startswith("--signal=B:USR1@300") for a in argv)
     assert argv[-5:] == ["--grace", "30", "--", "python", "t.py"]
 

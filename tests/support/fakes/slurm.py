@@ -39,6 +39,7 @@ class FakeSlurm:
         self.hang: set[str] = set()  # ... that time out (the runner raises, like run_argv)
         self.replies: list[Any] = []  # canned (code, stdout, stderr) or exceptions, answered first
         self.sbatch_reply = "100\n"
+        self.config = {"SLURM_VERSION": "22.05.8", "SlurmctldParameters": "(null)", "SlurmctldPort": "6817"}
         self.calls: list[list[str]] = []
         self.timeouts: list[float] = []
 
@@ -131,6 +132,9 @@ class FakeSlurm:
         if args[:3] == ["-o", "show", "partition"]:
             return _answer(argv, 0, "".join(f"PartitionName={p} MaxTime={t} Nodes={','.join(self.nodes)}\n"
                                             for p, t in self.partitions.items()))
+        if args[:2] == ["show", "config"]:  # the controller's running config, as `scontrol show config` prints it
+            return _answer(argv, 0, "Configuration data as of 2026-12-01T00:00:00\n"
+                           + "".join(f"{k:<24}= {v}\n" for k, v in self.config.items()))
         if args[:2] == ["write", "batch_script"]:
             script = self.scripts.get(args[2], "")
             return _answer(argv, 0, script) if script else _answer(argv, 1, err="scontrol: error: Job has no batch script\n")
