@@ -34,7 +34,8 @@ with slurmagent and without any agent, under the interruption mix of the Llama 3
 
 Output: per policy a `slurmagent report --json`-shaped document (core/goodput.build_report
 over one ledger record per simulated attempt) and its page (core/goodput_html.py) under
---out, and ETTR for both. The measured PENDING includes this cluster's `cred_expire` (20 s).
+--out, and ETTR for both. The measured PENDING includes this cluster's `cred_expire` (5 s: a
+requeued job waits 6 s before it may start again).
 """
 
 from __future__ import annotations

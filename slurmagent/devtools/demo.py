@@ -388,7 +388,7 @@ def _scene_sick_gpu(tl: Timeline, cluster, root: Path) -> None:
             held_seen.append(j["Reason"])
         return j if j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED") else None
 
-    tl.say(f"job {job} is back to PENDING (never held); it may start again after cred_expire + 1 s (~21 s here)")
+    tl.say(f"job {job} is back to PENDING (never held); it may start again after cred_expire + 1 s (~6 s here)")
     final = tl.wait(f"job {job} to finish elsewhere", done, 120)
     tl.say(f"job {job} {final['JobState']} on {final['NodeList']} after {final['Restarts']} restart(s)")
     reason_ok = node.get("Reason", "").startswith("slurmagent: xid 79 on gpu 3")

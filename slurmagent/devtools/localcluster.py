@@ -64,7 +64,9 @@ class LocalSlurmCluster:
     epilog: str | None = None
     extra_conf: list[str] = field(default_factory=list)
     node_extra: str = ""
-    cred_expire: int = 20
+    # Slurm's minimum (22.05-26.05 refuse less): a requeued job may start again after 6 s, not 21;
+    # a step's credential must still reach its slurmd within 5 s of slurmctld signing it.
+    cred_expire: int = 5
     node_local: Path | None = None  # ROOT: per-node ROOT/localssd (see the module doc)
     cloud_nodes: list[str] = field(default_factory=list)  # State=CLOUD: powered up for a job, down when told
     configless: bool = False  # slurmd fetches its config from slurmctld (see the module doc)

@@ -106,7 +106,7 @@ def test_watch_drains_10_min_left_not_3_h_and_keeps_admin_reason(env, gcp, tmp_p
 @pytest.mark.slow
 def test_wrapped_job_flushes_at_lead_and_resumes_elsewhere_before_termination(env, gcs_emulator, tmp_path):
     """Termination 60 s away, flush lead 40 s: the wrapper flushes on its own from the state
-    file, requeues; the job restarts on another node (cred_expire 20 s + 1) before the end."""
+    file, requeues; the job restarts on another node (cred_expire 5 s + 1) before the end."""
     c = env.cluster
     base = (cluster_config_text(env.root) + '[checkpoint]\nremote = "gs://ckpt/jobs"\nsync_interval_s = 1.0\n'
             'grace_s = 10.0\n[expiry]\nflush_lead_s = 40.0\npublish_run_file = false\n')
