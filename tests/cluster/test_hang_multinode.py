@@ -37,15 +37,13 @@ HANG_TIMEOUT_S = 10
 EVERY = 100  # steps between checkpoints: 10 s quiet between saves, so a busy machine still commits
 
 
-@pytest.fixture
-def hang_cluster(cl, tmp_path):
-    """The config (bucket, [run] hang timeout, healthy nodes, a breaker that lets one node go),
-    a node-local TMPDIR on every node, and root's channel on every node, served in-process as
-    `watch` would."""
+def served_env(cl, tmp_path, middle: str):
+    """The config (bucket, a sync round every second, `middle` for the [checkpoint] section's
+    rest and what follows), healthy nodes with a node-local TMPDIR, and root's channel on every
+    node, served in-process as `watch` would. A generator: a fixture yields from it."""
     config = tmp_path / "c.toml"
     config.write_text(cluster_config_text(tmp_path) + '[checkpoint]\nremote = "gs://ckpt/jobs"\nsync_interval_s = 1.0\n'
-                      f'grace_s = 20.0\n[run]\nhang_timeout_s = {HANG_TIMEOUT_S}\n[repair]\nmax_drained_fraction = 0.5\n'
-                      '[expiry]\npublish_run_file = false\n')
+                      + middle + '[expiry]\npublish_run_file = false\n')
     env = SlurmEnv(cl, tmp_path, config)
     for n in cl.nodes:
         env.set_snapshot(n, healthy_snapshot_dict(hostname=n))
@@ -65,6 +63,13 @@ def hang_cluster(cl, tmp_path):
     yield env
     for s in servers:
         s.stop()
+
+
+@pytest.fixture
+def hang_cluster(cl, tmp_path):
+    """[run] hang timeout, a breaker that lets one node go, root's channel on every node."""
+    yield from served_env(cl, tmp_path, f'grace_s = 20.0\n[run]\nhang_timeout_s = {HANG_TIMEOUT_S}\n'
+                                        '[repair]\nmax_drained_fraction = 0.5\n')
 
 
 def test_a_rank_stopped_on_the_second_node_drains_that_node_and_the_job_resumes_from_its_checkpoint(

@@ -13,19 +13,16 @@ tests/unit/test_straggler.py.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
 import pytest
 
-from support import SUPPORT, SlurmEnv, cluster_config_text, healthy_snapshot_dict, wait_for
-from slurmagent.actions.job_channel import ChannelServer
+from support import SUPPORT, wait_for
 from slurmagent.devtools.localcluster import free_ports
-from slurmagent.slurm.commands import Slurm
-from slurmagent.state.config import load
-from slurmagent.state.decisionlog import DecisionLog, read_records
+from slurmagent.state.decisionlog import read_records
 from test_fault_slurm import land_on
+from test_hang_multinode import served_env
 from test_multinode import ledger, nodes_of, starts, submit, wait_end
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -38,32 +35,10 @@ STEP_S, TOTAL = 0.05, 400  # rank 1: 0.15 s a step; ~60 s in all, some 20 window
 
 @pytest.fixture
 def straggler_cluster(cl, tmp_path):
-    """The config ([run] short straggler windows, a sync round every second so the other node's
-    ranks come often), healthy nodes with node-local TMPDIR, and root's channel on every node,
-    served in-process as `watch` would."""
-    config = tmp_path / "c.toml"
-    config.write_text(cluster_config_text(tmp_path) + '[checkpoint]\nremote = "gs://ckpt/jobs"\nsync_interval_s = 1.0\n'
-                      f'[run]\nstraggler_window_s = {WINDOW_S}\nstraggler_windows = {WINDOWS}\n'
-                      'straggler_action = "report"\n[expiry]\npublish_run_file = false\n')
-    env = SlurmEnv(cl, tmp_path, config)
-    for n in cl.nodes:
-        env.set_snapshot(n, healthy_snapshot_dict(hostname=n))
-        (tmp_path / "kern").mkdir(exist_ok=True)
-        (tmp_path / "kern" / f"{n}.log").touch()
-        (cl.node_dir(n) / "tmp").mkdir()
-    cfg = load(str(config))
-
-    def runner(argv, timeout):
-        return subprocess.run(argv, env=cl.env, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-
-    servers = [ChannelServer(cfg, n, Slurm(runner=runner), DecisionLog(env.state_dir(n) / "hooks.log"),
-                             say=lambda line: None) for n in cl.nodes]
-    for s in servers:
-        s.start()
-    yield env
-    for s in servers:
-        s.stop()
+    """[run] short straggler windows (a sync round every second, so the other node's ranks come
+    often), healthy nodes with node-local TMPDIR, root's channel on every node."""
+    yield from served_env(cl, tmp_path, f'[run]\nstraggler_window_s = {WINDOW_S}\nstraggler_windows = {WINDOWS}\n'
+                                        'straggler_action = "report"\n')
 
 
 def straggler_lines(tmp_path) -> list[str]:
