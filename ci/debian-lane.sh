@@ -42,7 +42,7 @@ VENV=/opt/slurmagent-venv
 BUILD_TIMEOUT_S=${LANE_BUILD_TIMEOUT_S:-1200}
 # A hang guard for a whole suite; the Makefile sets each lane's (their sum stays inside CI's 90
 # minutes: see there).
-TEST_TIMEOUT_S=${LANE_TEST_TIMEOUT_S:-1620}
+TEST_TIMEOUT_S=${LANE_TEST_TIMEOUT_S:-1800}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 

@@ -10,7 +10,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 VENV=${VENV:-$REPO/.venv}
-TEST_TIMEOUT_S=${HOST_TEST_TIMEOUT_S:-2580}  # a hang guard; the Makefile sets it (the lanes' guards add up there)
+TEST_TIMEOUT_S=${HOST_TEST_TIMEOUT_S:-2880}  # a hang guard; the Makefile sets it (the lanes' guards add up there)
 OUT=${LANE_OUT:-$REPO/build/lanes}
 
 LANE=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-host}") || LANE=host

@@ -44,7 +44,7 @@ def write(directory: str | os.PathLike[str], rank: int, step: int, at: float, no
 
 
 def read_all(directory: str | os.PathLike[str]) -> dict[int, RankProgress]:
-    """Every rank's last report; malformed files (the job's own to write) are skipped."""
+    """Every rank's last report, by rank; malformed files (the job's own to write) are skipped."""
     out: dict[int, RankProgress] = {}
     try:
         entries = os.scandir(directory)
@@ -64,4 +64,4 @@ def read_all(directory: str | os.PathLike[str]) -> dict[int, RankProgress]:
                 out[rank] = RankProgress(rank, int(step), float(at), int(pid), fields[3][:255] if len(fields) > 3 else "")
             except (OSError, ValueError, UnicodeDecodeError):
                 continue
-    return out
+    return dict(sorted(out.items()))  # by rank, whatever order the directory lists them in
