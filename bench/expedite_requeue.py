@@ -20,8 +20,6 @@ Leaves nothing running.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -34,22 +32,6 @@ sys.path.insert(0, str(REPO))
 from slurmagent.devtools.localcluster import LocalSlurmCluster  # noqa: E402
 
 OPTIONS = ("--requeue=expedite", "--requeue")
-
-
-def kill_node(cluster: LocalSlurmCluster, node: str, job_id: str) -> None:
-    cluster.stop_node(node)
-    mine = (f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={node}".encode())
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (cmd.startswith(b"slurmstepd") and f"[{job_id}.".encode() in cmd) or all(m in env for m in mine):
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
 
 
 def running_again(cluster: LocalSlurmCluster, job_id: str, restarts: int, timeout: float = 300) -> float:
@@ -70,7 +52,7 @@ def one(cluster: LocalSlurmCluster, option: str, how: str) -> float:
     if how == "scontrol requeue":
         cluster.run(["scontrol", "requeue", job_id])
     else:
-        kill_node(cluster, node, job_id)
+        cluster.kill_node(node, job_id)
     seconds = running_again(cluster, job_id, 1) - t0
     cluster.run(["scancel", job_id], check=False)
     if how != "scontrol requeue":

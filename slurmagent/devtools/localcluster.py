@@ -294,6 +294,24 @@ class LocalSlurmCluster:
         if proc:
             _terminate(proc)
 
+    def kill_node(self, name: str, job_id: str) -> None:
+        """The node dies under job `job_id`: its slurmd, the job's slurmstepds and every process
+        of the job on it (SIGKILL; the job runs on this node only, so its stepds are this node's)."""
+        self.stop_node(name)
+        mine = (f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={name}".encode())
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                env = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            stepd = cmd.startswith(b"slurmstepd") and f"[{job_id}.".encode() in cmd  # "slurmstepd: [JOB.batch]"
+            if stepd or all(m in env for m in mine):
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+
     def stop_ctld(self) -> None:
         proc = self.procs.pop("ctld", None)
         if proc:

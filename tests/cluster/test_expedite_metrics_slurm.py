@@ -16,9 +16,7 @@ The decisions without a cluster: tests/unit/test_slurm_features.py, tests/unit/t
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -78,25 +76,6 @@ def starts(ledger: Path) -> list[str]:
     return [line.split()[2] for line in ledger.read_text().splitlines()] if ledger.exists() else []
 
 
-def kill_node(cluster: LocalSlurmCluster, node: str, job_id: str) -> None:
-    """The node dies: its slurmd, its slurmstepds and every process of the job on it."""
-    cluster.stop_node(node)
-    mine = (f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={node}".encode())
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        # "slurmstepd: [JOB.batch]": the job runs on this node only, so these are this node's
-        stepd = cmd.startswith(b"slurmstepd") and f"[{job_id}.".encode() in cmd
-        if stepd or all(m in env for m in mine):
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-
-
 def restart_after(cluster: LocalSlurmCluster, job_id: str, ledger: Path, event) -> tuple[float, str, set[str]]:
     """`event()`, then until the job's second attempt has started: (seconds, its node, reasons seen)."""
     reasons: set[str] = set()
@@ -134,7 +113,7 @@ def test_a_dead_node_restarts_the_expedited_job_elsewhere_without_the_requeue_de
         assert (job.get("ExpeditedRequeue") == "Yes") is (how == "expedite"), job
         assert ("--requeue=expedite" in said) is (how == "expedite"), said
         first = first_start(cluster, job_id, ledger)
-        seconds, second, reasons = restart_after(cluster, job_id, ledger, lambda: kill_node(cluster, first, job_id))
+        seconds, second, reasons = restart_after(cluster, job_id, ledger, lambda: cluster.kill_node(first, job_id))
         try:
             assert second != first
             assert cluster.job(job_id)["Restarts"] == "1"
