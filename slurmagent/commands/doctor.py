@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..state import config as config_mod
-from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, EXIT_USAGE, SlurmagentError, SlurmError
+from ..errors import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE, EXIT_USAGE, SlurmagentError
 from ..state.build import version
 from ..state.fsutil import untrusted_reason
 from ..checkpoint.remote import parse_remote
@@ -39,7 +39,7 @@ from ..gcp.metadata import parse_created_by
 from .health import expected, read_snapshot
 from ..state.host import node_name
 from ..slurm import env as slurm_env
-from ..slurm.commands import Slurm, conf_value, read_conf_lines, slurm_conf_path, valid_node_name
+from ..slurm.commands import Slurm, conf_value, read_conf_lines, run_argv, slurm_conf_path, valid_node_name
 from ..slurm.features import SlurmFeatures, controller_address, doctor_line
 from ..slurm.hookfiles import Verdict, conf_values, healthcheck_verdict, hook_verdict
 
@@ -275,18 +275,10 @@ def _slurm_features_result(cfg: config_mod.Config) -> Result:
 def _runner_with_conf(conf: str):
     """run_argv with `[slurm] conf` as SLURM_CONF unless one is set, as Slurm.from_config does,
     without changing this process's environment (doctor runs inside tests too)."""
-    def run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        env = dict(os.environ)
-        if conf:
-            env.setdefault(slurm_env.CONF, conf)
-        try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                                  env=env)
-        except subprocess.TimeoutExpired:
-            raise SlurmError(f"{argv[0]} {argv[1]} timed out after {timeout:g} s") from None
-        except OSError as exc:
-            raise SlurmError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
-    return run
+    env = dict(os.environ)
+    if conf:
+        env.setdefault(slurm_env.CONF, conf)
+    return lambda argv, timeout: run_argv(argv, timeout, env=env)
 
 
 def _get_fails(url: str, timeout_s: float) -> str | None:

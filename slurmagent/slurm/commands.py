@@ -36,12 +36,12 @@ class Runner(Protocol):
     def __call__(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess: ...
 
 
-def run_argv(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run one command as an argv list (never a shell) with a deadline."""
+def run_argv(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run one command as an argv list (never a shell) with a deadline (in `env` when given)."""
     import subprocess  # only when a command runs: start-up speed of the healthy prolog
 
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
         raise SlurmError(f"{os.path.basename(argv[0])} {argv[1] if len(argv) > 1 else ''} timed out after {timeout:g} s") from None
     except OSError as exc:
