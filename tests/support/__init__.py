@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -183,6 +184,21 @@ def _fail(why: str) -> NoReturn:
     import pytest
 
     pytest.fail(why, pytrace=False)
+
+
+def need_py_spy() -> None:
+    """py-spy comes with the test extra in every lane (in the venv's bin/, where the wrapper finds
+    it beside its interpreter): the evidence must hold real stacks, so CI may not skip this."""
+    need_tool("py-spy", install="pip install -e '.[test]'")
+
+
+def assert_py_spy_stack(text: str, pid: int, source: str) -> None:
+    """`text` is py-spy's dump of process `pid` with a Python frame in the file `source`, not a
+    line saying why there is none. py-spy 0.4.3 reads every lane's Python (3.11, trixie's 3.13,
+    forky's 3.14; checked by hand in both chroots) and a stopped (SIGSTOP, `T`) process too."""
+    assert text.startswith(f"Process {pid}: "), text
+    assert re.search(r"^Thread \d+ ", text, re.M), text
+    assert re.search(rf"^ +\S.* \((?:\S*/)?{re.escape(source)}:\d+\)$", text, re.M), text  # py-spy may shorten the path
 
 
 class SlurmEnv:
