@@ -29,13 +29,14 @@ from ..policy import (
     breaker as breaker_policy,
     drain as drain_policy,
     eviction as eviction_policy,
+    lemon,
 )
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for, warn
 from ..errors import SlurmError
 from ..state.journal import Entry, Journal, Retry, StopReplay
 from ..slurm.model import NodeInfo
-from ..state.repair_state import drop_marker, record_history, write_marker
+from ..state.repair_state import drop_marker, load_state, record_history, write_marker
 from ..slurm.commands import Slurm, unreachable
 
 # What a replay that stopped because slurmctld could not be reached says (`journal` exits 3 on it).
@@ -345,8 +346,13 @@ class EntryHandlers:
         return str(entry.payload.get("note", "noted"))
 
     def repaired(self, nodes: list[str], action: str) -> None:
-        record_history(self.state_dir, nodes, self.clock(), self.cfg.repair.lemon_window_s, self.cfg.repair.lemon_faults)
+        now = self.clock()
+        record_history(self.state_dir, nodes, now, self.cfg.repair.lemon_window_s, self.cfg.repair.lemon_faults)
         self.count_repairs(action, "requested", len(nodes))
+        # the lemon gauges count this repair now (a node it makes a lemon shows as one at once)
+        metrics.for_node(self.cfg, self.local_node).update(
+            set_=lemon.state_gauges(load_state(self.state_dir), now, self.cfg.repair),
+            replace_prefix="slurmagent_node_faults{")
 
     def count_repairs(self, action: str, result: str, nodes: int) -> None:
         """`slurmagent_repairs_total{action,result}`, per node: requested, refused (Google said

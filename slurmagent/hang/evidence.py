@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -81,17 +82,28 @@ def ptrace_scope(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> int | None
         return None
 
 
+def py_spy_exe() -> str | None:
+    """py-spy on PATH, else beside this interpreter: `pip install 'slurmagent[hang]'` puts it in
+    the venv's bin/, which a job's PATH seldom holds (the wrapper runs as `<venv>/bin/python -m
+    slurmagent.entry run`)."""
+    return shutil.which("py-spy") or shutil.which(str(Path(sys.executable).parent / "py-spy"))
+
+
 def py_spy_dumps(pids: list[int], timeout_s: float = PY_SPY_TIMEOUT_S) -> dict[int, str]:
     """pid -> `py-spy dump` text (or why there is none), all at once within `timeout_s`."""
-    exe = shutil.which("py-spy")
+    exe = py_spy_exe()
     if exe is None:
         return {pid: "py-spy is not installed (pip install 'slurmagent[hang]')" for pid in pids}
     scope = ptrace_scope()
     out: dict[int, str] = {}
 
     def dump(pid: int) -> None:
+        # py-spy suspends a process to read it and cannot suspend one already stopped (`T`, a
+        # SIGSTOPped rank: "Failed to suspend process"); a stopped one is read as it stands.
+        st = proc_stat(pid)
+        still = ["--nonblocking"] if st is not None and st[0] in ("T", "t") else []
         try:
-            proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+            proc = subprocess.run([exe, "dump", *still, "--pid", str(pid)], capture_output=True, text=True,
                                   timeout=timeout_s, check=False)
             text = proc.stdout + (f"\n(py-spy exit {proc.returncode}) {proc.stderr.strip()}" if proc.returncode else "")
             if proc.returncode and scope is not None and scope >= 1 and "ermission" in proc.stderr:

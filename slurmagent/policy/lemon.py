@@ -71,3 +71,11 @@ def judge(history: Any, now: float, todo: list[str], repair_cfg: Any,
     keys = dict(faults=int(repair_cfg.lemon_faults), window_s=float(repair_cfg.lemon_window_s), hangs=hangs)
     lemons = {n: why for n in todo if (why := escalation(n, history, now, **keys))}
     return gauges(node_faults(history, now, **keys)), lemons if repair_cfg.lemon_action == "report-faulty" else {}
+
+
+def state_gauges(state: Any, now: float, repair_cfg: Any) -> dict[tuple, float]:
+    """The gauges of a repair state (its `history` and `hangs`), as they stand after a repair is
+    recorded: the repair just asked counts at once, not at the next `repair` run."""
+    state = state if isinstance(state, dict) else {}
+    return gauges(node_faults(state.get("history"), now, faults=int(repair_cfg.lemon_faults),
+                              window_s=float(repair_cfg.lemon_window_s), hangs=state.get("hangs")))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, cluster_config_text, manifest, wait_for
+from support import REPO, cluster_config_text, manifest, need_module, wait_for
 
-pytest.importorskip("torch")
+need_module("torch")
 
 DCP_TRAIN = str(REPO / "examples" / "dcp_train.py")
 STEPS, EVERY = 60, 10

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, cluster_config_text, manifest, wait_for
+from support import REPO, cluster_config_text, manifest, need_module, wait_for
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+need_module("torch")
+need_module("transformers")
+need_module("accelerate")
 
 HF_TRAIN = str(REPO / "examples" / "hf_train.py")
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, wait_for
+from support import REPO, need_module, wait_for
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+need_module("torch")
+need_module("transformers")
+need_module("accelerate")
 
 HF_TRAIN = str(REPO / "examples" / "hf_train.py")
 # Model width: ~75 MB per checkpoint-N/ (model, optimizer, rng, scheduler, args, state), so HF's

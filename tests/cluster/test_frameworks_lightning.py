@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, cluster_config_text, manifest, wait_for
+from support import REPO, cluster_config_text, manifest, need_module, wait_for
 
-pytest.importorskip("lightning")
+need_module("lightning")
 
 LIGHTNING_TRAIN = str(REPO / "examples" / "lightning_train.py")
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, wait_for
+from support import REPO, need_module, wait_for
 from slurmagent.devtools.localcluster import LocalSlurmCluster, free_ports
 from test_multinode import committed, drain, nodes_of, submit, wait_end
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-pytest.importorskip("torch")
+need_module("torch")
 
 DCP_TRAIN = str(REPO / "examples" / "dcp_train.py")
 HF_TRAIN = str(REPO / "examples" / "hf_train.py")
@@ -40,7 +40,7 @@ def single_process_params(tmp_path: Path, steps: int, every: int) -> bytes:
 def test_dcp_rename_recipe_on_two_nodes_resumes_every_rank_bit_identical(cl: LocalSlurmCluster, emu, tmp_path):
     """Each node renames its own `step-N.tmp/` (rank 0 alone would leave rank 1's shard
     unrenamed on its disk: never synced, and the requeued job dies with FileNotFoundError)."""
-    pytest.importorskip("numpy")  # DCP's planning uses torch.distributed's object collectives
+    need_module("numpy")  # DCP's planning uses torch.distributed's object collectives
     steps, every = 300, 40
     reference = single_process_params(tmp_path, steps, every)
     log, params = tmp_path / "log", tmp_path / "params.bin"
@@ -87,8 +87,8 @@ def test_hf_save_total_limit_on_two_nodes_holds_two_checkpoints_over_three_reque
     `checkpoint-N/` on its own node's disk, rank 0 alone rotates old folders, and the other
     node keeps its files of them (and, after a requeue, every restored copy). A step folder its
     writer removed whole leaves the checkpoint whole: never 3+ folders, never half-empty ones."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    need_module("transformers")
+    need_module("accelerate")
     log = tmp_path / "log"
     cmd = [sys.executable, HF_TRAIN, "--max-steps", "100", "--save-steps", "10", "--save-total-limit", "2",
            "--step-seconds", "0.1", "--log", str(log)]

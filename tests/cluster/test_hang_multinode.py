@@ -20,7 +20,8 @@ import time
 
 import pytest
 
-from support import SUPPORT, SlurmEnv, cluster_config_text, healthy_snapshot_dict, wait_for
+from support import (SUPPORT, SlurmEnv, assert_py_spy_stack, cluster_config_text, healthy_snapshot_dict,
+                     need_module, need_py_spy, wait_for)
 from slurmagent.actions.job_channel import ChannelServer
 from slurmagent.devtools.localcluster import free_ports
 from slurmagent.slurm.commands import Slurm
@@ -30,7 +31,7 @@ from test_fault_slurm import land_on, restarts
 from test_multinode import committed, committed_file, ledger, nodes_of, starts, steps, submit, wait_end
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-pytest.importorskip("torch")
+need_module("torch")
 
 GLOO = str(SUPPORT / "toy_gloo.py")
 HANG_TIMEOUT_S = 10
@@ -74,6 +75,7 @@ def hang_cluster(cl, tmp_path):
 
 def test_a_rank_stopped_on_the_second_node_drains_that_node_and_the_job_resumes_from_its_checkpoint(
         cl, emu, hang_cluster, tmp_path):
+    need_py_spy()
     env = hang_cluster
     (tmp_path / "ledger").mkdir()
     total = 1500  # 150 s on the first run; the restarted one goes at 5 ms a step
@@ -121,6 +123,10 @@ def test_a_rank_stopped_on_the_second_node_drains_that_node_and_the_job_resumes_
     names = {p.name for p in folder.iterdir()}
     assert {"summary.txt", "processes.txt", f"gpu-{batch}.json", f"gpu-{other}.json",
             "py-spy-rank-0.txt", "py-spy-rank-1.txt"} <= names, names
+    # each rank's own Python stack in the toy trainer: rank 0's from the batch node's wrapper (it
+    # waits in its all-reduce), stopped rank 1's from its own node's agent
+    for rank in (0, 1):
+        assert_py_spy_stack((folder / f"py-spy-rank-{rank}.txt").read_text(), ranks[rank]["pid"], "toy_gloo.py")
 
     # resumed from the last committed checkpoint, off the drained node, no step lost beyond it
     second = nodes_of(cl, job)

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from support import REPO, cluster_config_text, wait_for
+from support import REPO, assert_py_spy_stack, cluster_config_text, need_py_spy, wait_for
 from slurmagent.actions.job_channel import ChannelServer
 from slurmagent.checkpoint.gcs.ledger import LedgerBucket
 from slurmagent.slurm.commands import Slurm
@@ -73,6 +73,7 @@ def ended(c, job_id, timeout):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_stopped_trainer_is_found_its_node_drained_and_the_job_resumes_elsewhere(slurm, hang_setup, tmp_path):
+    need_py_spy()
     c = slurm.cluster
     env, _ = hang_setup
     steps, out = tmp_path / "steps", tmp_path / "out"
@@ -102,8 +103,10 @@ def test_a_stopped_trainer_is_found_its_node_drained_and_the_job_resumes_elsewhe
 
     folder = tmp_path / "out.hang-0"
     ranks = json.loads((folder / "ranks.json").read_text())
-    assert [(r["rank"], r["state"], r["step"]) for r in ranks] == [(0, "T", reported)]
+    assert [(r["rank"], r["state"], r["step"], r["pid"]) for r in ranks] == [(0, "T", reported, pid)]
     assert (folder / "processes.txt").read_text() and (folder / "summary.txt").read_text()
+    # the stopped rank's own Python stack, in the toy trainer
+    assert_py_spy_stack((folder / "py-spy-rank-0.txt").read_text(), pid, "toy_trainer.py")
 
     # resumed from the last committed checkpoint, on another node, no step lost beyond it
     starts = [line.split() for line in steps.read_text().splitlines() if line.startswith("start ")]
@@ -133,6 +136,7 @@ print("done", flush=True)
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_job_without_progress_calls_is_watched_through_its_output(slurm, hang_setup, tmp_path):
+    need_py_spy()
     c = slurm.cluster
     env, _ = hang_setup
     out = tmp_path / "out"
@@ -146,7 +150,14 @@ def test_a_job_without_progress_calls_is_watched_through_its_output(slurm, hang_
     said = [line for line in log.splitlines() if "hang: no progress for" in line]
     assert len(said) == 1 and "last: output" in said[0] and "no node to blame" in said[0], log
     assert "done" in log.splitlines()
-    assert "T " in (tmp_path / "out.hang-0" / "processes.txt").read_text().replace(" T ", "T ")
+    # the evidence lists the job's processes as `PID STATE COMMAND` (a command line may run over
+    # several lines): the logger, stopped, is the one process in state T, and py-spy, with no
+    # rank to name, dumped it by pid: its stack in the `-c` script
+    folder = tmp_path / "out.hang-0"
+    listed = re.findall(r"^(\d+) (\S+) (.*)$", (folder / "processes.txt").read_text(), re.M)
+    stopped = [(int(p), cmd) for p, state, cmd in listed if state == "T"]
+    assert len(stopped) == 1 and stopped[0][1].startswith(f"{sys.executable} -c "), listed
+    assert_py_spy_stack((folder / f"py-spy-pid-{stopped[0][0]}.txt").read_text(), stopped[0][0], "<string>")
     # nothing pointed at the node: none drained, the hang counted against it for the lemon count, by root
     node = re.search(r"the hang counted against every node of the job: granted: counted against ([\w.-]+)", said[0])
     assert node and "DRAIN" not in c.node(node.group(1))["State"], said[0]

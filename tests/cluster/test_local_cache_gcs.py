@@ -93,9 +93,16 @@ def test_a_first_restore_fills_the_cache_so_the_next_one_on_that_node_downloads_
     write_tree(src, files)
     store(local_cache_gib=-1).sync(src, 0, tmp_path / "src.json")
     first = store()
-    assert counting(first) is not None
+    fetched_first = counting(first)
     first.restore(ckpt, state_file=tmp_path / "node" / "state.json")
     assert read(ckpt) == files and first.last_cache.taken == 0
+    # the node held nothing: the bytes came from the bucket (each big file's own blob; the small
+    # ones may come in a pack), and they filled this node's cache, one entry per file
+    cache_dir = default_cache_dir(ckpt)
+    cached = entries(cache_dir)
+    big = {n for n in cached if (cache_dir / n).stat().st_size >= MiB}
+    assert len(cached) == 4 and len(big) == 2, cached
+    assert big <= {name.rsplit("/", 1)[1] for name in fetched_first}, fetched_first
     shutil.rmtree(ckpt)
     second = store()
     fetched = counting(second)

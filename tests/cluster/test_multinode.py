@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, SUPPORT, SlurmEnv, cluster_config_text, healthy_snapshot_dict, wait_for
+from support import REPO, SUPPORT, SlurmEnv, cluster_config_text, healthy_snapshot_dict, need_module, wait_for
 from support.gcs_fault_proxy import GcsFaultProxy
 from test_fault_slurm import evictions, land_on, restarts
 from test_watch import append, nvrm
@@ -318,8 +318,8 @@ def run_uninterrupted(tmp_path: Path, total: int) -> Path:
 
 
 def test_ddp_dcp_two_ranks_on_two_nodes_resume_bit_identical_to_an_uninterrupted_run(cl, emu, tmp_path):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("numpy")  # torch.distributed's object collectives (DCP's planning) need it
+    torch = need_module("torch")
+    need_module("numpy")  # torch.distributed's object collectives (DCP's planning) need it
     total = 300
     reference = torch.load(run_uninterrupted(tmp_path, total))
     out = tmp_path / "train"
@@ -513,7 +513,7 @@ pl.Trainer(default_root_dir=root, max_steps=150, max_epochs=-1, accelerator="cpu
 def test_lightning_default_layout_on_two_nodes_commits_each_checkpoint_while_it_trains(cl, emu, tmp_path):
     """metrics.csv, rewritten every step beside checkpoints/, used to hold back the whole
     lightning_logs/ folder: nothing was committed until the job ended."""
-    pytest.importorskip("lightning")
+    need_module("lightning")
     import time
 
     script, log = tmp_path / "pl_train.py", tmp_path / "saves"

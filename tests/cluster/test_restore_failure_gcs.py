@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, need_tool
 from test_checkpoint import KiB, MiB, write_tree  # noqa: F401
 from test_checkpoint_gcs import dirs, read_tree, store  # noqa: F401 (dirs: a fixture)
 from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
@@ -51,12 +50,13 @@ def restore_on_a_disk_of(size: str, tmp_path: Path, emu) -> subprocess.Completed
     script = tmp_path / "restore.py"
     script.write_text(RESTORE_ON_SMALL_DISK)
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}:{REPO / 'tests' / 'unit'}", STORAGE_EMULATOR_HOST=emu.url)
-    return subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, str(script), str(disk), size,
+    unshare = need_tool("unshare", install="apt-get install util-linux")
+    return subprocess.run([unshare, "-m", "--propagation", "private", sys.executable, str(script), str(disk), size,
                            "gs://ckpt/job1", str(tmp_path / "state.json")], env=env, capture_output=True,
                           text=True, timeout=60)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a tmpfs")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a tmpfs")
 def test_a_disk_that_held_the_previous_version_takes_the_new_one(emu, dirs, tmp_path):
     new = {f"shard-{i}.pt": os.urandom(1 << 20) for i in range(3)}
     new["shard-3.pt"] = bytes([3]) * (1 << 20)  # unchanged since the previous version: kept in place
@@ -70,7 +70,7 @@ def test_a_disk_that_held_the_previous_version_takes_the_new_one(emu, dirs, tmp_
     assert got.stdout.split() == [x for name in sorted(new) for x in (name, hashlib.sha256(new[name]).hexdigest())]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a tmpfs")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a tmpfs")
 def test_a_disk_too_small_for_the_checkpoint_is_a_node_disk_error(emu, dirs, tmp_path):
     write_tree(dirs.ckpt, {f"shard-{i}.pt": os.urandom(2 << 20) for i in range(4)})  # 8 MiB: cannot fit
     store().sync(dirs.ckpt, 1, dirs.state, 30)

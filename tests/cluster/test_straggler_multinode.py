@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from support import SUPPORT, wait_for
+from support import SUPPORT, need_module, wait_for
 from slurmagent.devtools.localcluster import free_ports
 from slurmagent.state.decisionlog import read_records
 from test_fault_slurm import land_on
@@ -26,7 +26,7 @@ from test_hang_multinode import served_env
 from test_multinode import ledger, nodes_of, starts, submit, wait_end
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-pytest.importorskip("torch")
+need_module("torch")
 
 TOY = str(SUPPORT / "toy_straggler.py")
 WINDOW_S, WINDOWS = 3, 3

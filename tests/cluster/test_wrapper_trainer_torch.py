@@ -11,9 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-from support import REPO
+from support import REPO, need_module
 from slurmagent.devtools.localcluster import free_ports
 
 
@@ -29,7 +27,7 @@ RANK = textwrap.dedent("""
 
 
 def test_ranks_agree_when_only_one_got_the_signal(tmp_path):
-    pytest.importorskip("torch")
+    need_module("torch")
     env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]))
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(rank)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]

@@ -1,5 +1,6 @@
 """What the tests share besides fixtures: paths, replay snapshots, the cluster's config and
-hook shims, `wait_for`, and the one "skip, or fail in CI" check before starting a cluster.
+hook shims, `wait_for`, and the "skip, or fail in CI" checks: `need_slurm` before starting a
+cluster, `need_tool` for a program CI installs, `need_module` for the training frameworks.
 
 Tests import it as `support` (pyproject puts `tests/` on sys.path); the fakes, emulators, toy
 trainers and data files live beside this file. Nothing here imports pytest or google at import
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from slurmagent.devtools.localcluster import LocalSlurmCluster
@@ -95,7 +97,7 @@ def need_slurm() -> None:
         pytest.skip(why)
 
 
-CHROOT_LANES = ("trixie", "forky")  # ci/debian-lane.sh's suites: neither installs Chromium nor Prometheus
+CHROOT_LANES = ("trixie", "forky")  # ci/debian-lane.sh's suites: neither installs Chromium, Prometheus, torch
 
 
 def chroot_lane() -> str:
@@ -111,6 +113,92 @@ def chroot_lane() -> str:
     if name in CHROOT_LANES:
         return name
     return (name or "chroot") if Path("/.slurmagent-ci-complete").exists() else ""
+
+
+def find_tool(*names: str) -> str | None:
+    """The first of `names` on PATH, else beside this interpreter (a venv's bin/, where pip puts
+    py-spy and which PATH need not hold)."""
+    import shutil
+
+    for name in names:
+        found = shutil.which(name) or shutil.which(str(Path(sys.executable).parent / name))
+        if found:
+            return found
+    return None
+
+
+def need_tool(*names: str, install: str, chroot_lanes_lack: bool = False) -> str:
+    """The path of the first of `names` that is installed. Missing: skip for a developer, but
+    fail in CI (`CI` set), which installs it (`install` says how, e.g. "apt-get install
+    logrotate"), so that a lane never passes by skipping what it must run. `chroot_lanes_lack`:
+    ci/debian-lane.sh's chroots (trixie, forky) do not install it, so there it skips, saying so;
+    the host lane runs the test. May be called at a test module's top level."""
+    found = find_tool(*names)
+    if found:
+        return found
+    why = f"{' or '.join(names)} not installed ({install})"
+    lane = chroot_lane()
+    if lane and chroot_lanes_lack:
+        _skip(f"{why}: the Debian {lane} chroot lane does not install it; the host lane runs this test")
+    if os.environ.get("CI"):
+        _fail(f"{why}: CI installs it, so this test must run there, not skip")
+    _skip(why)
+
+
+FRAMEWORKS_PYTHON = (3, 11)  # pyproject's `frameworks` extra (torch, lightning, transformers) installs only there
+
+
+def need_module(name: str):
+    """`import name` for a test with real training code (torch, numpy, lightning, transformers,
+    accelerate: pyproject's `frameworks` extra, which `make` installs). Missing: skip for a
+    developer, in ci/debian-lane.sh's chroots (never given torch) and on a Python the extra does
+    not install on, each saying so; fail in CI's host lane (`CI` set, Python 3.11), which must
+    run these tests. May be called at a test module's top level."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        why = f"{name} is not importable ({exc}; pip install -e '.[frameworks]' on Python 3.11)"
+    lane = chroot_lane()
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    if lane:
+        _skip(f"{why}: the Debian {lane} chroot lane never installs torch or the frameworks; "
+              "the host lane runs this test")
+    if sys.version_info[:2] != FRAMEWORKS_PYTHON:
+        _skip(f"{why}: the frameworks extra installs only on Python {'.'.join(map(str, FRAMEWORKS_PYTHON))}, "
+              f"this is {py}")
+    if os.environ.get("CI"):
+        _fail(f"{why}: CI's host lane (Python {py}) installs the frameworks extra, so this test must run there, "
+              "not skip")
+    _skip(why)
+
+
+def _skip(why: str) -> NoReturn:
+    import pytest
+
+    pytest.skip(why, allow_module_level=True)
+
+
+def _fail(why: str) -> NoReturn:
+    import pytest
+
+    pytest.fail(why, pytrace=False)
+
+
+def need_py_spy() -> None:
+    """py-spy comes with the test extra in every lane (in the venv's bin/, where the wrapper finds
+    it beside its interpreter): the evidence must hold real stacks, so CI may not skip this."""
+    need_tool("py-spy", install="pip install -e '.[test]'")
+
+
+def assert_py_spy_stack(text: str, pid: int, source: str) -> None:
+    """`text` is py-spy's dump of process `pid` with a Python frame in the file `source`, not a
+    line saying why there is none. py-spy 0.4.3 reads every lane's Python (3.11, trixie's 3.13,
+    forky's 3.14; checked by hand in both chroots) and a stopped (SIGSTOP, `T`) process too."""
+    assert text.startswith(f"Process {pid}: "), text
+    assert re.search(r"^Thread \d+ ", text, re.M), text
+    assert re.search(rf"^ +\S.* \((?:\S*/)?{re.escape(source)}:\d+\)$", text, re.M), text  # py-spy may shorten the path
 
 
 class SlurmEnv:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, need_tool
 
 JUNIT = ('<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="{errors}" '
          'failures="{failures}" skipped="{skipped}" tests="{tests}" time="1.0"></testsuite></testsuites>')
@@ -97,12 +97,12 @@ def stub_repo(tmp_path, fail: str = "") -> Path:
 
 
 def make_test(repo: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", "test"],
+    make = need_tool("make", install="apt-get install make", chroot_lanes_lack=True)  # .ci/run installs it on the host
+    return subprocess.run([make, "--no-print-directory", "test"],
                           cwd=repo, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "PYTEST_ARGS"))})
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_test_runs_host_and_forky_whole_and_trixie_unit_only_then_one_line_each(tmp_path):
     proc = make_test(stub_repo(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -114,7 +114,6 @@ def test_make_test_runs_host_and_forky_whole_and_trixie_unit_only_then_one_line_
     ]
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_every_lane_runs_under_a_hang_guard_and_the_three_fit_ci_with_its_setup(tmp_path):
     proc = make_test(stub_repo(tmp_path))
     guards = {}
@@ -127,7 +126,6 @@ def test_every_lane_runs_under_a_hang_guard_and_the_three_fit_ci_with_its_setup(
     assert SETUP_S + sum(guards.values()) < CI_LIMIT_S - 60, guards
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_test_fails_when_one_lane_fails_and_still_runs_the_others(tmp_path):
     proc = make_test(stub_repo(tmp_path, fail="host"))
     assert proc.returncode != 0

@@ -95,8 +95,8 @@ def test_a_rank_stopped_on_another_node_is_that_nodes_drain_asked_from_the_batch
     fake_proc(tmp_path / "proc", {300: "S", 501: "T"})
     rank_file(tmp_path / "p", 0, 40, 90.0, 300, "n1")
     rank_file(tmp_path / "p", 1, 99, 90.0, 501, "n2")  # a shared path: n2's rank is its agent's, not ours
-    far = remote.node_evidence(tmp_path / "p", "n2", 1, proc=str(tmp_path / "proc"), py_spy=lambda pids: {},
-                               gpu_state=lambda: ("{}", ""))
+    far = remote.node_evidence(tmp_path / "p", "n2", 1, proc=str(tmp_path / "proc"),
+                               py_spy=lambda pids: {p: f"n2's stack of pid {p}" for p in pids}, gpu_state=lambda: ("{}", ""))
     rr = remote.RemoteRanks("n1", tmp_path / "p", tmp_path / "ck", clock=lambda: now[0], ask=lambda a, d: {1: far})
     mon = monitor(tmp_path, now, rr, say=said.append, ask_drain=lambda node, d: drains.append((node, d)) or "granted",
                   ask_count=lambda d: counts.append(d) or "counted")
@@ -115,7 +115,10 @@ def test_a_rank_stopped_on_another_node_is_that_nodes_drain_asked_from_the_batch
     folder = tmp_path / "slurmagent-7.hang-0"
     ranks = json.loads((folder / "ranks.json").read_text())
     assert [(r["rank"], r["node"], r["state"]) for r in ranks] == [(0, "n1", "S"), (1, "n2", "T")]
-    assert {"gpu-n1.json", "gpu-n2.json", "py-spy-rank-0.txt"} <= {p.name for p in folder.iterdir()}
+    assert {"gpu-n1.json", "gpu-n2.json", "py-spy-rank-0.txt", "py-spy-rank-1.txt"} <= {p.name for p in folder.iterdir()}
+    # each rank's stack as its own node dumped it: rank 0 here (pid 300), rank 1 by n2's agent (pid 501)
+    assert (folder / "py-spy-rank-0.txt").read_text() == "local stack"
+    assert (folder / "py-spy-rank-1.txt").read_text() == "n2's stack of pid 501"
     assert "drain of n2 asked: granted" in said[0] and "rank 1 on n2 T step 99" in said[0]
 
 

@@ -16,9 +16,7 @@ file the lane writes at its root, `/.slurmagent-ci-complete`, or by its os-relea
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, chroot_lane, wait_for, xid_snapshot_dict
+from support import REPO, need_tool, wait_for, xid_snapshot_dict
 from support.fakes.slurm import FakeSlurm
 from slurmagent import __version__
 from slurmagent.commands.expiry import ExpiryWatch
@@ -53,17 +51,7 @@ BUILTINS = {"__range": "1m", "__rate_interval": "1m", "__interval": "15s"}
 
 
 def _tool(*names: str) -> str:
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-    why = f"{names[0]} not installed (apt-get install prometheus prometheus-node-exporter)"
-    lane = chroot_lane()
-    if lane:
-        pytest.skip(f"{why}: the Debian {lane} chroot lane does not install it; the host lane runs this test")
-    if os.environ.get("CI"):
-        pytest.fail(f"{why}: CI must run the Prometheus tests (.ci/run installs the packages)")
-    pytest.skip(why)
+    return need_tool(*names, install="apt-get install prometheus prometheus-node-exporter", chroot_lanes_lack=True)
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

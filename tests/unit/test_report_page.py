@@ -17,22 +17,15 @@ import struct
 import subprocess
 import zlib
 
-import pytest
-
 from slurmagent.commands.report import run_report
 from slurmagent.state.config import Config
-from support import chroot_lane
+from support import need_tool
 from test_goodput import two_attempts
 
 def chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found:
-        return found
-    lane = chroot_lane()  # ci/debian-lane.sh's chroots install no chromium
-    if os.environ.get("CI") and not lane:
-        pytest.fail("chromium is missing in CI's host lane (.ci/run installs it: apt-get install chromium)")
-    why = f"the Debian {lane} lane has no chromium" if lane else "apt-get install chromium"
-    pytest.skip(f"chromium not installed: the report page is not checked in a browser ({why})")
+    # CI's host lane installs it (.ci/run); ci/debian-lane.sh's chroots do not
+    return need_tool("chromium", "chromium-browser", install="apt-get install chromium; the report page is not "
+                     "checked in a browser without it", chroot_lanes_lack=True)
 
 
 def png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:

@@ -8,13 +8,12 @@ Needs systemd-analyze >= 250 (`--offline`); Debian 12's systemd package has it (
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, need_tool
 from slurmagent.state.config import Config
 
 # Overall exposure per unit (0 = fully sandboxed, 10 = none) as systemd 252 rates it: 1.7 for the
@@ -32,13 +31,14 @@ SOURCE = REPO / "systemd"
 
 
 def _analyzer() -> str:
-    exe = shutil.which("systemd-analyze")
-    if exe is None:
-        pytest.skip("systemd-analyze is not installed (Debian: the `systemd` package); the CI host has it")
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
-    m = re.match(r"systemd (\d+)", out)
-    if not m or int(m.group(1)) < 250:
-        pytest.skip(f"systemd-analyze {m.group(1) if m else '?'} has no --offline (needs 250+)")
+    # every lane has it: the CI host's systemd, and the chroots' (slurmd pulls it in)
+    exe = need_tool("systemd-analyze", install="Debian: the `systemd` package")
+    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    m = re.match(r"systemd (\d+)", proc.stdout)
+    assert m, (f"cannot read systemd-analyze's version (rc {proc.returncode}): "
+               f"{proc.stdout[:200]!r} {proc.stderr[:200]!r}")
+    if int(m.group(1)) < 250:  # only a version read and too old skips
+        pytest.skip(f"systemd-analyze {m.group(1)} has no --offline (needs 250+)")
     return exe
 
 
