@@ -3,7 +3,8 @@
 Per rank: its process state from `/proc/<pid>/stat` (R running, S sleeping, D in the kernel,
 T stopped, Z zombie, or gone: no such process in the job's session); a Python stack of each
 rank with py-spy when it is installed (it needs ptrace rights over the ranks, which
-`kernel.yama.ptrace_scope` may deny: said in the dump); the node's GPU state
+`kernel.yama.ptrace_scope` may deny: said in the dump; a stopped rank, which py-spy cannot
+pause, is read without pausing it: `--nonblocking`); the node's GPU state
 (`slurmagent check --json`); PyTorch's NCCL flight-recorder dump of each rank, asked through
 its pipe where the job enabled it. Every call has a deadline; the folder is written beside the
 job's output (`<output>.hang-<attempt>/`).
@@ -90,9 +91,14 @@ def py_spy_dumps(pids: list[int], timeout_s: float = PY_SPY_TIMEOUT_S) -> dict[i
     out: dict[int, str] = {}
 
     def dump(pid: int) -> None:
+        argv = [exe, "dump", "--pid", str(pid)]
+        st = proc_stat(pid)
+        if st is not None and st[0] in ("T", "t"):
+            # Stopped (SIGSTOP, or a debugger's): py-spy cannot pause it ("Failed to suspend
+            # process") and need not, it holds still; read its memory without pausing it.
+            argv.append("--nonblocking")
         try:
-            proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
             text = proc.stdout + (f"\n(py-spy exit {proc.returncode}) {proc.stderr.strip()}" if proc.returncode else "")
             if proc.returncode and scope is not None and scope >= 1 and "ermission" in proc.stderr:
                 text += (f"\nkernel.yama.ptrace_scope = {scope} denies py-spy this process: set it to 0, or give "
