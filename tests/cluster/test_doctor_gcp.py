@@ -3,6 +3,9 @@ Cloud Storage emulator: one table of ok/FAIL/skip lines, each failure with its f
 any failure, every line present even when an endpoint is down or hangs, in bounded time.
 
 The same subject without a cluster, emulator or fake server: tests/unit/test_doctor.py.
+
+Timing (parallel lanes): nothing here is in the serial group; "bounded time" is DOCTOR_BOUND_S,
+the doctor's own deadline plus room for a loaded machine.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ import pytest
 
 from support import REPO, healthy_snapshot_dict, hook_shim, write_json
 from support.fake_gcp import FakeGcp
+from slurmagent.commands.doctor import EXTERNAL_DEADLINE_S
+
+# A doctor run: the interpreter's start and the local checks, then the external checks side by
+# side under one deadline (EXTERNAL_DEADLINE_S, 7 s). Idle 2-8 s in all; a loaded machine (the
+# lanes' 4 workers on 2 cores) stretches the part outside the deadline. A check that outlived the
+# deadline would hold the command until the hung endpoint let go (never: the subprocess timeout).
+DOCTOR_BOUND_S = EXTERNAL_DEADLINE_S + 20
 
 ZONE = "us-central1-a"
 NAMES = ["version", "config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf HealthCheckProgram", "slurm.conf PrologFlags",
@@ -141,7 +151,7 @@ def test_metadata_unreachable_fails_with_fix_and_the_rest_still_run(gcp, emu, tm
     elapsed = time.monotonic() - start
     rows = parse_table(proc.stdout)
     assert proc.returncode == 3, proc.stdout + proc.stderr  # no answer: an outage, not a verdict
-    assert elapsed < 10, elapsed
+    assert elapsed < DOCTOR_BOUND_S, elapsed
     assert list(rows) == NAMES
     mark, detail, fix = rows["metadata server"]
     assert mark == "FAIL" and "did not answer within 2 s" in detail
@@ -173,7 +183,7 @@ def test_hung_compute_and_storage_fail_within_the_deadline(gcp, tmp_path, blackh
                           capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - start
     rows = parse_table(proc.stdout)
-    assert proc.returncode == 3 and elapsed < 12, (elapsed, proc.stdout, proc.stderr)
+    assert proc.returncode == 3 and elapsed < DOCTOR_BOUND_S, (elapsed, proc.stdout, proc.stderr)
     assert list(rows) == NAMES
     assert rows["metadata server"][0] == "ok"
     assert rows["compute API"][0] == "FAIL" and rows["compute API"][2]

@@ -1,6 +1,9 @@
 """`slurmagent healthcheck` (Slurm's HealthCheckProgram): check between jobs, drain, never resume.
 
 The same subject without a cluster, emulator or fake server: tests/unit/test_healthcheck.py.
+
+Timing (parallel lanes): nothing here is in the serial group; the skip after a recent
+Prolog/Epilog is asserted by what the check did (no read, no drain, no decision line).
 """
 
 from __future__ import annotations
@@ -51,11 +54,14 @@ def test_node_gone_bad_between_jobs_is_drained_and_next_job_avoids_it(slurm, tmp
     wait_for(lambda: any(d["event"] == "epilog" and d.get("job") == first for d in slurm.decisions("n2")), 10, "epilog")
     slurm.set_snapshot("n2", xid_snapshot_dict(79, gpu=3))  # the GPU falls off the bus while n2 is idle
 
-    # The epilog checked n2 moments ago: the next health check returns at once, without a read.
-    proc, elapsed = run_healthcheck(slurm, "n2")
+    # The epilog checked n2 moments ago: the next health check returns at once, without a read:
+    # it neither saw the XID (no drain) nor logged a check (asserted on what it did, not in wall
+    # seconds, which a loaded machine stretches).
+    checks_before = len(healthchecks(slurm, "n2"))
+    proc, _ = run_healthcheck(slurm, "n2")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert "DRAIN" not in c.node("n2")["State"]
-    assert elapsed < 3, elapsed
+    assert len(healthchecks(slurm, "n2")) == checks_before
 
     # The next one past the window (here: window 0) checks, drains, and says why.
     proc, _ = run_healthcheck(slurm, "n2", "--skip-recent", "0")

@@ -7,6 +7,7 @@ The real google-cloud-compute and google-auth clients talk to tests/support/fake
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -386,7 +387,9 @@ def test_status_table_and_json(env, gcp, tmp_path, cli):
     drain(env, "n2", reasons.repairing_reason("slurmagent: gpu-lost: gpu 1 GPU is lost"))
     expiry = env.root / "state" / "n1" / "expiry.json"
     expiry.parent.mkdir(parents=True, exist_ok=True)
-    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3 * 3600 + 30))
+    # 3 h 5 min ahead: the two status runs below may take minutes on a loaded machine and still
+    # read "in 3h0Xm" (an hour's error, a sign or a time zone would not)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3 * 3600 + 300))
     expiry.write_text(json.dumps({"termination_time": when}))
 
     code, out, err = cli(cfg, "status")
@@ -395,7 +398,7 @@ def test_status_table_and_json(env, gcp, tmp_path, cli):
     assert lines[0].split()[:5] == ["NODE", "STATE", "RULE", "SINCE", "REPAIR"]
     n1 = next(line for line in lines if line.startswith("n1 "))
     n2 = next(line for line in lines if line.startswith("n2 "))
-    assert "xid 79" in n1 and " drained " in n1 and "in 3h00m" in n1
+    assert "xid 79" in n1 and " drained " in n1 and re.search(r"in 3h0[0-5]m", n1), n1
     assert "gpu-lost" in n2 and "repairing" in n2
     assert "breaker: off" in out and "journal: no pending actions" in out
     assert f"expiry: n1 terminates {when}" in out
@@ -404,8 +407,8 @@ def test_status_table_and_json(env, gcp, tmp_path, cli):
     st = json.loads(out)
     assert code == st["exit_code"] == 1 and st["problems"] == ["2 node(s) drained by slurmagent for a fault: n[1-2]"]
     rows = {r["node"]: r for r in st["nodes"]}
-    assert rows["n1"]["rule"] == "xid 79" and rows["n1"]["repair"] == "drained" and rows["n1"]["for_s"] < 60
-    assert 3 * 3600 <= rows["n1"]["expiry"]["in_s"] <= 3 * 3600 + 30
+    assert rows["n1"]["rule"] == "xid 79" and rows["n1"]["repair"] == "drained" and 0 <= rows["n1"]["for_s"] < 600
+    assert 3 * 3600 <= rows["n1"]["expiry"]["in_s"] <= 3 * 3600 + 300
     assert rows["n2"]["repair"] == "repairing" and st["journal"]["pending"] == 0
 
 
@@ -429,7 +432,11 @@ def test_prolog_with_slurmctld_down_journals_the_drain(env):
         proc = hook(env, "prolog", "n1")
         elapsed = time.monotonic() - start
         assert proc.returncode == 1, proc.stderr  # the job still may not run here
-        assert elapsed < 30, elapsed
+        # one MessageTimeout (10 s) on the dead controller, then the journal: idle, ~10 s in all.
+        # The bound is what slurmd allows a prolog (the cluster's PrologEpilogTimeout, 60 s),
+        # less a margin: a loaded machine stretches the run, a prolog retrying the controller
+        # would pass it.
+        assert elapsed < 45, elapsed
         entries = [json.loads(p.read_text()) for p in pending.glob("*.json")]
         assert [(e["kind"], e["payload"]["node"], e["payload"]["reason"]) for e in entries] == [("drain", "n1", XID79)]
         assert "unreachable" in entries[0]["last_error"]

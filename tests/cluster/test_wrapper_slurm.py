@@ -74,8 +74,10 @@ def test_child_ignoring_signal_is_killed_after_grace_and_previous_checkpoint_sta
     wait_for(lambda: (manifest("jobs/ign-task-0") or {}).get("files", {}).get("state.json"), 30, "a synced checkpoint")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 143
-    assert time.monotonic() - started < 2.0 + 5 + 10
+    assert proc.wait(60) == 143
+    # the configured grace (2 s), the kill and the last sync: idle a few seconds; the bound is room
+    # for a loaded machine and half the default grace (90 s) the wrapper would wait if it ignored it
+    assert time.monotonic() - started < 90 / 2
     err = stderr_of(proc)
     assert "did not exit within 2 s" in err
     restored = tmp_path / "restored"

@@ -2,18 +2,27 @@
 interleaving whatever their size, a silent or hung node is named, the flush cancels a round.
 
 On the real cluster: test_multinode.py (4 nodes x 2,000 files, a hung agent at the flush).
+
+Timing (parallel lanes, loaded machine): nothing here is in the serial group. The deadline
+counts from the moment the fake srun has written the answering node's report (a clock that
+stands still until then), and the cancel comes once that report is written, so a slow start
+of the fake srun can neither lose that report nor pass the test without it.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import random
 import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from support import wait_for
 from slurmagent.run.agent_channel import FRAME_TAG, frame_lines, read_frames
+from slurmagent.run import agent_step
 from slurmagent.run.agent_step import Rounds
 from slurmagent.run.multinode import Allocation, AllocationStore, SrunLauncher
 from slurmagent.run.agent_reports import NodeReport
@@ -59,12 +68,22 @@ def test_reports_of_thousands_of_files_from_four_nodes_arrive_whole_through_srun
     assert [NodeReport.from_payload(got.reports[i]) for i in range(4)] == reports
 
 
-def test_one_long_line_per_report_is_what_srun_tears():
-    """Why the channel frames: the same reports as one JSON line each do not survive."""
-    reports = [big_report(i, 300) for i in range(4)]
-    lines = srun_output({r.index: json.dumps(r.__dict__) + "\n" for r in reports}, label=False, seed=7)
-    whole = [line for line in lines if line.startswith("{") and line.endswith("}")]
-    assert len(whole) < 4
+@pytest.mark.parametrize("cut", [40, -101], ids=["in-its-header", "in-its-data"])
+def test_a_frame_line_torn_in_two_names_its_node_and_never_passes_a_wrong_report(cut):
+    """A frame line cut in two (srun cuts output into 1 KiB pieces; a frame stays under 700
+    bytes, but a user's settings could still cut one), its tail on a line of its own after
+    another node's lines: that node is named, the other's report arrives whole."""
+    reports = {i: big_report(i, 300) for i in range(2)}
+    frames = {i: frame_lines(i, r.payload()) for i, r in reports.items()}
+    torn = frames[1][1]
+    lines = [frames[1][0], torn[:cut], *frames[0], torn[cut:], *frames[1][2:]]
+    got = read_frames(lines)
+    assert NodeReport.from_payload(got.reports[0]) == reports[0]
+    assert 1 not in got.reports
+    if cut == 40:  # the head lacks its data field: that part is lost
+        assert got.damaged[1] == f"{len(frames[1]) - 1} of {len(frames[1])} parts arrived"
+    else:  # the head holds part of the data: the report fails its checksum (or base64)
+        assert got.damaged[1] in ("its parts fail the checksum", "its parts are damaged (not base64)")
 
 
 def test_a_missing_or_damaged_part_names_the_node_and_never_passes_a_wrong_report():
@@ -92,21 +111,43 @@ def two_nodes() -> Allocation:
     return Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"})
 
 
-def test_a_node_that_hangs_is_named_at_the_deadline_and_the_others_reports_are_kept(tmp_path):
-    done = tmp_path / "done"
+def answered_clock(answered: Path):
+    """agent_step's clock, standing still until the fake srun has written the answering node's
+    report (`answered` exists), then running: a deadline counts from there, however long a
+    loaded machine takes to start the fake srun, so the report is always in before it."""
+    real, since = time.monotonic, []
+
+    def monotonic() -> float:
+        if not since:
+            if not answered.exists():
+                return 0.0
+            since.append(real())
+        return real() - since[0]
+
+    return SimpleNamespace(monotonic=monotonic)
+
+
+def test_a_node_that_hangs_is_named_at_the_deadline_and_the_others_reports_are_kept(tmp_path, monkeypatch):
+    done, answered = tmp_path / "done", tmp_path / "answered"
     done.write_text("".join(line + "\n" for line in frame_lines(0, big_report(0, 50).payload())))
-    srun = fake_srun(tmp_path, f"cat {done}\nexec sleep 600\n")  # node index 1 never answers
+    srun = fake_srun(tmp_path, f"cat {done}\ntouch {answered}\nexec sleep 600\n")  # node index 1 never answers
+    monkeypatch.setattr(agent_step, "time", answered_clock(answered))
     reports = SrunLauncher(two_nodes(), {}, srun=srun, err=io.StringIO()).run(["sync"], deadline_s=1.5)
     assert reports[0] == big_report(0, 50)
     assert reports[1].error == "no report from n2 (node index 1) within 1.5 s"
 
 
 def test_a_cancelled_step_ends_at_once_and_names_the_nodes_that_had_not_answered(tmp_path):
-    done = tmp_path / "done"
+    done, answered = tmp_path / "done", tmp_path / "answered"
     done.write_text("".join(line + "\n" for line in frame_lines(1, big_report(1, 50).payload())))
-    srun = fake_srun(tmp_path, f"cat {done}\nexec sleep 600\n")
+    srun = fake_srun(tmp_path, f"cat {done}\ntouch {answered}\nexec sleep 600\n")
     cancel = threading.Event()
-    threading.Timer(0.5, cancel.set).start()
+
+    def cancel_once_answered():  # the flush comes after node index 1 answered, before node index 0 does
+        wait_for(answered.exists, 60, "the fake srun's output", interval=0.05)
+        cancel.set()
+
+    threading.Thread(target=cancel_once_answered, daemon=True).start()
     reports = SrunLauncher(two_nodes(), {}, srun=srun, err=io.StringIO()).run(["sync"], deadline_s=300, cancel=cancel)
     assert reports[1].ok and reports[0].error.startswith("no report from n1 (node index 0): cancelled after ")
 

@@ -1,11 +1,16 @@
 """A job that hangs leaves in minutes: the stall rule (fake clock), the suspect node, the
 stragglers, the ranks' progress files, the evidence of real stopped processes, and the
-wrapper's whole hang path (evidence, drain asked, processes killed, requeue) on a real child."""
+wrapper's whole hang path (evidence, drain asked, processes killed, requeue) on a real child.
+
+Timing (parallel lanes): nothing here is in the serial group. Process states are asserted
+once the kernel shows them (waited for, not slept for); the real child's stall limit is 5 s
+against a 0.3 s progress period; its evidence holds the stopped rank's real py-spy stack."""
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, wait_for
 from slurmagent import trainer
 from slurmagent.core.goodput import end_of
 from slurmagent.hang import evidence
@@ -169,13 +174,20 @@ def test_malformed_progress_files_are_skipped(tmp_path):
 
 # --- evidence from real processes ------------------------------------------------------------------
 
+def state_of(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat, read here without the code under test."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def test_states_of_a_stopped_a_running_and_a_gone_rank(tmp_path):
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     gone = subprocess.Popen(["true"])
     gone.wait()
     try:
         os.kill(procs[1].pid, signal.SIGSTOP)
-        time.sleep(0.2)
+        # the states are the kernel's once it got there (a loaded machine may take a while to run
+        # `sleep` up to its sleep, and the stopped one up to its stop)
+        wait_for(lambda: [state_of(p.pid) for p in procs] == ["S", "T"], 30, "one sleeping, one stopped")
         reports = {i: progress.RankProgress(i, 10 + i, 1.0, p.pid) for i, p in enumerate([*procs, gone])}
         states = {r.rank: r.state for r in evidence.rank_states(reports, "n1")}
         assert states == {0: "S", 1: "T", 2: "gone"}
@@ -228,18 +240,34 @@ def test_a_growing_output_file_is_progress_and_its_silence_a_hang(tmp_path):
 HUNG_TRAINER = """
 import os, signal, sys, time
 from slurmagent import trainer
+
+def all_reduce_that_never_returns():
+    os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 stops mid-training, as a hung rank would
+
 for step in range(5):
     trainer.progress(step)
     time.sleep(0.3)
     trainer._progress_due = 0.0
 trainer.progress(5)
-os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 stops mid-training, as a hung rank would
+all_reduce_that_never_returns()
 """
+
+
+def py_spy_here(monkeypatch) -> bool:
+    """py-spy on PATH, from this interpreter's environment (the lanes install it in their venv,
+    which is not on their PATH); False where it is missing, a failure in CI."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if shutil.which("py-spy"):
+        return True
+    if os.environ.get("CI"):
+        pytest.fail("py-spy is missing in CI: the test extra installs it (pip install -e '.[test]')")
+    return False
 
 
 def test_a_hung_child_is_stopped_with_evidence_its_node_asked_to_drain_and_requeued(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
+    spy = py_spy_here(monkeypatch)
     opts = RunOptions(cmd=[sys.executable, "-c", HUNG_TRAINER], ckpt_dir=tmp_path / "ck", grace_s=60,
                       sync_interval_s=3600)
     (tmp_path / "ck").mkdir(mode=0o700)
@@ -247,19 +275,29 @@ def test_a_hung_child_is_stopped_with_evidence_its_node_asked_to_drain_and_reque
     env = dict(os.environ, SLURMAGENT_PROGRESS_DIR=str(tmp_path / "progress"))
     (tmp_path / "progress").mkdir()
     sup = Supervisor(opts, JobIdentity("slurm", "77", "77", 2), None, requeued.append, env, err)
-    sup.hang = HangMonitor(StallRule(timeout_s=2, first_progress_s=30), progress_dir=tmp_path / "progress",
+    # 5 s without progress: the trainer reports every 0.3 s, so only its stop is a hang, even
+    # on a loaded machine where a running trainer may wait a second or two for a CPU
+    sup.hang = HangMonitor(StallRule(timeout_s=5, first_progress_s=30), progress_dir=tmp_path / "progress",
                            ckpt_dir=tmp_path / "ck", node="n1", job="77", attempt=2, say=sup.say,
                            ask_drain=lambda n, d: drains.append(d) or "granted", poll_s=0.2, out_fds=(),
                            gpu_state=lambda: ('{"node": "n1"}', ""))
     outcome = sup.run()
     text = err.getvalue()
     assert outcome.exit_code == EXIT_FLUSHED and requeued == ["77"] and outcome.child_killed, text
-    assert outcome.flush_cause.startswith("hang: no progress for 2 s")
+    assert outcome.flush_cause.startswith("hang: no progress for 5 s")
     assert end_of(flushed=True, flush_cause=outcome.flush_cause, child_code=outcome.child_code)[0] == "hang"
     assert drains == [drains[0]] and drains[0].startswith("rank 0 stopped at step 5 (process stopped (T)"), drains
     folder = tmp_path / "slurmagent-77.hang-2"
     assert '"state": "T"' in (folder / "ranks.json").read_text()
     assert {"summary.txt", "processes.txt", "gpu-n1.json", "py-spy-rank-0.txt"} <= {p.name for p in folder.iterdir()}
+    stack = (folder / "py-spy-rank-0.txt").read_text()
+    if spy:  # the stopped rank's real Python stack, innermost frame first (py-spy dump)
+        assert "\nThread " in stack, stack
+        frames = [line.strip() for line in stack.split("\nThread ", 1)[1].splitlines()[1:]]
+        assert frames[0].startswith("all_reduce_that_never_returns (<string>:") and frames[1].startswith(
+            "<module> (<string>:"), stack
+    else:
+        assert "py-spy is not installed" in stack, stack
     assert "no checkpoint signal to a hung trainer" in text and "asking the job to checkpoint" not in text
     assert f"evidence in {folder}" in text
 
@@ -335,13 +373,15 @@ def test_a_stopped_rank_does_not_outlive_its_launcher(tmp_path):
     assert wait_state(rank, "gone"), evidence.proc_stat(rank)  # SIGKILL lands a moment later; a stop would stay
 
 
-def wait_state(pid: int, state: str) -> bool:
-    for _ in range(100):
+def wait_state(pid: int, state: str, timeout_s: float = 30.0) -> bool:
+    end = time.monotonic() + timeout_s  # a bound for a loaded machine: the states come, or never do
+    while True:
         st = evidence.proc_stat(pid)
         if (st[0] if st is not None else "gone") in ((state, "Z") if state == "gone" else (state,)):
             return True
+        if time.monotonic() > end:
+            return False
         time.sleep(0.05)
-    return False
 
 
 def test_the_flight_recorder_of_each_rank_is_asked_through_its_pipe_and_nothing_else_is_written(tmp_path):
