@@ -37,12 +37,13 @@ export SUITE
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CACHE=${SLURMAGENT_CI_CACHE:-/var/cache/slurmagent-ci}
 PACKAGES=(slurmctld slurmd slurm-client munge python3 python3-venv procps util-linux
-          ca-certificates)
+          ca-certificates logrotate)
 VENV=/opt/slurmagent-venv
 BUILD_TIMEOUT_S=${LANE_BUILD_TIMEOUT_S:-1200}
 # A hang guard for a whole suite; the Makefile sets each lane's (their sum stays inside CI's 90
 # minutes: see there).
 TEST_TIMEOUT_S=${LANE_TEST_TIMEOUT_S:-1800}
+WORKERS=${LANE_WORKERS:-4}  # xdist workers, each with its own local cluster (ci/run_lane.py)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 
@@ -215,17 +216,18 @@ if [ "${1:-}" = "--run" ]; then  # a command instead of pytest: ci/forky-lane.sh
   in_chroot /bin/sh -c 'cd /src && PATH="$0/bin:$PATH" exec "$@"' "$VENV" "$@"
   exit
 fi
-say "Slurm $SLURM_V, Python $PY_V; pytest ${*:-(whole suite)}"
+say "Slurm $SLURM_V, Python $PY_V; pytest ${*:-(whole suite)} on $WORKERS workers"
 
 t2=$(date +%s)
 # In the background, so a TERM to this script runs the trap at once (bash defers traps until a
-# foreground child exits); the trap kills what runs in the chroot.
-in_chroot /usr/bin/timeout --kill-after=30 "$TEST_TIMEOUT_S" /bin/sh -c \
-  'cd /src && exec "$0" -m pytest -q -p no:cacheprovider --junitxml=/lane/junit.xml "$@"' \
-  "$VENV/bin/python" "$@" </dev/null &
+# foreground child exits); the trap kills what runs in the chroot. ci/run_lane.py runs the
+# parallel part and then the serial one, under the lane's hang guard.
+in_chroot /bin/sh -c 'cd /src && exec /usr/bin/python3 ci/run_lane.py "$@"' run_lane \
+  --python "$VENV/bin/python" --workers "$WORKERS" --out /lane --guard-s "$TEST_TIMEOUT_S" -- "$@" </dev/null &
 rc=0
 wait $! || rc=$?
 secs=$(( $(date +%s) - t2 ))
 
 python3 "$HERE/lane_summary.py" --lane "$SUITE" --versions "Slurm $SLURM_V, Python $PY_V" \
-  --pytest-rc "$rc" --seconds "$secs" --junit "$ROOT/lane/junit.xml" --ran "$*" ${LANE_SUMMARY_FILE:+--out "$LANE_SUMMARY_FILE"}
+  --pytest-rc "$rc" --seconds "$secs" --junit "$ROOT/lane/parallel.xml" --junit "$ROOT/lane/serial.xml" \
+  --meter "$ROOT/lane/meter.json" --ran "$*" ${LANE_SUMMARY_FILE:+--out "$LANE_SUMMARY_FILE"}

@@ -4,6 +4,8 @@
 #
 #   ci/host-lane.sh [PYTEST ARGS...]        VENV=.venv by default
 #
+# pytest runs through ci/run_lane.py: the suite on $LANE_WORKERS xdist workers, then the `serial`
+# tests alone; it prints the skips, the 25 slowest tests, wall, CPU and peak memory.
 # The last line on stdout is the lane summary (see ci/lane_summary.py), also written to
 # $LANE_SUMMARY_FILE when set. Exit status: 0 only when pytest passed and ran a test.
 set -euo pipefail
@@ -11,6 +13,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 VENV=${VENV:-$REPO/.venv}
 TEST_TIMEOUT_S=${HOST_TEST_TIMEOUT_S:-2880}  # a hang guard; the Makefile sets it (the lanes' guards add up there)
+WORKERS=${LANE_WORKERS:-4}  # xdist workers, each with its own local cluster; the Makefile sets it
 OUT=${LANE_OUT:-$REPO/build/lanes}
 
 LANE=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-host}") || LANE=host
@@ -19,17 +22,17 @@ slurmctld=$(command -v slurmctld || echo /usr/sbin/slurmctld)
 SLURM_V=$("$slurmctld" -V 2>/dev/null | awk '{print $2}') || true
 PY_V=$("$VENV/bin/python" -c 'import platform; print(platform.python_version())')
 mkdir -p "$OUT"
-rm -f "$OUT/$LANE-junit.xml"
 
 t0=$(date +%s)
 cd "$REPO"
-# A deadline in CI only: `timeout` leaves the terminal's process group, so Ctrl-C would miss it.
-deadline=()
-[ -n "${CI:-}" ] && deadline=(timeout --kill-after=30 "$TEST_TIMEOUT_S")
+# The hang guard in CI only (a developer's Ctrl-C reaches pytest's process group anyway).
+guard=()
+[ -n "${CI:-}" ] && guard=(--guard-s "$TEST_TIMEOUT_S")
 rc=0
-"${deadline[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --junitxml="$OUT/$LANE-junit.xml" "$@" \
-  </dev/null || rc=$?
+python3 "$HERE/run_lane.py" --python "$VENV/bin/python" --workers "$WORKERS" --out "$OUT/$LANE" "${guard[@]}" \
+  -- "$@" </dev/null || rc=$?
 
 python3 "$HERE/lane_summary.py" --lane "$LANE" --versions "Slurm ${SLURM_V:-none}, Python $PY_V" \
-  --pytest-rc "$rc" --seconds "$(( $(date +%s) - t0 ))" --junit "$OUT/$LANE-junit.xml" \
+  --pytest-rc "$rc" --seconds "$(( $(date +%s) - t0 ))" --junit "$OUT/$LANE/parallel.xml" \
+  --junit "$OUT/$LANE/serial.xml" --meter "$OUT/$LANE/meter.json" \
   --ran "$*" ${LANE_SUMMARY_FILE:+--out "$LANE_SUMMARY_FILE"}

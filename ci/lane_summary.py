@@ -5,7 +5,8 @@ A lane passes only when pytest exited 0 *and* ran at least one test: exit status
 tests collected") or an empty report is a failure, never a silent success.
 
     lane_summary.py --lane trixie --versions "Slurm 24.11.5, Python 3.13.5" \
-        --pytest-rc 0 --seconds 612 --junit junit.xml [--ran tests/unit] [--out FILE]
+        --pytest-rc 0 --seconds 612 --junit parallel.xml [--junit serial.xml] [--meter meter.json]
+        [--ran tests/unit] [--out FILE]
 
 `--ran` names what the lane ran when it was not the whole suite (pytest's arguments):
     lane trixie (tests/unit): Slurm 24.11.5, Python 3.13.5: 1594 passed in 123 s -- ok
@@ -14,6 +15,7 @@ tests collected") or an empty report is a failure, never a silent success.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -21,16 +23,33 @@ from pathlib import Path
 NO_TESTS_COLLECTED = 5
 
 
-def counts(junit: Path) -> dict[str, int] | None:
-    """Totals over every <testsuite>; None when the report is missing or unreadable."""
-    try:
-        root = ET.parse(junit).getroot()
-    except (OSError, ET.ParseError):
+KEYS = ("tests", "failures", "errors", "skipped")
+
+
+def counts(*junits: Path) -> dict[str, int] | None:
+    """Totals over every <testsuite> of every report (a lane's parallel and serial parts); None
+    when no report is readable."""
+    suites = []
+    for junit in junits:
+        try:
+            root = ET.parse(junit).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        suites += [root] if root.tag == "testsuite" else root.findall("testsuite")
+    if not suites:
         return None
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in KEYS}
     total["passed"] = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
     return total
+
+
+def meter_text(path: Path | None) -> str:
+    """`; CPU 901 s, peak memory 9.1 GiB, 4 workers` from ci/run_lane.py's meter.json."""
+    try:
+        m = json.loads(path.read_text()) if path else None
+        return f"; CPU {m['cpu_s']} s, peak memory {m['peak_mem_gib']} GiB, {m['workers']} workers" if m else ""
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def verdict(rc: int, c: dict[str, int] | None) -> str | None:
@@ -52,11 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", required=True)
     ap.add_argument("--pytest-rc", type=int, required=True)
     ap.add_argument("--seconds", type=int, required=True)
-    ap.add_argument("--junit", type=Path, required=True)
+    ap.add_argument("--junit", type=Path, required=True, action="append", help="a JUnit report (repeatable)")
+    ap.add_argument("--meter", type=Path, help="ci/run_lane.py's meter.json: the lane's CPU and peak memory")
     ap.add_argument("--ran", default="", help="pytest's arguments, when not the whole suite")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    c = counts(a.junit)
+    c = counts(*a.junit)
     parts = []
     if c is not None:
         parts.append(f"{c['passed']} passed")
@@ -65,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     result = ", ".join(parts) or "no report"
     why = verdict(a.pytest_rc, c)
     ran = " ".join(a.ran.split())
-    line = f"lane {a.lane}{f' ({ran})' if ran else ''}: {a.versions}: {result} in {a.seconds} s"
+    line = f"lane {a.lane}{f' ({ran})' if ran else ''}: {a.versions}: {result} in {a.seconds} s{meter_text(a.meter)}"
     line += f" -- FAILED ({why})" if why else " -- ok"
     print(line)
     if a.out:

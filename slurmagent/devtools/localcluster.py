@@ -275,6 +275,12 @@ class LocalSlurmCluster:
         if self.configless:  # before it has a config, slurmd knows only munge's default socket
             Path(DEFAULT_MUNGE_DIR).mkdir(parents=True, exist_ok=True)
             binds += [str(self.munge_dir), DEFAULT_MUNGE_DIR]
+            # Newer slurmd links /run/slurm/conf to its conf cache, and every Slurm client on the
+            # host without SLURM_CONF reads that link: this cluster's own, in the slurmd's namespace
+            # only, so clusters of parallel test workers never read each other's config.
+            Path(SLURMD_RUN_DIR).mkdir(parents=True, exist_ok=True)
+            (self.base / "d" / name / "run-slurm").mkdir(parents=True, exist_ok=True)
+            binds += [str(self.base / "d" / name / "run-slurm"), SLURMD_RUN_DIR]
         if self.node_local is not None:
             self.local_path.mkdir(parents=True, exist_ok=True)
             self.node_dir(name).mkdir(parents=True, exist_ok=True)
@@ -438,6 +444,7 @@ class LocalSlurmCluster:
 
 DEFAULT_MUNGE_DIR = "/run/munge"  # where libmunge looks when no socket is configured
 MUNGE_SOCKET_NAME = "munge.socket.2"
+SLURMD_RUN_DIR = "/run/slurm"  # where a newer configless slurmd links `conf` to its conf cache
 
 # Character devices every Linux host has: a GPU gres needs File=, and slurmd wants distinct devices.
 GPU_STAND_INS = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx",

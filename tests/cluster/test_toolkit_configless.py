@@ -12,11 +12,12 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from slurmagent.commands.install import HOOK_DIR_NAME, install
-from slurmagent.devtools.localcluster import LocalSlurmCluster
+from slurmagent.devtools.localcluster import SLURMD_RUN_DIR, LocalSlurmCluster
 from support import REPO, cluster_config_text, healthy_snapshot_dict, need_slurm, wait_for, write_json
 
 pytestmark = pytest.mark.slurm
@@ -68,6 +69,19 @@ def test_doctor_passes_the_prolog_and_epilog_of_the_toolkit_layout(toolkit):
     assert f"{PROLOG_D}/{HOOK_DIR_NAME} (runs {root}/venv/bin/slurmagent prolog)" in rows["slurm.conf Prolog"]["detail"]
     # the count comes from the gres the controller sent this configless node (its conf cache)
     assert rows["GPUs"]["detail"] == f"8 GPU(s) seen, 8 expected (gres of n1 in {cache})", rows["GPUs"]
+
+
+def test_a_configless_node_leaves_no_config_link_on_the_host(toolkit):
+    """Newer slurmd links /run/slurm/conf to its conf cache, and every Slurm client on the host
+    without SLURM_CONF reads it: the local cluster keeps that link in the slurmd's own mount
+    namespace, so another cluster (a parallel test worker's) never reads this one's config."""
+    cluster, _ = toolkit
+    link = Path(SLURMD_RUN_DIR) / "conf"
+    assert not (link.is_symlink() and str(cluster.base) in os.readlink(link)), os.readlink(link)
+    for name in cluster.nodes:  # where the slurmd sees /run/slurm: this node's own folder
+        seen = Path(f"/proc/{cluster.procs[name].pid}/root{SLURMD_RUN_DIR}")
+        own = cluster.base / "d" / name / "run-slurm"
+        assert os.stat(seen).st_ino == os.stat(own).st_ino, f"{name}: /run/slurm is not its own folder"
 
 
 def test_seven_of_eight_gpus_drains_n1_and_the_job_completes_on_n2(toolkit):

@@ -4,10 +4,13 @@ tests/unit, each under a hang guard that keeps the three inside CI's limit) and 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -70,12 +73,14 @@ def test_a_lane_that_ran_part_of_the_suite_says_which(tmp_path):
 STUB_LANE = """#!/bin/sh
 # what the real lane prints last, with what it was given (its hang guard on stderr)
 echo "guard {name} ${{SUITE:-host}} ${{LANE_TEST_TIMEOUT_S:-${{HOST_TEST_TIMEOUT_S:-none}}}}" >&2
+echo "workers {name} ${{SUITE:-host}} ${{LANE_WORKERS:-none}}" >&2
 echo "lane {name}: ${{SUITE:-no suite}}: args [$*]" | tee "$LANE_SUMMARY_FILE"
 exit {rc}
 """
 
-# CI's hard limit is 90 minutes for the whole .ci/run; apt and the venvs take about 5 of them.
-CI_LIMIT_S, SETUP_S = 90 * 60, 5 * 60
+# CI's hard limit is 90 minutes for the whole .ci/run; the lanes' guards keep it under 60 (issue 34),
+# with set-up (apt, the venv, both chroots built on a new machine) about 6 of them.
+CI_LIMIT_S, CI_BUDGET_S, SETUP_S = 90 * 60, 60 * 60, 6 * 60
 
 
 def stub_repo(tmp_path, fail: str = "") -> Path:
@@ -123,7 +128,7 @@ def test_every_lane_runs_under_a_hang_guard_and_the_three_fit_ci_with_its_setup(
             guards[lane] = int(seconds)
     assert set(guards) == {"host", "trixie", "forky"}, proc.stderr
     assert all(s >= 300 for s in guards.values()), guards
-    assert SETUP_S + sum(guards.values()) < CI_LIMIT_S - 60, guards
+    assert SETUP_S + sum(guards.values()) <= CI_BUDGET_S < CI_LIMIT_S, guards
 
 
 def test_make_test_fails_when_one_lane_fails_and_still_runs_the_others(tmp_path):
@@ -140,3 +145,95 @@ def test_the_debian_lane_refuses_a_missing_or_odd_suite_before_anything_else(sui
         env["SUITE"] = suite
     proc = subprocess.run([str(REPO / "ci" / "debian-lane.sh")], capture_output=True, text=True, timeout=30, env=env)
     assert proc.returncode == 2 and "SUITE" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_every_lane_runs_on_workers_the_unit_lane_on_no_more_than_the_cores(tmp_path):
+    proc = make_test(stub_repo(tmp_path))
+    workers = {}
+    for line in proc.stderr.splitlines():
+        if line.startswith("workers "):
+            _, _, lane, n = line.split()
+            workers[lane] = int(n)
+    assert set(workers) == {"host", "trixie", "forky"}, proc.stderr
+    assert workers["host"] >= 2 and workers["forky"] >= 2 and 1 <= workers["trixie"] <= 2, workers
+
+
+# --- ci/run_lane.py: the parallel part, the serial part, the budget of a stuck test
+
+LANE_SUITE = {
+    "test_lane.py": """
+import os, time, pytest
+
+@pytest.fixture
+def never_returns():
+    with open(__file__.replace("test_lane.py", "stuck.pid"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(3600)  # a fixture that never returns
+
+def test_fine_1(): pass
+def test_fine_2(): pass
+
+def test_stuck(never_returns): pass
+
+@pytest.mark.skip(reason="said why")
+def test_skipped(): pass
+
+@pytest.mark.serial
+def test_alone(): time.sleep(0.2)
+""",
+    "pytest.ini": "[pytest]\nmarkers =\n    serial: alone\ntimeout = 5\n",
+}
+
+
+def run_lane(tmp_path, *args: str, guard_s: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    suite = tmp_path / "suite"
+    suite.mkdir(exist_ok=True)
+    for name, text in LANE_SUITE.items():
+        (suite / name).write_text(text)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "ci" / "run_lane.py"), "--python", sys.executable,
+                           "--workers", "2", "--out", str(tmp_path / "out"), "--guard-s", str(guard_s), "--",
+                           *args], cwd=suite, capture_output=True, text=True, timeout=300)
+    return proc, time.monotonic() - t0
+
+
+def test_a_stuck_test_fails_within_its_budget_with_its_stack_and_the_lane_goes_on(tmp_path):
+    proc, wall = run_lane(tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "Timeout" in out and "never_returns" in out and "time.sleep(3600)" in out, out  # its stack
+    assert wall < 100, out  # the 5 s budget, not the hour the fixture sleeps nor the lane's guard
+    cases = {c.get("name"): c for x in ("parallel.xml", "serial.xml")
+             for c in ET.parse(tmp_path / "out" / x).getroot().iter("testcase")}
+    assert set(cases) == {"test_fine_1", "test_fine_2", "test_stuck", "test_skipped", "test_alone"}
+    assert cases["test_stuck"].find("error") is not None or cases["test_stuck"].find("failure") is not None
+    assert all(not list(cases[n]) for n in ("test_fine_1", "test_fine_2", "test_alone")), out  # passed
+    # the serial test ran in its own part, after the parallel one, alone
+    assert out.index("== parallel part") < out.index("== serial part") < out.index("== 1 skipped")
+    assert "test_lane::test_skipped: said why" in out
+    assert "slowest tests" in out and "test_lane::test_stuck" in out.split("slowest tests", 1)[1]
+    meter = json.loads((tmp_path / "out" / "meter.json").read_text())
+    assert meter["workers"] == 2 and meter["wall_s"] >= 5 and meter["cpu_s"] >= 0 and meter["peak_mem_gib"] > 0
+
+
+def test_the_lane_guard_ends_pytest_and_every_worker(tmp_path):
+    proc, wall = run_lane(tmp_path, "-o", "timeout=0", guard_s=20)  # no per-test budget: only the guard is left
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    assert "guard ran out" in proc.stdout
+    assert wall < 100
+    pids = [int(p) for p in (tmp_path / "suite" / "stuck.pid").read_text().split()]
+    assert pids and not [p for p in pids if alive(p)], "the stuck worker outlived the guard"
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie left for an init that reaps slowly (this sandbox's does)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_lane_where_neither_part_selects_a_test_says_so(tmp_path):
+    proc, _ = run_lane(tmp_path, "-k", "nothing_matches_this")
+    assert proc.returncode == 5, proc.stdout + proc.stderr
