@@ -155,6 +155,8 @@ def _query(port: int, expr: str) -> list[dict]:
         with urllib.request.urlopen(url, timeout=10) as resp:
             body = json.load(resp)
     except urllib.error.HTTPError as exc:  # a 400 carries PromQL's error
+        if exc.code == 503:  # "Service Unavailable" while its TSDB starts: not ready, no answer yet
+            raise
         body = json.load(exc)
     assert body.get("status") == "success", f"{expr}: {body.get('error')}"
     return body["data"]["result"]
@@ -213,7 +215,7 @@ def prometheus(tmp_path_factory):
                     "".join(f.read_text()[-2000:] for f in logs.iterdir())
             try:
                 got = _query(prom_port, "count_over_time(slurmagent_node_healthy[1m])")
-            except OSError:  # not listening yet
+            except OSError:  # not listening yet, or 503 while starting
                 return False
             return got and float(got[0]["value"][1]) >= 2
 
