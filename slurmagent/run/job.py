@@ -87,6 +87,7 @@ class RunOptions:
     progress_report_s: float = 15.0  # a restore that takes longer says what it is doing this often
     error_report_s: float = 300.0  # a background sync that keeps failing is said at most this often
     sync_deadline_s: float = 30.0  # a background sync may take the longer of this and the interval
+    keep_uncommitted: int = 3  # sets kept in <dir>.uncommitted/ (run/uncommitted.py)
 
 
 @dataclass

@@ -75,6 +75,7 @@ def build_options(cfg: Config, cmd: list[str], env, ident: JobIdentity, *, ckpt_
         expiry_files=expiry_state.files_for(cfg, node),
         multi_node=_multi_node(env),
         per_job_remote=per_job_remote,
+        keep_uncommitted=ck.keep_uncommitted,
     )
 
 
@@ -91,7 +92,8 @@ def node_agent_options(cfg: Config) -> list[str]:
     """The same tunables for the node agents of a multi-node job (they do not read the config)."""
     ck = cfg.checkpoint
     return ["--transfers", str(ck.transfers), "--parallel-upload-mib", str(ck.parallel_upload_mib),
-            "--cache-gib", f"{ck.local_cache_gib if ck.local_cache else -1:g}", "--cache-copies", str(ck.keep_commits), *(["--cache-dir", ck.local_cache_dir] if ck.local_cache_dir else [])]
+            "--cache-gib", f"{ck.local_cache_gib if ck.local_cache else -1:g}", "--cache-copies", str(ck.keep_commits),
+            "--keep-uncommitted", str(ck.keep_uncommitted), *(["--cache-dir", ck.local_cache_dir] if ck.local_cache_dir else [])]
 
 
 def _multi_node(env) -> bool:

@@ -31,7 +31,7 @@ from ..state.progress import PROGRESS_ENV
 from .job import DirRecord
 
 TOKEN_ENV = "SLURMAGENT_PEER_TOKEN"  # the batch step's per-restore token for the peers (never in argv)
-from .uncommitted import keep_own_files, moved_message, set_aside_uncommitted  # noqa: F401 - re-exported
+from .uncommitted import KEEP_SETS, keep_own_files, moved_message, set_aside_uncommitted  # noqa: F401 - re-exported
 
 
 class BlobStore(Protocol):
@@ -59,7 +59,7 @@ def prepare_dir(ckpt_dir: Path, private: Iterable[str] = ()) -> None:
 def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: str, num_nodes: int,
                   generation: int, scope: str, deadline_s: float, state_file: Path | None = None,
                   owner: str = "", private: Iterable[str] = (), fresh: bool = False,
-                  peers: Any = None) -> NodeReport:
+                  peers: Any = None, keep_uncommitted: int = KEEP_SETS) -> NodeReport:
     """Make this node's `D` hold exactly the committed checkpoint of `generation` (or its part),
     every other file moved aside (none committed yet: all of them); `state_file`, the node's
     hash cache, learns the restored files. No remote: `D` keeps only files the record beside it
@@ -70,7 +70,7 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
     try:
         _restore_here(store, ckpt_dir, report, index=index, num_nodes=num_nodes, generation=generation, scope=scope,
                       deadline_s=deadline_s, state_file=state_file, owner=owner, private=private, fresh=fresh,
-                      peers=peers)
+                      peers=peers, keep_uncommitted=keep_uncommitted)
     finally:
         if peers is not None:
             peers.finish(max(deadline_s - (time.monotonic() - started), 1.0))
@@ -83,11 +83,11 @@ def agent_restore(store: BlobStore | None, ckpt_dir: Path, *, index: int, node: 
 
 def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *, index: int, num_nodes: int,
                   generation: int, scope: str, deadline_s: float, state_file: Path | None, owner: str,
-                  private: Iterable[str], fresh: bool, peers: Any) -> None:
+                  private: Iterable[str], fresh: bool, peers: Any, keep_uncommitted: int = KEEP_SETS) -> None:
     try:
         prepare_dir(ckpt_dir, private)
         if store is None:  # no remote: the directory is the only copy
-            moved = keep_own_files(ckpt_dir, DirRecord(ckpt_dir, owner, "", fresh))
+            moved = keep_own_files(ckpt_dir, DirRecord(ckpt_dir, owner, "", fresh), keep_uncommitted)
             if moved:
                 report.messages.append(moved_message(ckpt_dir, moved, "another job left"))
             report.ok = True
@@ -98,7 +98,7 @@ def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *
             raise RestoreError(f"the committed checkpoint changed during the restore (generation {found}, "
                                f"the job read {generation}); not resuming from a mix")
         mine = select_for_node(manifest, index, num_nodes, scope) if manifest else Manifest(0)
-        moved = set_aside_uncommitted(ckpt_dir, mine.files)
+        moved = set_aside_uncommitted(ckpt_dir, mine.files, keep_uncommitted)
         if moved:
             report.messages.append(moved_message(ckpt_dir, moved, "not in the committed checkpoint"))
         if manifest is not None:
@@ -138,7 +138,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
                     fresh: bool = False, cache_gib: float = -1.0, cache_copies: int = 2, cache_dir: str = "",
-                    peers: str = "") -> int:
+                    peers: str = "", keep_uncommitted: int = KEEP_SETS) -> int:
     """`slurmagent node-agent restore|sync|evidence`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
@@ -168,7 +168,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
             session = PeerSession(peers, env[TOKEN_ENV], index, node)
         report = agent_restore(store, path, index=index, node=node, num_nodes=num_nodes, generation=generation,
                                scope=scope, deadline_s=deadline_s, state_file=state, owner=owner, private=private,
-                               fresh=fresh, peers=session)
+                               fresh=fresh, peers=session, keep_uncommitted=keep_uncommitted)
     elif store is None:
         report = NodeReport(index=index, node=node, ok=True)
     else:

@@ -34,7 +34,7 @@ def prepare_dir(opts: RunOptions, ident: JobIdentity, store, record: DirRecord, 
     ckpt = opts.ckpt_dir
     private_ckpt_dir(ckpt)  # the user's, writable by nobody else (checked at every attempt)
     if not remote:  # the directory is the only copy: this job's own files stay
-        moved_aside(ckpt, keep_own_files(ckpt, record), say, "another job left")
+        moved_aside(ckpt, keep_own_files(ckpt, record, opts.keep_uncommitted), say, "another job left")
         if store is not None:  # a multi-node job: the same on every node
             store.restore(ckpt, deadline_s=opts.restore_deadline_s, state_file=state_file)
         return Start(bool(stat_scan(ckpt)))
@@ -58,18 +58,18 @@ def prepare_dir(opts: RunOptions, ident: JobIdentity, store, record: DirRecord, 
                  + (f" and {len(changed)} newer file(s) the last sync did not commit" if changed else "")
                  + "; not restoring over it")
         return Start(True, manifest)
-    set_aside(ckpt, manifest.files if manifest is not None else (), say)
+    set_aside(ckpt, manifest.files if manifest is not None else (), say, opts.keep_uncommitted)
     restored = None
     if manifest is not None or opts.multi_node:  # the agents do the same on every node
         # the hash cache learns the restored files, so the next sync neither reads nor sends them
         restored = store.restore(ckpt, deadline_s=opts.restore_deadline_s, state_file=state_file)
     if restored is None or not restored.files:  # none committed (deleted between the reads, or a claim)
-        set_aside(ckpt, (), say)
+        set_aside(ckpt, (), say, opts.keep_uncommitted)
         record.write(manifest=None, files={})
         say(f"no checkpoint at {remote}: starting fresh")
         return Start(False)
     if manifest_id(restored) != mid:  # another commit came between the two reads
-        set_aside(ckpt, restored.files, say)
+        set_aside(ckpt, restored.files, say, opts.keep_uncommitted)
     record.write(manifest=manifest_id(restored), files=stat_scan(ckpt))
     say(f"restored checkpoint of attempt {restored.attempt} ({len(restored.files)} files) from {remote}")
     return Start(True, restored)

@@ -186,6 +186,11 @@ class CheckpointConfig:
         "trimmed before each restore and after each sync; 0 = room for `keep_commits` checkpoints",
         low=0, high=1048576,
     )
+    keep_uncommitted: int = _key(
+        3, "`<dir>.uncommitted/` keeps the newest this-many sets of files moved out of the checkpoint directory at a "
+        "start (an earlier job's, an uncommitted step); older sets are deleted, their sizes said",
+        low=1, high=1000,
+    )
     local_cache: bool = _key(True, "keep that cache and let a multi-node restore's nodes fetch from each other's; "
                              "false: every restore downloads what is not in place")
     local_cache_dir: str = _key(

@@ -16,6 +16,7 @@ import json
 
 from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 from slurmagent.run.job import DirRecord
+from support import uncommitted_tree
 from test_wrapper_requeue import attempt
 from test_ckpt_dirs import aside, earlier_job, run_shown, tree
 
@@ -34,7 +35,7 @@ def test_a_first_run_moves_an_earlier_jobs_files_aside_and_never_uploads_them(em
     outcome, err, shown = run_shown(tmp_path, 0, ckpt)
     assert shown == ["0"], shown  # an empty directory, not resumed
     assert not outcome.resumed and outcome.synced, err
-    assert tree(aside(ckpt)) == {"step_300/shard0": "old shard", "model.pt": "old model"}
+    assert uncommitted_tree(ckpt) == {"step_300/shard0": "old shard", "model.pt": "old model"}
     assert "2 file(s) not this job's moved to" in err, err
     assert committed_names() == {"model.pt"}  # this job's own file only
     assert tree(ckpt) == {"model.pt": "mine\n"}
@@ -49,7 +50,7 @@ def test_a_restore_of_another_commit_moves_the_abandoned_step_aside(emu, tmp_pat
     outcome, err, shown = run_shown(tmp_path, 2, n1)  # back on n1
     assert "restored checkpoint of attempt 1" in err, err
     assert shown[:2] == ["state", "1"], shown
-    assert tree(aside(n1)) == {"step_200/half": "abandoned"}
+    assert uncommitted_tree(n1) == {"step_200/half": "abandoned"}
     assert committed_names() == {"state", "model.pt"}
 
 
@@ -63,7 +64,7 @@ def test_a_record_of_another_job_never_keeps_the_files_beside_the_same_commit(em
     (ckpt / "extra").write_text("theirs")
     outcome, err, shown = run_shown(tmp_path, 1, ckpt)
     assert "restored checkpoint of attempt 0" in err and "kept the local checkpoint" not in err, err
-    assert "extra" not in shown and tree(aside(ckpt)) == {"extra": "theirs"}
+    assert "extra" not in shown and uncommitted_tree(ckpt) == {"extra": "theirs"}
     assert "extra" not in committed_names()
 
 
@@ -89,4 +90,4 @@ def test_a_plain_sbatch_restart_never_keeps_uncommitted_files_a_reused_job_id_ma
     outcome, err, shown = run_shown(tmp_path, 1, ckpt)
     assert "kept the files of this job's earlier attempt" not in err, err
     assert shown == ["0"], shown  # started fresh
-    assert "state" in tree(aside(ckpt)), err
+    assert "state" in uncommitted_tree(ckpt), err

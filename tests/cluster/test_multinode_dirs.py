@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import wait_for
+from support import uncommitted_tree, wait_for
 from test_multinode import (RANKS, committed, committed_file, ledger, nodes_of,
                             starts, submit, wait_end)
 from test_wrapper_hardening import NOBODY, as_user
@@ -149,7 +149,7 @@ def test_a_first_run_on_nodes_holding_an_earlier_jobs_files_starts_empty_on_ever
         (first,) = starts(ledger(tmp_path, rank))
         assert first["resumed"] == "0" and first["files"] == "", (rank, first)  # an empty directory
     for n in nodes_of(cl, job):
-        assert tree(Path(str(cl.node_dir(n) / "ckpt") + ".uncommitted")) == OLD, n
+        assert uncommitted_tree(cl.node_dir(n) / "ckpt") == OLD, n
     manifest = committed(job)
     assert set(manifest["files"]) == {".metadata", "rank0.json", "rank1.json"}, manifest["files"]
     assert json.loads(committed_file(job, manifest, "rank1.json")) == {"rank": 1, "step": 30}

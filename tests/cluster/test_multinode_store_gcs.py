@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, uncommitted_tree
 from slurmagent.run.multinode import Allocation, AllocationStore
 from slurmagent.run.agent_reports import NodeReport
 from slurmagent.run.agent_channel import read_frames
@@ -134,7 +134,7 @@ def test_one_commit_after_every_node_then_every_new_node_holds_the_whole_checkpo
     whole = {"step_1/.metadata": "step_1 index", "step_1/__0_0.distcp": "step_1 shard 0",
              "step_1/__1_0.distcp": "step_1 shard 1"}
     assert tree(second.dirs[0]) == whole and tree(second.dirs[1]) == whole
-    assert tree(Path(str(second.dirs[1]) + ".uncommitted")) == {"step_2/__1_0.distcp": "uncommitted"}
+    assert uncommitted_tree(second.dirs[1]) == {"step_2/__1_0.distcp": "uncommitted"}
     assert "every node of the job (2) holds the checkpoint of attempt 0" in err.getvalue()
 
 

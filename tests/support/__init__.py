@@ -248,3 +248,21 @@ def cluster_config_text(root: Path, **health: object) -> str:
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if v is not None)
     return (f'state_dir = "{root}/state/%n"\n[health]\n{lines}[hooks]\nsyslog = false\n'
             f'[watch]\nchannel_socket = "{root}/run/%n/channel.sock"\n')
+
+
+def uncommitted_sets(ckpt_dir: Path) -> list[dict[str, str]]:
+    """The sets of `<ckpt_dir>.uncommitted/` (one per start that moved files aside), oldest
+    first: each {path inside the set: text}."""
+    aside = Path(str(ckpt_dir) + ".uncommitted")
+    if not aside.is_dir():
+        return []
+    return [{p.relative_to(s).as_posix(): p.read_text() for p in sorted(s.rglob("*")) if p.is_file()}
+            for s in sorted(aside.iterdir()) if s.is_dir()]
+
+
+def uncommitted_tree(ckpt_dir: Path) -> dict[str, str]:
+    """Every file moved aside from `ckpt_dir`, by its path in the checkpoint (a newer set's copy wins)."""
+    out: dict[str, str] = {}
+    for s in uncommitted_sets(ckpt_dir):
+        out.update(s)
+    return out

@@ -20,6 +20,7 @@ import pytest
 from slurmagent.run.child import RequeueHold
 from slurmagent.run.node_agent import agent_restore
 from test_wrapper_hardening import CLOUD_RUN, NOBODY, as_user, run_cli, shared_tmp  # noqa: F401 - fixture
+from support import uncommitted_tree
 from test_wrapper_requeue import attempt
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
@@ -147,7 +148,7 @@ def test_without_a_remote_another_jobs_files_go_aside_and_a_restart_keeps_its_ow
     earlier_job(ckpt)
     _, err, shown = run_shown(tmp_path, 0, ckpt, store=False)
     assert shown == ["0"], shown
-    assert tree(aside(ckpt)) == {"step_300/shard0": "old shard", "model.pt": "old model"}
+    assert uncommitted_tree(ckpt) == {"step_300/shard0": "old shard", "model.pt": "old model"}
     assert "another job left moved to" in err, err
     outcome, err, shown = run_shown(tmp_path, 1, ckpt, store=False)  # the same job, restarted here
     assert outcome.resumed and shown == ["model.pt", "1", "mine"], (shown, err)

@@ -374,18 +374,18 @@ def test_a_report_round_trips_and_a_node_without_one_is_named(tmp_path):
     assert "task 0: Exited" in err.getvalue()
 
 
-def test_files_not_in_the_checkpoint_are_moved_aside_never_deleted(tmp_path):
+def test_files_not_in_the_checkpoint_are_moved_aside_into_one_fresh_set(tmp_path):
     d = tmp_path / "ckpt"
     (d / "step_1").mkdir(parents=True)
     (d / "step_1" / "keep").write_text("k")
     (d / "step_9").mkdir()
     (d / "step_9" / "newer").write_text("n")
     (d / "link").symlink_to("step_1/keep")
-    moved = set_aside_uncommitted(d, {"step_1/keep"})
-    assert moved == ["link", "step_9/newer"] or set(moved) == {"link", "step_9/newer"}
+    done = set_aside_uncommitted(d, {"step_1/keep"})
+    assert sorted(done.moved) == ["link", "step_9/newer"]
     assert sorted(p.relative_to(d).as_posix() for p in d.rglob("*")) == ["step_1", "step_1/keep"]
-    aside = tmp_path / "ckpt.uncommitted"
-    assert (aside / "step_9" / "newer").read_text() == "n" and (aside / "link").is_symlink()
+    assert done.folder.parent == tmp_path / "ckpt.uncommitted"
+    assert (done.folder / "step_9" / "newer").read_text() == "n" and (done.folder / "link").is_symlink()
 
 
 # --- agents in this process, against the emulator --------------------------------------------
