@@ -139,13 +139,16 @@ class QuietCut:
     def take(self, files: Mapping[str, dict], writers: Mapping[str, list[int]],
              signatures: Mapping[int, Mapping[str, str]], *, previous_files: Mapping[str, dict] | None,
              previous_writers: Mapping[str, list[int]] | None = None, running: bool = True,
-             node_names: Mapping[int, str] | None = None) -> Cut:
+             node_names: Mapping[int, str] | None = None, writing: Iterable[str] = ()) -> Cut:
         """The files of this round's commit. `files`/`writers`: everything every node holds now
         (merged); `signatures`: node index -> `unit_signatures` taken after this round's upload;
         `previous_*`: the last commit (what a unit not quiet keeps); `running`: False for the
-        final sync (everything as it is)."""
+        final sync (everything as it is, but torn units); `writing`: files the job's processes
+        held open for writing (not appending) after the upload -- or, for the final sync after
+        a kill, at the kill: torn. A unit holding one keeps its last committed version."""
         last, self.last = self.last, {i: dict(s) for i, s in signatures.items()}
-        if not running:
+        open_units = {unit_of(rel): rel for rel in sorted(writing, reverse=True)}
+        if not running and not open_units:
             self.streaks.clear()
             return Cut(dict(files), {r: list(w) for r, w in writers.items() if r in files})
         before = dict(previous_files or {})
@@ -160,15 +163,29 @@ class QuietCut:
         for unit in sorted(now_by_unit.keys() | before_by_unit.keys()):
             now, was = now_by_unit.get(unit, {}), before_by_unit.get(unit, {})
             moved = [i for i, sig in signatures.items()
-                     if last is None or i not in last or last[i].get(unit) != sig.get(unit)]
-            take, source = (now, writers) if not moved else (was, before_writers)
+                     if last is None or i not in last or last[i].get(unit) != sig.get(unit)] if running else []
+            hold = bool(moved) or unit in open_units
+            take, source = (now, writers) if not hold else (was, before_writers)
             cut.files.update(take)
             cut.writers.update({rel: list(source[rel]) for rel in take if rel in source})
             differs = _contents(now) != _contents(was)
-            if moved and differs:
+            if not running:
+                if unit in open_units and differs:
+                    cut.held_back.append(unit)
+                    cut.messages.append(
+                        f"checkpoint unit {unit or '(top-level files)'} left out of the final commit: "
+                        f"{open_units[unit]} was open for writing when the job was stopped (torn); "
+                        + ("its last committed version stays" if was else "it was never committed"))
+                continue
+            if hold and differs:
                 cut.held_back.append(unit)
                 streak = self.streaks[unit] = self.streaks.get(unit, 0) + 1
-                if streak == self.say_after:
+                if streak == self.say_after and not moved:
+                    cut.messages.append(
+                        f"checkpoint unit {unit or '(top-level files)'} held back for {streak} rounds: "
+                        f"{open_units[unit]} was open for writing at every round; its last committed version "
+                        "stays until the file is closed")
+                elif streak == self.say_after:
                     where = ""
                     if node_names is not None:
                         where = " on " + ", ".join(node_names.get(i, f"node index {i}") for i in sorted(moved))

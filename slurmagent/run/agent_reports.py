@@ -20,6 +20,7 @@ class NodeReport:
     generation: int = 0  # restore: the manifest generation now in place
     files: dict[str, dict] = field(default_factory=dict)  # sync: relpath -> manifest entry
     units: dict[str, str] = field(default_factory=dict)  # sync: unit -> how it looked after the upload
+    writing: list[str] = field(default_factory=list)  # sync: files the job's processes held open for writing then
     started_ns: int = 0  # sync: this agent's wall clock when it began (compared with the batch step's)
     files_sent: int = 0
     bytes_sent: int = 0

@@ -54,6 +54,9 @@ class QuietCutStore:
         self.err = err
         self.cut = QuietCut()
         self.trainer_running: Callable[[], bool] = lambda: False  # set by `run/main.py`
+        # the checkpoint's files the job's processes hold open for writing now (core/job_processes)
+        self.open_for_writing: Callable[[], set[str]] = lambda: set()  # set by `run/main.py`
+        self.torn: set[str] = set()  # open for writing when the wrapper killed the trainer (supervisor)
         self.last_committed: Manifest | None = None
         self._started = False
         self._lock = threading.Lock()
@@ -105,8 +108,11 @@ class QuietCutStore:
             up = self.inner.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, restored=restored,
                                  commit=False)
             previous = self.last_committed
-            cut = self.cut.take(up.files or {}, {}, {0: unit_signatures(ckpt_dir)},
-                                previous_files=previous.files if previous else None, running=running)
+            signatures = unit_signatures(ckpt_dir)
+            writing = self.open_for_writing() if running else set(self.torn)
+            cut = self.cut.take(up.files or {}, {}, {0: signatures},
+                                previous_files=previous.files if previous else None, running=running,
+                                writing=writing)
             for message in cut.messages:
                 self.say(message)
             result = CutSyncResult(up.files_sent, up.bytes_sent, None, tuple(cut.held_back), up)

@@ -151,6 +151,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
                      hold=hold, metrics=metrics, report=report, read_job=slurm.job if slurm else None)
     if job_store is not None:
         job_store.trainer_running = sup.child_running
+        job_store.open_for_writing = sup.open_for_writing  # a file being written is never committed
     if executor is not None:
         sup.slurm_nodes = executor  # a restore failing on a node's disk: requeued without it
     sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup, whole_job)

@@ -389,7 +389,8 @@ class AllocationStore:
             cut = self.cut.take(merged.files, merged.writers, {r.index: r.units for r in reports},
                                 previous_files=previous.files if previous else None,
                                 previous_writers=previous.writers if previous else None, running=running,
-                                node_names={r.index: r.who for r in reports})
+                                node_names={r.index: r.who for r in reports},
+                                writing={rel for r in reports for rel in r.writing} if running else ())
             for message in cut.messages:
                 self.say(message)
             sent = sum(r.files_sent for r in reports), sum(r.bytes_sent for r in reports)

@@ -22,6 +22,7 @@ from ..checkpoint.manifest import Manifest
 from ..checkpoint.errors import RestoreError
 from ..checkpoint.hash_cache import state_file_for
 from ..checkpoint.cut import unit_signatures
+from ..core.job_processes import JobProcesses, torn_files
 from ..checkpoint.errors import is_node_local
 from ..errors import SlurmagentError
 from ..slurm import env as slurm_env
@@ -117,7 +118,7 @@ def _restore_here(store: BlobStore | None, ckpt_dir: Path, report: NodeReport, *
 
 
 def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attempt: int, state_file: Path,
-               deadline_s: float, clock_ns: Callable[[], int] = time.time_ns) -> NodeReport:
+               deadline_s: float, clock_ns: Callable[[], int] = time.time_ns, job_id: str = "") -> NodeReport:
     """Upload this node's `D` (blobs only) and report its files, how its units look after the
     upload (`checkpoint/cut.unit_signatures`) and this node's clock."""
     report = NodeReport(index=index, node=node, ok=False, started_ns=clock_ns())
@@ -127,6 +128,7 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
         report.files = result.files
         report.files_sent, report.bytes_sent = result.files_sent, result.bytes_sent
         report.units = unit_signatures(ckpt_dir)  # after the upload: a change during it counts
+        report.writing = sorted(torn_files(JobProcesses(job_id).open_for_writing(ckpt_dir), ckpt_dir))
         report.ok = True
     except (SlurmagentError, OSError) as exc:
         report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"
@@ -174,7 +176,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
     else:
         report = agent_sync(store, path, index=index, node=node, attempt=attempt,
                             state_file=state,
-                            deadline_s=deadline_s)
+                            deadline_s=deadline_s, job_id=slurm_env.job_id(env) or "")
     if action == "sync" and progress_dir:  # the hang watch's view of this node's ranks
         from ..hang.remote import node_ranks  # start-up speed: only for a job with a hang watch
 

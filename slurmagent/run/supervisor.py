@@ -32,6 +32,7 @@ from typing import Callable, Mapping, Protocol, TextIO
 from ..checkpoint.manifest import Manifest, no_progress_after
 from ..checkpoint.hash_cache import state_file_for
 from ..checkpoint.cut import committed_part
+from ..core.job_processes import JobProcesses, torn_files
 from .child import KillWatch, RequeueHold, exit_by_itself, kill_group, killpg, signal_at_exit, terminate_group
 from ..checkpoint.report import CheckpointReport
 from ..errors import SlurmagentError
@@ -137,6 +138,23 @@ class Supervisor:
     def child_running(self) -> bool:
         """True while the command runs (a multi-node store then commits consistent cuts only)."""
         return self.child is not None and self.child.poll() is None
+
+    def open_for_writing(self) -> set[str]:
+        """The checkpoint's files the job's processes on this node are rewriting now (not
+        appending): the child's session, and under Slurm every process of the job (ranks srun
+        started are slurmstepd's children, not ours)."""
+        procs = JobProcesses(self.ident.job_id if self.ident.platform == "slurm" else "",
+                             sessions=[self.child.pid] if self.child is not None else [])
+        return torn_files(procs.open_for_writing(self.opts.ckpt_dir), self.opts.ckpt_dir)
+
+    def _record_torn(self) -> None:
+        """Just before the trainer is killed: the files it is writing now are torn, whatever
+        they look like afterwards, and stay out of the final commit (`checkpoint/cut.py`)."""
+        if hasattr(self.store, "torn"):
+            try:
+                self.store.torn = self.open_for_writing()
+            except OSError:  # /proc unreadable: nothing known, nothing claimed
+                self.store.torn = set()
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
@@ -393,6 +411,7 @@ class Supervisor:
         deadline = self.flush_deadline = started + grace
         if self.hang is not None and self.hang.owns(cause):
             self.hang.stop(child)  # evidence and the suspect's drain, then SIGKILL (no checkpoint signal)
+            self._record_torn()
             outcome.child_killed = kill_group(child, lambda line: self.say(f"hang: {line}"))
         elif child.poll() is not None and cause != SELF_REQUEUE_CAUSE:
             self.say(f"{cause} came as the job exited (exit {child.returncode}): syncing the checkpoint it left")
@@ -415,6 +434,7 @@ class Supervisor:
                 outcome.child_killed = True
                 self.say(f"the job did not exit within {grace:g} s: stopping it; the last complete "
                          "checkpoint stays")
+                self._record_torn()
                 terminate_group(child, 5.0, self.say)
         outcome.child_code = child.returncode
         self.stop_sync.set()
@@ -435,6 +455,7 @@ class Supervisor:
         if child.poll() is not None:
             return
         self.say(f"{why}: stopping the job")
+        self._record_torn()
         if not terminate_group(child, self.opts.stop_wait_s, self.say):
             outcome.child_killed = True
 
