@@ -37,7 +37,7 @@ export SUITE
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CACHE=${SLURMAGENT_CI_CACHE:-/var/cache/slurmagent-ci}
 PACKAGES=(slurmctld slurmd slurm-client munge python3 python3-venv procps util-linux
-          ca-certificates logrotate)
+          ca-certificates)  # not logrotate: its cron-daemon-common pulls in systemd, which debootstrap cannot order
 VENV=/opt/slurmagent-venv
 BUILD_TIMEOUT_S=${LANE_BUILD_TIMEOUT_S:-1200}
 # A hang guard for a whole suite; the Makefile sets each lane's (their sum stays inside CI's 90

@@ -1,0 +1,169 @@
+"""The processes of one job on this node, with their states and the files they hold open.
+
+One adapter for whoever needs to know what the job is doing here: the wrapper (which files
+are being written when it must kill the trainer: those are torn), the hang watch (process
+states), node checks (leftover processes). A job's processes are not "the wrapper's
+children": ranks started by `srun` are slurmstepd's children, and the other nodes have no
+wrapper. So a process belongs to the job when any of these holds, read from `/proc` (the
+job's user can read its own processes' `environ`, `fd` and `fdinfo`; nothing is run):
+
+* its cgroup path names the job (`.../job_<id>/...`: `proctrack/cgroup` and `task/cgroup`,
+  cgroup v1 or v2, which real nodes use);
+* its environment has `SLURM_JOB_ID=<id>` (`proctrack/linuxproc`, the test clusters: every
+  process of a step inherits it);
+* it is in one of the given sessions (outside Slurm: the wrapper's child starts a session).
+
+Only processes of the given uid count (another user's process is never the job's), and
+never the caller itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+_WRITE_MODES = (os.O_WRONLY, os.O_RDWR)
+
+
+@dataclass(frozen=True)
+class JobProcess:
+    pid: int
+    state: str  # /proc/<pid>/stat's letter: R running, S sleeping, D in the kernel, T stopped, Z zombie
+    sid: int
+    cmdline: str
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    path: str  # the absolute path the descriptor names
+    pid: int
+    appending: bool  # opened with O_APPEND (a log): it only grows, its earlier bytes stay
+
+
+def proc_stat(pid: int, proc: str = "/proc") -> tuple[str, int] | None:
+    """(state letter, session id) of a process; None when it is gone."""
+    try:
+        raw = Path(proc, str(pid), "stat").read_text()
+    except (OSError, ValueError):
+        return None
+    try:
+        fields = raw.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        return fields[0], int(fields[3])
+    except (IndexError, ValueError):
+        return None
+
+
+class JobProcesses:
+    """This node's processes of a job (see module doc). `proc`: the /proc to read (tests)."""
+
+    def __init__(self, job_id: str = "", sessions: Iterable[int] = (), uid: int | None = None,
+                 proc: str = "/proc", me: int | None = None):
+        self.job_id = job_id
+        self.sessions = set(sessions)
+        self.uid = os.geteuid() if uid is None else uid
+        self.proc = proc
+        self.me = os.getpid() if me is None else me
+
+    def _belongs(self, pid: int, sid: int) -> bool:
+        if sid in self.sessions:
+            return True
+        if not self.job_id:
+            return False
+        base = Path(self.proc, str(pid))
+        try:
+            cgroup = (base / "cgroup").read_text()
+        except OSError:
+            cgroup = ""
+        if f"/job_{self.job_id}/" in cgroup or cgroup.rstrip().endswith(f"/job_{self.job_id}"):
+            return True
+        try:
+            environ = (base / "environ").read_bytes()
+        except OSError:
+            return False
+        return f"SLURM_JOB_ID={self.job_id}".encode() in environ.split(b"\0")
+
+    def processes(self) -> list[JobProcess]:
+        """The job's processes here, by pid."""
+        out = []
+        try:
+            names = os.listdir(self.proc)
+        except OSError:
+            return out
+        for name in names:
+            if not name.isdigit() or int(name) == self.me:
+                continue
+            pid = int(name)
+            try:
+                if os.stat(Path(self.proc, name)).st_uid != self.uid:
+                    continue
+            except OSError:
+                continue
+            st = proc_stat(pid, self.proc)
+            if st is None or not self._belongs(pid, st[1]):
+                continue
+            try:
+                cmd = Path(self.proc, name, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = ""
+            out.append(JobProcess(pid, st[0], st[1], cmd.strip()[:300]))
+        return sorted(out, key=lambda p: p.pid)
+
+    def open_for_writing(self, under: str | os.PathLike) -> list[OpenFile]:
+        """Files below `under` that the job's processes hold open for writing now."""
+        root = os.path.realpath(os.fspath(under)).rstrip("/") + "/"
+        out = []
+        for p in self.processes():
+            fd_dir = Path(self.proc, str(p.pid), "fd")
+            try:
+                fds = os.listdir(fd_dir)
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(fd_dir / fd)
+                except OSError:
+                    continue
+                if not target.startswith(root):
+                    continue
+                flags = _fd_flags(Path(self.proc, str(p.pid), "fdinfo", fd))
+                if flags is None or flags & os.O_ACCMODE not in _WRITE_MODES:
+                    continue
+                out.append(OpenFile(target.removesuffix(" (deleted)"), p.pid, bool(flags & os.O_APPEND)))
+        return out
+
+
+def _fd_flags(fdinfo: Path) -> int | None:
+    """The open flags of a descriptor (`flags:` in /proc/<pid>/fdinfo/<fd>, octal)."""
+    try:
+        for line in fdinfo.read_text().splitlines():
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def appending_files(open_files: Iterable[OpenFile], ckpt_dir: str | os.PathLike) -> set[str]:
+    """The checkpoint's relpaths held open for appending (logs): they only grow and never hold
+    back the files beside them (`checkpoint/cut.py`)."""
+    root = os.path.realpath(os.fspath(ckpt_dir)).rstrip("/") + "/"
+    return {f.path[len(root):] for f in open_files if f.appending and f.path.startswith(root)}
+
+
+def torn_files(open_files: Iterable[OpenFile], ckpt_dir: str | os.PathLike) -> set[str]:
+    """The checkpoint's relpaths being rewritten (open for writing, not appending) now: a kill
+    now leaves them torn, whatever they look like afterwards. An appending writer (a log) only
+    grows and tears nothing before its end."""
+    root = os.path.realpath(os.fspath(ckpt_dir)).rstrip("/") + "/"
+    return {f.path[len(root):] for f in open_files if not f.appending and f.path.startswith(root)}
+
+
+def checkpoint_writers(ckpt_dir: str | os.PathLike, job_id: str = "", sessions: Iterable[int] = ()
+                       ) -> tuple[set[str], set[str]]:
+    """(rewritten, appended): the relpaths of `ckpt_dir` the job's processes on this node hold
+    open for writing now -- not appending (a save in progress: torn if killed now) and
+    appending (a log: it only grows)."""
+    held = JobProcesses(job_id, sessions).open_for_writing(ckpt_dir)
+    return torn_files(held, ckpt_dir), appending_files(held, ckpt_dir)
