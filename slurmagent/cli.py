@@ -251,17 +251,11 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.option("--private-dir", "private", multiple=True)
 @click.option("--fresh", is_flag=True)
 @click.option("--keep-uncommitted", type=click.IntRange(1), default=3)
-def node_agent(action, ckpt_dir, remote, state_file, attempt, generation, scope, deadline, transfers,
-               parallel_upload_mib, cache_gib, cache_copies, cache_dir, peers, owner, private, fresh,
-               keep_uncommitted) -> None:
+def node_agent(action, deadline, **options) -> None:
     """Internal: one node's part of a multi-node job's restore, sync or hang evidence (the wrapper runs it via srun)."""
     from .run.node_agent import node_agent_main  # start-up speed: only this hidden command needs it
 
-    sys.exit(node_agent_main(action, ckpt_dir=ckpt_dir, remote=remote, state_file=state_file, attempt=attempt,
-                             generation=generation, scope=scope, deadline_s=deadline, env=os.environ,
-                             transfers=transfers, parallel_upload_mib=parallel_upload_mib, owner=owner,
-                             private=private, fresh=fresh, cache_gib=cache_gib, cache_copies=cache_copies, cache_dir=cache_dir,
-                             peers=peers, keep_uncommitted=keep_uncommitted))
+    sys.exit(node_agent_main(action, deadline_s=deadline, env=os.environ, **options))
 
 
 class PassThrough(click.Command):

@@ -50,6 +50,8 @@ from .manifest import entry_content_id
 from .scan import is_reserved_name
 
 SAY_AFTER_ROUNDS = 3  # a unit held back this many rounds in a row is said (once per streak)
+NEVER_S = 1e9  # the age of a unit with no file (JSON has no infinity)
+SETTLE_S = 2.0  # [checkpoint] settle_s's default: one save's consecutive files (model, then optimizer)
 
 _STEP_FOLDER = re.compile(r"(.*[-_=]|.*(step|iter|epoch|ckpt|checkpoint))\d+(\.[A-Za-z][A-Za-z0-9]*)?", re.IGNORECASE)
 _LOGGER_RUN = re.compile(r"version_\d+")
@@ -87,10 +89,49 @@ def committed_part(before: dict[str, list[int]], committed: dict[str, list[int]]
 
 
 def unit_signatures(ckpt_dir: str | os.PathLike) -> dict[str, str]:
-    """Unit -> digest of how it looks on disk now (the only function here that reads the disk).
+    """Unit -> digest of how it looks on disk now.
 
     Everything counts, names still being written too (`x.tmp` in `checkpoint-N/` holds it
     back), slurmagent's own working names excepted; nothing is read, only stat'ed."""
+    seen = _stat_units(ckpt_dir)
+    return {unit: hashlib.sha256(json.dumps(sorted(items)).encode()).hexdigest()[:32] for unit, items in seen.items()}
+
+
+def unit_files(ckpt_dir: str | os.PathLike) -> dict[str, dict[str, list[int]]]:
+    """Unit -> relpath -> [size, mtime_ns, inode] of its files now (names still being written
+    included, folders not), for `round_views`."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for unit, items in _stat_units(ckpt_dir).items():
+        out[unit] = {item[0]: list(item[1:4]) for item in items if len(item) > 1}
+    return out
+
+
+def round_views(before: Mapping[str, Mapping[str, list[int]]], after: Mapping[str, Mapping[str, list[int]]],
+                skip: Iterable[str] = (), now_ns: int = 0) -> dict[str, list]:
+    """Unit -> [how it changed across this round's upload, seconds since its newest change]:
+    `stable` (not at all), `replaced` (only files swapped for new ones by a rename: an atomic
+    save; each version read was whole) or `changed` (a file written in place, added or
+    removed). `skip`: files that only grow (logs open for appending) count for neither.
+    `before`/`after`: `unit_files` before and after the upload, on one node (one clock)."""
+    skip = set(skip)
+    out: dict[str, list] = {}
+    for unit in before.keys() | after.keys():
+        b = {r: st for r, st in before.get(unit, {}).items() if r not in skip}
+        a = {r: st for r, st in after.get(unit, {}).items() if r not in skip}
+        if a == b:
+            state = "stable"
+        elif a.keys() == b.keys() and all(a[r] == b[r] or a[r][2] != b[r][2] for r in a):
+            state = "replaced"
+        else:
+            state = "changed"
+        newest = max((st[1] for st in a.values()), default=0)
+        out[unit] = [state, round((now_ns - newest) / 1e9, 3) if newest else NEVER_S]
+    return out
+
+
+def _stat_units(ckpt_dir: str | os.PathLike) -> dict[str, list]:
+    """Unit -> [[relpath, size, mtime_ns, ctime_ns... ]] of what is in it (the only function
+    here that reads the disk)."""
     root = os.fspath(ckpt_dir)
     seen: dict[str, list] = {}
     for dirpath, dirnames, filenames in os.walk(root):
@@ -111,8 +152,8 @@ def unit_signatures(ckpt_dir: str | os.PathLike) -> dict[str, str]:
                 st = os.lstat(os.path.join(dirpath, name))
             except FileNotFoundError:
                 continue
-            seen.setdefault(unit_of(rel), []).append([rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    return {unit: hashlib.sha256(json.dumps(sorted(items)).encode()).hexdigest()[:32] for unit, items in seen.items()}
+            seen.setdefault(unit_of(rel), []).append([rel, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+    return seen
 
 
 def content_of(entry: Mapping) -> str:
@@ -131,26 +172,31 @@ class Cut:
 class QuietCut:
     """The rounds so far (what each node's units looked like last round, held-back streaks)."""
 
-    def __init__(self, say_after: int = SAY_AFTER_ROUNDS):
+    def __init__(self, say_after: int = SAY_AFTER_ROUNDS, settle_s: float = SETTLE_S):
         self.say_after = say_after
+        self.settle_s = settle_s
         self.last: dict[int, dict[str, str]] | None = None  # node index -> unit -> signature
         self.streaks: dict[str, int] = {}
 
     def take(self, files: Mapping[str, dict], writers: Mapping[str, list[int]],
              signatures: Mapping[int, Mapping[str, str]], *, previous_files: Mapping[str, dict] | None,
              previous_writers: Mapping[str, list[int]] | None = None, running: bool = True,
-             node_names: Mapping[int, str] | None = None, writing: Iterable[str] = ()) -> Cut:
+             node_names: Mapping[int, str] | None = None, writing: Iterable[str] = (),
+             views: Mapping[int, Mapping[str, list]] | None = None, appending: Iterable[str] = ()) -> Cut:
         """The files of this round's commit. `files`/`writers`: everything every node holds now
         (merged); `signatures`: node index -> `unit_signatures` taken after this round's upload;
-        `previous_*`: the last commit (what a unit not quiet keeps); `running`: False for the
+        `previous_*`: the last commit (what a unit held back keeps); `running`: False for the
         final sync (everything as it is, but torn units); `writing`: files the job's processes
         held open for writing (not appending) after the upload -- or, for the final sync after
-        a kill, at the kill: torn. A unit holding one keeps its last committed version."""
+        a kill, at the kill: torn. A unit holding one keeps its last committed version.
+        `views`: node index -> `round_views` of this round (None: every unit is judged by the
+        whole-round rule); `appending`: files open for appending (logs), which hold back nothing."""
         last, self.last = self.last, {i: dict(s) for i, s in signatures.items()}
         open_units = {unit_of(rel): rel for rel in sorted(writing, reverse=True)}
         if not running and not open_units:
             self.streaks.clear()
             return Cut(dict(files), {r: list(w) for r, w in writers.items() if r in files})
+        appending = set(appending)
         before = dict(previous_files or {})
         before_writers = dict(previous_writers or {})
         now_by_unit: dict[str, dict[str, dict]] = {}
@@ -162,15 +208,31 @@ class QuietCut:
         cut = Cut({}, {})
         for unit in sorted(now_by_unit.keys() | before_by_unit.keys()):
             now, was = now_by_unit.get(unit, {}), before_by_unit.get(unit, {})
-            moved = [i for i, sig in signatures.items()
-                     if last is None or i not in last or last[i].get(unit) != sig.get(unit)] if running else []
-            hold = bool(moved) or unit in open_units
+            moved: list[int] = []
+            why = ""  # a held unit's missing evidence, said after SAY_AFTER_ROUNDS
+            if not running:
+                hold = unit in open_units
+            elif unit in open_units:
+                hold, why = True, f"{open_units[unit]} was open for writing at every round; its last committed " \
+                                  "version stays until the file is closed"
+            elif views is not None and not is_step_unit(unit):
+                hold, why, moved = self._by_evidence(unit, now, was, views, appending)
+            else:
+                moved = [i for i, sig in signatures.items()
+                         if last is None or i not in last or last[i].get(unit) != sig.get(unit)]
+                hold = bool(moved)
+                if moved:
+                    where = ""
+                    if node_names is not None:
+                        where = " on " + ", ".join(node_names.get(i, f"node index {i}") for i in sorted(moved))
+                    why = (f"it changed in every round{where}; its last committed version stays until it is quiet for "
+                           "a whole round (a step folder no framework mark covers)")
             take, source = (now, writers) if not hold else (was, before_writers)
             cut.files.update(take)
             cut.writers.update({rel: list(source[rel]) for rel in take if rel in source})
             differs = _contents(now) != _contents(was)
             if not running:
-                if unit in open_units and differs:
+                if hold and differs:
                     cut.held_back.append(unit)
                     cut.messages.append(
                         f"checkpoint unit {unit or '(top-level files)'} left out of the final commit: "
@@ -180,21 +242,34 @@ class QuietCut:
             if hold and differs:
                 cut.held_back.append(unit)
                 streak = self.streaks[unit] = self.streaks.get(unit, 0) + 1
-                if streak == self.say_after and not moved:
-                    cut.messages.append(
-                        f"checkpoint unit {unit or '(top-level files)'} held back for {streak} rounds: "
-                        f"{open_units[unit]} was open for writing at every round; its last committed version "
-                        "stays until the file is closed")
-                elif streak == self.say_after:
-                    where = ""
-                    if node_names is not None:
-                        where = " on " + ", ".join(node_names.get(i, f"node index {i}") for i in sorted(moved))
-                    cut.messages.append(
-                        f"checkpoint unit {unit or '(top-level files)'} held back for {streak} rounds: it changed in "
-                        f"every round{where}; its last committed version stays until it is quiet for a whole round")
+                if streak == self.say_after:
+                    cut.messages.append(f"checkpoint unit {unit or '(top-level files)'} held back for {streak} "
+                                        f"rounds: {why}")
             else:
                 self.streaks.pop(unit, None)
         return cut
+
+    def _by_evidence(self, unit: str, now: Mapping[str, dict], was: Mapping[str, dict],
+                     views: Mapping[int, Mapping[str, list]], appending: set[str]) -> tuple[bool, str, list[int]]:
+        """Files outside step folders: taken when closed (the caller checked), unchanged across
+        this round's upload on every node (an atomic save's rename is no change: each version
+        read was whole), and -- when the unit holds more than one file and any changed since the
+        last commit -- quiet for `settle_s`: a save half-way through its files (the model new,
+        its optimizer not yet) changed only one of them. Logs hold back nothing."""
+        seen = {i: v[unit] for i, v in views.items() if unit in v}
+        changed = [i for i, (state, _age) in seen.items() if state == "changed"]
+        if changed:
+            return True, "it changed during every round's upload (written in place)", changed
+        files = [rel for rel in now.keys() | was.keys() if rel not in appending]
+        changed_files = [rel for rel in files if rel not in now or rel not in was
+                         or content_of(now[rel]) != content_of(was[rel])]
+        if not changed_files or len(files) < 2:  # one file: each version read was whole, nothing to pair
+            return False, "", []
+        young = [i for i, (state, age) in seen.items() if state == "replaced" or age < self.settle_s]
+        if young:  # a save may be half-way through its files (the model new, its optimizer not yet)
+            return True, (f"its files changed and it was never quiet for {self.settle_s:g} s "
+                          "(one save's files go together)"), young
+        return False, "", []
 
 
 def _contents(files: Mapping[str, dict]) -> dict[str, str]:

@@ -21,6 +21,8 @@ class NodeReport:
     files: dict[str, dict] = field(default_factory=dict)  # sync: relpath -> manifest entry
     units: dict[str, str] = field(default_factory=dict)  # sync: unit -> how it looked after the upload
     writing: list[str] = field(default_factory=list)  # sync: files the job's processes held open for writing then
+    appending: list[str] = field(default_factory=list)  # sync: ... open for appending (logs)
+    views: dict[str, list] = field(default_factory=dict)  # sync: unit -> checkpoint/cut.round_views
     started_ns: int = 0  # sync: this agent's wall clock when it began (compared with the batch step's)
     files_sent: int = 0
     bytes_sent: int = 0

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Protocol, TextIO
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.manifest import Manifest, entry_content_id, no_progress_after
-from ..checkpoint.cut import QuietCut, unit_signatures
+from ..checkpoint.cut import SETTLE_S, QuietCut, round_views, unit_files, unit_signatures
 
 
 class BlobStore(Protocol):
@@ -49,13 +49,14 @@ class CutSyncResult:
 class QuietCutStore:
     """The wrapper's CheckpointStore for a single-node job (see module doc)."""
 
-    def __init__(self, inner: BlobStore, err: TextIO = sys.stderr):
+    def __init__(self, inner: BlobStore, err: TextIO = sys.stderr, settle_s: float = SETTLE_S):
         self.inner = inner
         self.err = err
-        self.cut = QuietCut()
+        self.cut = QuietCut(settle_s=settle_s)
         self.trainer_running: Callable[[], bool] = lambda: False  # set by `run/main.py`
-        # the checkpoint's files the job's processes hold open for writing now (core/job_processes)
-        self.open_for_writing: Callable[[], set[str]] = lambda: set()  # set by `run/main.py`
+        # (rewritten, appended): the checkpoint's files the job's processes hold open for writing
+        # now (core/job_processes; set by `run/main.py`)
+        self.open_files: Callable[[], tuple[set[str], set[str]]] = lambda: (set(), set())
         self.torn: set[str] = set()  # open for writing when the wrapper killed the trainer (supervisor)
         self.last_committed: Manifest | None = None
         self._started = False
@@ -105,14 +106,15 @@ class QuietCutStore:
                 self._started, self.last_committed = True, restored
             running = self.trainer_running()
             started = time.monotonic()
+            before = unit_files(ckpt_dir) if running else {}
             up = self.inner.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, restored=restored,
                                  commit=False)
             previous = self.last_committed
-            signatures = unit_signatures(ckpt_dir)
-            writing = self.open_for_writing() if running else set(self.torn)
-            cut = self.cut.take(up.files or {}, {}, {0: signatures},
+            writing, appending = self.open_files() if running else (set(self.torn), set())
+            views = {0: round_views(before, unit_files(ckpt_dir), appending, time.time_ns())} if running else None
+            cut = self.cut.take(up.files or {}, {}, {0: unit_signatures(ckpt_dir)},
                                 previous_files=previous.files if previous else None, running=running,
-                                writing=writing)
+                                writing=writing, views=views, appending=appending)
             for message in cut.messages:
                 self.say(message)
             result = CutSyncResult(up.files_sent, up.bytes_sent, None, tuple(cut.held_back), up)

@@ -21,6 +21,7 @@ from ..checkpoint.manifest import Manifest, entry_content_id
 from ..checkpoint.scan import scan_checkpoint_dir
 from ..errors import SlurmagentError
 from ..slurm import env as slurm_env
+from ..slurm.model import FAULT_FLUSH_SIGNAL
 from ..state.host import node_name
 from ..state.fsutil import replace_private
 from ..state.private_dirs import RECORD_SUFFIX, UnsafeDirError, UnusableDirError, ensure_private_dir, private_ckpt_dir
@@ -248,3 +249,16 @@ class DirRecord:
             replace_private(self.path, body)
         except OSError:
             pass  # only costs a full restore next time
+
+
+FAULT_GRACE_S = 5.0  # a fault flush waits at most this long for the trainer (instead of --grace)
+
+
+def is_fault(cause: str) -> bool:
+    """Was the flush started by the fault flush signal (a GPU died under the job)?"""
+    return cause == signal.Signals(FAULT_FLUSH_SIGNAL).name
+
+
+def flush_grace(grace_s: float, cause: str) -> float:
+    """How long the trainer may take to checkpoint: `--grace`, at most FAULT_GRACE_S on a fault."""
+    return min(grace_s, FAULT_GRACE_S) if is_fault(cause) or cause.startswith("hang: ") else grace_s

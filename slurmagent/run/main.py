@@ -132,14 +132,15 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
                        *(["--private-dir", str(hold.dir)] if hold else [])]
     try:
         whole_job = allocation_store(env, store, ckpt_dir_option=opts.get("ckpt_dir"), scope=restore_scope,
-                                     agent_options=node_agent_options(cfg), restore_options=restore_options)
+                                     agent_options=node_agent_options(cfg), restore_options=restore_options,
+                                     settle_s=cfg.checkpoint.settle_s)
     except BaseException:
         if hold is not None:
             hold.cleanup()
         raise
     metrics = _job_metrics(cfg, slurm_env.slurmd_node(env), ident)
     # A single-node job's periodic commits take only what was quiet for a whole round, as a multi-node job's do.
-    job_store = whole_job or (QuietCutStore(store) if store is not None else None)
+    job_store = whole_job or (QuietCutStore(store, settle_s=cfg.checkpoint.settle_s) if store is not None else None)
     report = checkpoint_report(env, ident, options, store is not None)
     ledger = attempt_ledger(env, ident, options, store, started) if report is not None else None
     if ledger is not None:
@@ -151,7 +152,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
                      hold=hold, metrics=metrics, report=report, read_job=slurm.job if slurm else None)
     if job_store is not None:
         job_store.trainer_running = sup.child_running
-        job_store.open_for_writing = sup.open_for_writing  # a file being written is never committed
+        job_store.open_files = sup.open_files  # a file being written is never committed
     if executor is not None:
         sup.slurm_nodes = executor  # a restore failing on a node's disk: requeued without it
     sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup, whole_job)

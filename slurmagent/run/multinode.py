@@ -53,7 +53,7 @@ from .agent_channel import read_frames
 from .agent_step import Rounds, agent_env, run_step
 from ..checkpoint.errors import CheckpointError, RestoreError
 from ..checkpoint.manifest import Manifest, no_progress_after
-from ..checkpoint.cut import QuietCut, Rotations, unit_of
+from ..checkpoint.cut import SETTLE_S, QuietCut, Rotations, unit_of
 from ..checkpoint.errors import NodeDiskError
 from .cut_store import check_held_back_objects
 from ..errors import SlurmagentError
@@ -220,7 +220,7 @@ class AllocationStore:
 
     def __init__(self, alloc: Allocation, committer: Committer | None, launcher: AgentLauncher, *,
                  scope: str = "all", err: TextIO = sys.stderr, agent_options: Sequence[str] = (),
-                 restore_options: Sequence[str] = ()):
+                 restore_options: Sequence[str] = (), settle_s: float = SETTLE_S):
         if scope not in SCOPES:
             raise AllocationError(f"--restore-scope must be one of {', '.join(SCOPES)}, not {scope!r}")
         self.alloc = alloc
@@ -233,7 +233,7 @@ class AllocationStore:
         self.trainer_running: Callable[[], bool] = lambda: False  # set by `run/main.py`
         self.baseline: Manifest | None = None  # what was restored
         self.last_committed: Manifest | None = None
-        self.cut = QuietCut()
+        self.cut = QuietCut(settle_s=settle_s)
         self.rotations = Rotations()  # step folders a writer node removed whole (rank-0 rotation)
         self.clock_ns: Callable[[], int] = time.time_ns  # the batch step's wall clock
         self.pending: dict[str, float] = {}  # relpath -> when a round first saw it differ from the commit
@@ -390,7 +390,9 @@ class AllocationStore:
                                 previous_files=previous.files if previous else None,
                                 previous_writers=previous.writers if previous else None, running=running,
                                 node_names={r.index: r.who for r in reports},
-                                writing={rel for r in reports for rel in r.writing} if running else ())
+                                writing={rel for r in reports for rel in r.writing} if running else (),
+                                views={r.index: r.views for r in reports} if running else None,
+                                appending={rel for r in reports for rel in r.appending})
             for message in cut.messages:
                 self.say(message)
             sent = sum(r.files_sent for r in reports), sum(r.bytes_sent for r in reports)
@@ -447,8 +449,8 @@ class AllocationStore:
 
 def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckpt_dir_option: str | None,
                      scope: str = "all", err: TextIO = sys.stderr,
-                     agent_options: Sequence[str] = (), restore_options: Sequence[str] = ()
-                     ) -> AllocationStore | None:
+                     agent_options: Sequence[str] = (), restore_options: Sequence[str] = (),
+                     settle_s: float = SETTLE_S) -> AllocationStore | None:
     """The multi-node store when this wrapper is a multi-node job's batch step, else None."""
     alloc = Allocation.from_env(env)
     if alloc is None:
@@ -458,4 +460,4 @@ def allocation_store(env: Mapping[str, str], committer: Committer | None, *, ckp
             f"--ckpt-dir {ckpt_dir_option}: %n would name the batch host on every node (all ranks get the same "
             "SLURMAGENT_CKPT_DIR); give a node-local path that is the same on every node")
     return AllocationStore(alloc, committer, SrunLauncher(alloc, env, err=err), scope=scope, err=err,
-                           agent_options=agent_options, restore_options=restore_options)
+                           agent_options=agent_options, restore_options=restore_options, settle_s=settle_s)

@@ -21,8 +21,8 @@ from .agent_reports import NodeReport, select_for_node
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.errors import RestoreError
 from ..checkpoint.hash_cache import state_file_for
-from ..checkpoint.cut import unit_signatures
-from ..core.job_processes import JobProcesses, torn_files
+from ..checkpoint.cut import round_views, unit_files, unit_signatures
+from ..slurm.job_processes import checkpoint_writers
 from ..checkpoint.errors import is_node_local
 from ..errors import SlurmagentError
 from ..slurm import env as slurm_env
@@ -124,11 +124,14 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
     report = NodeReport(index=index, node=node, ok=False, started_ns=clock_ns())
     try:
         check_private_file(state_file)  # never a hash cache another user wrote
+        before = unit_files(ckpt_dir)
         result = store.sync(ckpt_dir, attempt, state_file, deadline_s=deadline_s, commit=False)
         report.files = result.files
         report.files_sent, report.bytes_sent = result.files_sent, result.bytes_sent
+        writing, appending = checkpoint_writers(ckpt_dir, job_id)  # the job's processes on this node
+        report.writing, report.appending = sorted(writing), sorted(appending)
+        report.views = round_views(before, unit_files(ckpt_dir), report.appending, time.time_ns())
         report.units = unit_signatures(ckpt_dir)  # after the upload: a change during it counts
-        report.writing = sorted(torn_files(JobProcesses(job_id).open_for_writing(ckpt_dir), ckpt_dir))
         report.ok = True
     except (SlurmagentError, OSError) as exc:
         report.error = str(exc) if isinstance(exc, SlurmagentError) else f"{type(exc).__name__}: {exc}"

@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Protocol, TextIO
 from ..checkpoint.manifest import Manifest, no_progress_after
 from ..checkpoint.hash_cache import state_file_for
 from ..checkpoint.cut import committed_part
-from ..core.job_processes import JobProcesses, torn_files
+from ..slurm.job_processes import checkpoint_writers
 from .child import KillWatch, RequeueHold, exit_by_itself, kill_group, killpg, signal_at_exit, terminate_group
 from ..checkpoint.report import CheckpointReport
 from ..errors import SlurmagentError
@@ -41,24 +41,13 @@ from .identity import SUBMISSION_ENV
 from ..slurm.model import FAULT_FLUSH_SIGNAL, JobInfo
 from .requeue import REQUEUE_MIN_S, RequeueResult, RequeueVerb, requeue_own_job
 from .restore_failure import NodeExcluder, failed_nodes, requeue_without
-from .job import (
-    DirRecord,
-    JobIdentity,
-    Outcome,
-    RunOptions,
-    WrapperError,
-    dir_owner,
-    fresh_attempt,
-    manifest_id,
-    signal_name,
-    stat_scan,
-)
+from .job import FAULT_GRACE_S, DirRecord, JobIdentity, Outcome, RunOptions, WrapperError  # noqa: F401 - re-export
+from .job import dir_owner, flush_grace, fresh_attempt, is_fault, manifest_id, signal_name, stat_scan
 from .start_dir import prepare_dir, run_watched
 
 EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
 EXIT_REQUEUE_REFUSED = 75  # EX_TEMPFAIL: flushed, but the job was NOT requeued
 FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, FAULT_FLUSH_SIGNAL)
-FAULT_GRACE_S = 5.0  # a fault flush waits at most this long for the trainer (instead of --grace)
 FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGHUP, signal.SIGINT)
 SELF_REQUEUE_CAUSE = "the job requeued itself"
 
@@ -139,22 +128,16 @@ class Supervisor:
         """True while the command runs (a multi-node store then commits consistent cuts only)."""
         return self.child is not None and self.child.poll() is None
 
-    def open_for_writing(self) -> set[str]:
-        """The checkpoint's files the job's processes on this node are rewriting now (not
-        appending): the child's session, and under Slurm every process of the job (ranks srun
-        started are slurmstepd's children, not ours)."""
-        procs = JobProcesses(self.ident.job_id if self.ident.platform == "slurm" else "",
-                             sessions=[self.child.pid] if self.child is not None else [])
-        return torn_files(procs.open_for_writing(self.opts.ckpt_dir), self.opts.ckpt_dir)
+    def open_files(self) -> tuple[set[str], set[str]]:
+        """`checkpoint_writers` of the child's session and, under Slurm, every process of the job."""
+        return checkpoint_writers(self.opts.ckpt_dir, self.ident.job_id if self.ident.platform == "slurm" else "",
+                                  [self.child.pid] if self.child is not None else [])
 
     def _record_torn(self) -> None:
-        """Just before the trainer is killed: the files it is writing now are torn, whatever
-        they look like afterwards, and stay out of the final commit (`checkpoint/cut.py`)."""
+        """Just before the trainer is killed: files being written now are torn, whatever they
+        look like afterwards, and stay out of the final commit (`checkpoint/cut.py`)."""
         if hasattr(self.store, "torn"):
-            try:
-                self.store.torn = self.open_for_writing()
-            except OSError:  # /proc unreadable: nothing known, nothing claimed
-                self.store.torn = set()
+            self.store.torn = self.open_files()[0]
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
@@ -529,12 +512,3 @@ def _series(key: tuple) -> str:
     inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels))
     return f"{name}{{{inner}}}"
 
-
-def is_fault(cause: str) -> bool:
-    """Was the flush started by the fault flush signal (a GPU died under the job)?"""
-    return cause == signal.Signals(FAULT_FLUSH_SIGNAL).name
-
-
-def flush_grace(grace_s: float, cause: str) -> float:
-    """How long the trainer may take to checkpoint: `--grace`, at most FAULT_GRACE_S on a fault."""
-    return min(grace_s, FAULT_GRACE_S) if is_fault(cause) or cause.startswith("hang: ") else grace_s

@@ -186,6 +186,12 @@ class CheckpointConfig:
         "trimmed before each restore and after each sync; 0 = room for `keep_commits` checkpoints",
         low=0, high=1048576,
     )
+    settle_s: float = _key(
+        2.0, "a periodic commit takes a folder's files (outside step folders) when more than one of them changed "
+        "only once none changed for this long: one save's consecutive files (a model, then its optimizer) go "
+        "together; files open for writing are never taken, logs open for appending hold back nothing",
+        low=0, high=3600,
+    )
     keep_uncommitted: int = _key(
         3, "`<dir>.uncommitted/` keeps the newest this-many sets of files moved out of the checkpoint directory at a "
         "start (an earlier job's, an uncommitted step); older sets are deleted, their sizes said",

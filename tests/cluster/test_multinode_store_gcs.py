@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -217,7 +218,8 @@ def test_a_node_clock_600_s_behind_still_gets_periodic_commits_and_is_said(remot
         store.sync(nodes.dirs[0], 0, tmp_path / "unused", deadline_s=60)
     assert nodes.store.latest_manifest().files.keys() == {"step_1/.metadata", "step_1/__0_0.distcp",
                                                           "step_1/__1_0.distcp"}
-    assert err.getvalue().count("the clock of v1 (node index 1) is 600.0 s behind the batch step's") == 1
+    said = re.findall(r"the clock of v1 \(node index 1\) is (\d+\.\d) s behind the batch step's", err.getvalue())
+    assert len(said) == 1 and abs(float(said[0]) - 600) <= 1, said  # measured across a call: 599.9 or 600.0
 
 
 def test_checkpoints_rank_0_rotates_away_leave_the_bucket_after_a_requeue(remote, tmp_path):

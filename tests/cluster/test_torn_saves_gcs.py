@@ -47,14 +47,17 @@ while True:
 
 
 def start(tmp_path: Path, name: str, grace: float = 1.0, sync_interval: float = 0.5, attempt: int = 0,
-          then: str = "rewrite"):
+          then: str = "rewrite", code: str = IN_PLACE_WRITER, settle_s: float = 2.0):
+    """`slurmagent run` of the trainer `code` (argv: a folder for its marks, `then`) as attempt
+    `attempt` of Cloud Run task `name`; (wrapper, marks folder, its stderr file, the task's store)."""
     from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     writer, marks = tmp_path / "writer.py", tmp_path / f"marks{attempt}"
-    writer.write_text(IN_PLACE_WRITER)
+    writer.write_text(code)
     marks.mkdir()
     config = tmp_path / "c.toml"
-    config.write_text(f'state_dir = "{tmp_path}/state"\n[checkpoint]\nremote = "gs://ckpt/{name}"\n')
+    config.write_text(f'state_dir = "{tmp_path}/state"\n[checkpoint]\nremote = "gs://ckpt/{name}"\n'
+                      f'settle_s = {settle_s}\n')
     env = dict(os.environ, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), CLOUD_RUN_JOB=name,
                CLOUD_RUN_TASK_INDEX="0", CLOUD_RUN_TASK_ATTEMPT=str(attempt))
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURMAGENT_RESUMED"):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from slurmagent.checkpoint.cut import QuietCut, unit_signatures
-from slurmagent.core.job_processes import JobProcesses, torn_files
+from slurmagent.slurm.job_processes import JobProcesses, torn_files
 from support import wait_for
 
 # Opens argv[1] with mode argv[2] (and writes a little if it may), says so, then holds it open.

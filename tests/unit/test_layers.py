@@ -40,7 +40,7 @@ FOLDER_LAYERS = {
 MODULE_LAYERS = {
     "errors": PURE, "slurm.model": PURE, "slurm.env": PURE, "slurm.features": PURE, "run.agent_channel": PURE,
     "run.agent_reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
-    "slurm.commands": ADAPTERS, "slurm.hookfiles": ADAPTERS,
+    "slurm.commands": ADAPTERS, "slurm.hookfiles": ADAPTERS, "slurm.job_processes": ADAPTERS,
     "trainer": RUNTIMES,
     "cli": FACE, "cli_bucket": FACE, "entry": FACE, "hookmain": FACE,
     "": FACE,  # the package front: `slurmagent.__version__`, read on first use from state.build
