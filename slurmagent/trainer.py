@@ -10,6 +10,7 @@ this run resumes one. Stdlib only; torch is used only when the caller already im
             trainer.progress(step)                  # the wrapper's hang watch sees the job advance
             if trainer.any_rank(trainer.checkpoint_requested()):   # every rank stops together
                 trainer.atomic_write(trainer.ckpt_dir() / "state.json", dump(state))
+                trainer.saved("state.json", step=step)   # whole: the next sync round commits it
                 sys.exit(0)
 """
 
@@ -29,6 +30,7 @@ _requested = False
 _resumed_at_start: bool | None = None
 PROGRESS_INTERVAL_S = 1.0  # `progress` writes at most this often; a clock read otherwise
 _progress_due = 0.0
+_saved: list = []  # this rank's `saved` declarations, newest last (checkpoint/saved.py)
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -48,6 +50,7 @@ def reset() -> None:
     _requested = False
     _resumed_at_start = None
     _progress_due = 0.0
+    _saved.clear()
 
 
 @contextmanager
@@ -83,6 +86,31 @@ def progress(step: int) -> None:
         write(directory, _rank(), step, time.time(), slurmd_node(os.environ) or "")
     except (OSError, ValueError, TypeError):
         pass  # the directory is gone (the attempt ends) or another node's path: training goes on
+
+
+def saved(paths, step: int | None = None) -> None:
+    """Tell the wrapper a save is whole: `paths` (files or folders, in `ckpt_dir()`) are what
+    this rank wrote, closed. Call it after the save returns, on every rank that wrote part of
+    it. With `step`, every rank's files of that step form one set; without, this call's files
+    do. A set is committed whole or not at all, at the next sync round -- never a model from
+    one save beside an optimizer from another, and never a file rewritten since this call.
+    Never raises, never blocks (a few stats and one small file write); nothing outside
+    `slurmagent run`."""
+    directory = os.environ.get("SLURMAGENT_CKPT_DIR")
+    if not directory:
+        return
+    from .checkpoint.saved import KEEP_PER_RANK, Declaration, declaration_files, write_declarations  # start-up speed
+
+    try:
+        names = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        files = declaration_files(directory, names)
+        rank = _rank()
+        _saved.append(Declaration(rank, (_saved[-1].seq + 1) if _saved else 0,
+                                  None if step is None else int(step), files))
+        del _saved[:-KEEP_PER_RANK]
+        write_declarations(directory, rank, _saved)
+    except (OSError, ValueError, TypeError):
+        pass  # the directory is gone (the attempt ends): training goes on; the other evidence still holds
 
 
 def _rank() -> int:

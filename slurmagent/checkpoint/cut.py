@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from .manifest import entry_content_id
-from .scan import is_reserved_name
+from .scan import is_reserved_name, is_temporary_name
 
 SAY_AFTER_ROUNDS = 3  # a unit held back this many rounds in a row is said (once per streak)
 NEVER_S = 1e9  # the age of a unit with no file (JSON has no infinity)
-SETTLE_S = 2.0  # [checkpoint] settle_s's default: one save's consecutive files (model, then optimizer)
+SETTLE_S = 0.5  # [checkpoint] settle_s's default: the gap between one save's files (model closed, optimizer not yet opened)
 
 _STEP_FOLDER = re.compile(r"(.*[-_=]|.*(step|iter|epoch|ckpt|checkpoint))\d+(\.[A-Za-z][A-Za-z0-9]*)?", re.IGNORECASE)
 _LOGGER_RUN = re.compile(r"version_\d+")
@@ -107,12 +107,14 @@ def unit_files(ckpt_dir: str | os.PathLike) -> dict[str, dict[str, list[int]]]:
 
 
 def round_views(before: Mapping[str, Mapping[str, list[int]]], after: Mapping[str, Mapping[str, list[int]]],
-                skip: Iterable[str] = (), now_ns: int = 0) -> dict[str, list]:
-    """Unit -> [how it changed across this round's upload, seconds since its newest change]:
-    `stable` (not at all), `replaced` (only files swapped for new ones by a rename: an atomic
-    save; each version read was whole) or `changed` (a file written in place, added or
-    removed). `skip`: files that only grow (logs open for appending) count for neither.
-    `before`/`after`: `unit_files` before and after the upload, on one node (one clock)."""
+                skip: Iterable[str] = (), now_ns: int = 0, marks: Mapping[str, str] | None = None) -> dict[str, list]:
+    """Unit -> [how it changed across this round's upload, seconds since its newest change,
+    its framework mark (`unit_marks`; "" none)]: `stable` (not at all), `replaced` (only files
+    swapped for new ones by a rename: an atomic save; each version read was whole) or `changed`
+    (a file written in place, added or removed). `skip`: files that only grow (logs open for
+    appending) count for neither. `before`/`after`: `unit_files` before and after the upload,
+    on one node (one clock)."""
+    marks = marks or {}
     skip = set(skip)
     out: dict[str, list] = {}
     for unit in before.keys() | after.keys():
@@ -125,8 +127,54 @@ def round_views(before: Mapping[str, Mapping[str, list[int]]], after: Mapping[st
         else:
             state = "changed"
         newest = max((st[1] for st in a.values()), default=0)
-        out[unit] = [state, round((now_ns - newest) / 1e9, 3) if newest else NEVER_S]
+        out[unit] = [state, round((now_ns - newest) / 1e9, 3) if newest else NEVER_S, marks.get(unit, "")]
     return out
+
+
+MARKS = (".metadata", "trainer_state.json")  # DCP's index (renamed in last), HF's state (written last, rank 0)
+SAFETENSORS_INDEX = ".safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20
+
+
+def unit_marks(ckpt_dir: str | os.PathLike, after: Mapping[str, Mapping[str, list[int]]]) -> dict[str, str]:
+    """Step folder -> what its framework's own mark says on this node: `whole <mark>` (the mark
+    is there and nothing in the folder is newer or still under a temporary name) or `partial
+    <mark>: <why>` (a save in progress). Folders with no mark are left out. DCP's `.metadata` is
+    never unpickled; a safetensors index is read (JSON, bounded) for the shards it names."""
+    out: dict[str, str] = {}
+    for unit, files in after.items():
+        if not is_step_unit(unit):
+            continue
+        marks = sorted(rel for rel in files if rel.rsplit("/", 1)[-1] in MARKS or rel.endswith(SAFETENSORS_INDEX))
+        for mark in marks:
+            why = ""
+            newer = sorted(r for r, st in files.items() if r != mark and st[1] > files[mark][1])
+            temporary = sorted(r for r in files if any(is_temporary_name(p) for p in r.split("/")))
+            if temporary:
+                why = f"{temporary[0]} is still being written"
+            elif newer and not mark.endswith(SAFETENSORS_INDEX):
+                why = f"{newer[0]} is newer than {mark}"
+            elif mark.endswith(SAFETENSORS_INDEX):
+                missing = _missing_shards(ckpt_dir, mark, files)
+                why = f"{missing} named by {mark} is not there" if missing else ""
+            out[unit] = f"partial {mark}: {why}" if why else f"whole {mark}"
+            if why:
+                break  # one save in progress is enough to say
+    return out
+
+
+def _missing_shards(ckpt_dir: str | os.PathLike, index: str, files: Mapping[str, list[int]]) -> str:
+    folder = index.rsplit("/", 1)[0] + "/" if "/" in index else ""
+    try:
+        with open(os.path.join(os.fspath(ckpt_dir), index), "rb") as fh:
+            raw = fh.read(MAX_INDEX_BYTES + 1)
+        shards = set(json.loads(raw)["weight_map"].values()) if len(raw) <= MAX_INDEX_BYTES else {None}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return index  # unreadable or torn: not a mark yet
+    for shard in sorted(shards, key=str):
+        if not isinstance(shard, str) or folder + shard not in files:
+            return str(shard)
+    return ""
 
 
 def _stat_units(ckpt_dir: str | os.PathLike) -> dict[str, list]:
@@ -182,7 +230,8 @@ class QuietCut:
              signatures: Mapping[int, Mapping[str, str]], *, previous_files: Mapping[str, dict] | None,
              previous_writers: Mapping[str, list[int]] | None = None, running: bool = True,
              node_names: Mapping[int, str] | None = None, writing: Iterable[str] = (),
-             views: Mapping[int, Mapping[str, list]] | None = None, appending: Iterable[str] = ()) -> Cut:
+             views: Mapping[int, Mapping[str, list]] | None = None, appending: Iterable[str] = (),
+             declared: Iterable[list] = ()) -> Cut:
         """The files of this round's commit. `files`/`writers`: everything every node holds now
         (merged); `signatures`: node index -> `unit_signatures` taken after this round's upload;
         `previous_*`: the last commit (what a unit held back keeps); `running`: False for the
@@ -190,7 +239,8 @@ class QuietCut:
         held open for writing (not appending) after the upload -- or, for the final sync after
         a kill, at the kill: torn. A unit holding one keeps its last committed version.
         `views`: node index -> `round_views` of this round (None: every unit is judged by the
-        whole-round rule); `appending`: files open for appending (logs), which hold back nothing."""
+        whole-round rule); `appending`: files open for appending (logs), which hold back nothing;
+        `declared`: every node's `saved.declared_sets` (the trainer's word, strongest evidence)."""
         last, self.last = self.last, {i: dict(s) for i, s in signatures.items()}
         open_units = {unit_of(rel): rel for rel in sorted(writing, reverse=True)}
         if not running and not open_units:
@@ -205,16 +255,22 @@ class QuietCut:
         before_by_unit: dict[str, dict[str, dict]] = {}
         for rel, e in before.items():
             before_by_unit.setdefault(unit_of(rel), {})[rel] = e
+        whole_files, stale_files = _declared_files(declared)
         cut = Cut({}, {})
         for unit in sorted(now_by_unit.keys() | before_by_unit.keys()):
             now, was = now_by_unit.get(unit, {}), before_by_unit.get(unit, {})
             moved: list[int] = []
             why = ""  # a held unit's missing evidence, said after SAY_AFTER_ROUNDS
+            keep: set[str] = set()  # files of a unit taken in part that keep their committed version
             if not running:
                 hold = unit in open_units
             elif unit in open_units:
                 hold, why = True, f"{open_units[unit]} was open for writing at every round; its last committed " \
                                   "version stays until the file is closed"
+            elif any(rel in whole_files or rel in stale_files for rel in now.keys() | was.keys()):
+                hold, why, keep = self._by_declaration(unit, now, was, views, appending, whole_files, stale_files)
+            elif views is not None and is_step_unit(unit) and _marks(views, unit):
+                hold, why = _by_mark(unit, views)
             elif views is not None and not is_step_unit(unit):
                 hold, why, moved = self._by_evidence(unit, now, was, views, appending)
             else:
@@ -227,10 +283,14 @@ class QuietCut:
                         where = " on " + ", ".join(node_names.get(i, f"node index {i}") for i in sorted(moved))
                     why = (f"it changed in every round{where}; its last committed version stays until it is quiet for "
                            "a whole round (a step folder no framework mark covers)")
-            take, source = (now, writers) if not hold else (was, before_writers)
+            if keep:  # taken in part: the sets the trainer declared whole, the rest as committed
+                take = {**{r: e for r, e in now.items() if r not in keep}, **{r: was[r] for r in keep if r in was}}
+                source = {**writers, **{r: before_writers[r] for r in keep if r in before_writers}}
+            else:
+                take, source = (now, writers) if not hold else (was, before_writers)
             cut.files.update(take)
             cut.writers.update({rel: list(source[rel]) for rel in take if rel in source})
-            differs = _contents(now) != _contents(was)
+            differs = _contents(take) != _contents(now)
             if not running:
                 if hold and differs:
                     cut.held_back.append(unit)
@@ -249,6 +309,31 @@ class QuietCut:
                 self.streaks.pop(unit, None)
         return cut
 
+    def _by_declaration(self, unit: str, now: Mapping[str, dict], was: Mapping[str, dict],
+                        views: Mapping[int, Mapping[str, list]] | None, appending: set[str],
+                        whole_files: set[str], stale_files: set[str]) -> tuple[bool, str, set[str]]:
+        """A unit holding files the trainer declared (`trainer.saved`): a whole set is taken as
+        it is; a set with a file rewritten since its declaration keeps its committed version,
+        all of its files together. In a step folder every file must be declared (a rank that has
+        not said yet holds the step); elsewhere an undeclared file is taken unless it changed
+        during this round's upload, and logs always are."""
+        stale = {rel for rel in now.keys() | was.keys() if rel in stale_files}
+        undeclared = sorted(rel for rel in now if rel not in whole_files and rel not in stale_files
+                            and rel not in appending)
+        if is_step_unit(unit) and (stale or undeclared):
+            what = (f"{sorted(stale)[0]} changed since the trainer declared it saved" if stale else
+                    f"{undeclared[0]} is in the step folder but no rank declared it saved (trainer.saved)")
+            return True, what + "; its last committed version stays", set()
+        changed = views is not None and any(v.get(unit, ["stable"])[0] == "changed" for v in views.values())
+        keep = stale | (set(undeclared) if changed else set())
+        why = ""
+        if stale:
+            why = f"{sorted(stale)[0]} changed since the trainer declared it saved; its declared set keeps its " \
+                  "last committed version"
+        elif keep:
+            why = f"{undeclared[0]} (not declared saved) changed during every round's upload"
+        return bool(keep), why, keep
+
     def _by_evidence(self, unit: str, now: Mapping[str, dict], was: Mapping[str, dict],
                      views: Mapping[int, Mapping[str, list]], appending: set[str]) -> tuple[bool, str, list[int]]:
         """Files outside step folders: taken when closed (the caller checked), unchanged across
@@ -257,7 +342,7 @@ class QuietCut:
         last commit -- quiet for `settle_s`: a save half-way through its files (the model new,
         its optimizer not yet) changed only one of them. Logs hold back nothing."""
         seen = {i: v[unit] for i, v in views.items() if unit in v}
-        changed = [i for i, (state, _age) in seen.items() if state == "changed"]
+        changed = [i for i, v in seen.items() if v[0] == "changed"]
         if changed:
             return True, "it changed during every round's upload (written in place)", changed
         files = [rel for rel in now.keys() | was.keys() if rel not in appending]
@@ -265,11 +350,43 @@ class QuietCut:
                          or content_of(now[rel]) != content_of(was[rel])]
         if not changed_files or len(files) < 2:  # one file: each version read was whole, nothing to pair
             return False, "", []
-        young = [i for i, (state, age) in seen.items() if state == "replaced" or age < self.settle_s]
+        young = [i for i, v in seen.items() if v[0] == "replaced" or v[1] < self.settle_s]
         if young:  # a save may be half-way through its files (the model new, its optimizer not yet)
             return True, (f"its files changed and it was never quiet for {self.settle_s:g} s "
                           "(one save's files go together)"), young
         return False, "", []
+
+
+def _declared_files(declared: Iterable[list]) -> tuple[set[str], set[str]]:
+    """(files of sets declared whole on every node, files of sets with one no longer as declared).
+    A node's entry: [set key, [relpaths], whole] (`saved.declared_sets`); one set may come from
+    several nodes (every rank's files of one step). A file in a whole set is taken, whatever
+    older sets say of it."""
+    sets: dict[str, tuple[set[str], bool]] = {}
+    for entry in declared:
+        key, files, whole = entry
+        have, ok = sets.get(key, (set(), True))
+        sets[key] = (have | set(files), ok and bool(whole))
+    whole_files = set().union(*(f for f, ok in sets.values() if ok)) if sets else set()
+    stale = set().union(*(f for f, ok in sets.values() if not ok)) if sets else set()
+    return whole_files, stale - whole_files
+
+
+def _marks(views: Mapping[int, Mapping[str, list]], unit: str) -> list[str]:
+    return [v[unit][2] for v in views.values() if unit in v and len(v[unit]) > 2 and v[unit][2]]
+
+
+def _by_mark(unit: str, views: Mapping[int, Mapping[str, list]]) -> tuple[bool, str]:
+    """A step folder with its framework's mark (`unit_marks`): taken at once when the mark says
+    whole on its node and no node saw the folder change during this round's upload (the open
+    files were checked before); a mark that says partial is a save in progress."""
+    partial = [m for m in _marks(views, unit) if m.startswith("partial ")]
+    if partial:
+        return True, f"a save in progress ({partial[0][len('partial '):]})"
+    changed = [i for i, v in views.items() if unit in v and v[unit][0] == "changed"]
+    if changed:
+        return True, "its files changed during every round's upload, its mark notwithstanding"
+    return False, ""
 
 
 def _contents(files: Mapping[str, dict]) -> dict[str, str]:

@@ -23,6 +23,7 @@ class NodeReport:
     writing: list[str] = field(default_factory=list)  # sync: files the job's processes held open for writing then
     appending: list[str] = field(default_factory=list)  # sync: ... open for appending (logs)
     views: dict[str, list] = field(default_factory=dict)  # sync: unit -> checkpoint/cut.round_views
+    declared: list[list] = field(default_factory=list)  # sync: checkpoint/saved.declared_sets (trainer.saved)
     started_ns: int = 0  # sync: this agent's wall clock when it began (compared with the batch step's)
     files_sent: int = 0
     bytes_sent: int = 0

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Protocol, TextIO
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.manifest import Manifest, entry_content_id, no_progress_after
-from ..checkpoint.cut import SETTLE_S, QuietCut, round_views, unit_files, unit_signatures
+from ..checkpoint.cut import SETTLE_S, QuietCut, round_views, unit_files, unit_marks, unit_signatures
+from ..checkpoint.saved import declared_sets, read_declarations
 
 
 class BlobStore(Protocol):
@@ -111,10 +112,14 @@ class QuietCutStore:
                                  commit=False)
             previous = self.last_committed
             writing, appending = self.open_files() if running else (set(self.torn), set())
-            views = {0: round_views(before, unit_files(ckpt_dir), appending, time.time_ns())} if running else None
+            views, declared = None, []
+            if running:
+                after = unit_files(ckpt_dir)
+                views = {0: round_views(before, after, appending, time.time_ns(), unit_marks(ckpt_dir, after))}
+                declared = declared_sets(read_declarations(ckpt_dir), before, after)
             cut = self.cut.take(up.files or {}, {}, {0: unit_signatures(ckpt_dir)},
                                 previous_files=previous.files if previous else None, running=running,
-                                writing=writing, views=views, appending=appending)
+                                writing=writing, views=views, appending=appending, declared=declared)
             for message in cut.messages:
                 self.say(message)
             result = CutSyncResult(up.files_sent, up.bytes_sent, None, tuple(cut.held_back), up)

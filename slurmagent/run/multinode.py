@@ -392,7 +392,8 @@ class AllocationStore:
                                 node_names={r.index: r.who for r in reports},
                                 writing={rel for r in reports for rel in r.writing} if running else (),
                                 views={r.index: r.views for r in reports} if running else None,
-                                appending={rel for r in reports for rel in r.appending})
+                                appending={rel for r in reports for rel in r.appending},
+                                declared=[d for r in reports for d in r.declared] if running else ())
             for message in cut.messages:
                 self.say(message)
             sent = sum(r.files_sent for r in reports), sum(r.bytes_sent for r in reports)

@@ -21,7 +21,8 @@ from .agent_reports import NodeReport, select_for_node
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.errors import RestoreError
 from ..checkpoint.hash_cache import state_file_for
-from ..checkpoint.cut import round_views, unit_files, unit_signatures
+from ..checkpoint.cut import round_views, unit_files, unit_marks, unit_signatures
+from ..checkpoint.saved import declared_sets, read_declarations
 from ..slurm.job_processes import checkpoint_writers
 from ..checkpoint.errors import is_node_local
 from ..errors import SlurmagentError
@@ -130,7 +131,9 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
         report.files_sent, report.bytes_sent = result.files_sent, result.bytes_sent
         writing, appending = checkpoint_writers(ckpt_dir, job_id)  # the job's processes on this node
         report.writing, report.appending = sorted(writing), sorted(appending)
-        report.views = round_views(before, unit_files(ckpt_dir), report.appending, time.time_ns())
+        after = unit_files(ckpt_dir)
+        report.views = round_views(before, after, report.appending, time.time_ns(), unit_marks(ckpt_dir, after))
+        report.declared = declared_sets(read_declarations(ckpt_dir), before, after)  # this node's ranks' trainer.saved
         report.units = unit_signatures(ckpt_dir)  # after the upload: a change during it counts
         report.ok = True
     except (SlurmagentError, OSError) as exc:

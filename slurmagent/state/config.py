@@ -187,9 +187,11 @@ class CheckpointConfig:
         low=0, high=1048576,
     )
     settle_s: float = _key(
-        2.0, "a periodic commit takes a folder's files (outside step folders) when more than one of them changed "
-        "only once none changed for this long: one save's consecutive files (a model, then its optimizer) go "
-        "together; files open for writing are never taken, logs open for appending hold back nothing",
+        0.5, "a periodic commit takes a folder's files (outside step folders) when more than one of them changed "
+        "only once none changed for this long: the gap between one save's consecutive files (a model closed, its "
+        "optimizer not yet opened); keep it well under the save period, or those saves starve. Files open for "
+        "writing or still under a temporary name are never taken, logs open for appending hold back nothing, "
+        "and a set the trainer declared (`trainer.saved`) needs no settling",
         low=0, high=3600,
     )
     keep_uncommitted: int = _key(

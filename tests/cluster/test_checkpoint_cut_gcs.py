@@ -83,9 +83,10 @@ def test_a_folder_being_filled_is_held_back_and_its_previous_version_stays(emu, 
     result = store.sync(d, 0, state)
     assert result.held_back == ("checkpoint-2",)
     assert inner.latest_manifest().files.keys() == {f"checkpoint-1/{n}" for n in HF_FILES}
-    (d / "checkpoint-1" / "trainer_state.json").write_text("rewritten")  # and checkpoint-1 moves too
-    store.sync(d, 0, state)
-    assert inner.latest_manifest().files["checkpoint-1/trainer_state.json"]["size"] == len("1 trainer_state.json")
+    time.sleep(0.01)
+    (d / "checkpoint-1" / "optimizer.pt").write_text("rewritten")  # a new save into checkpoint-1: its mark
+    store.sync(d, 0, state)                                         # (trainer_state.json) is now older
+    assert inner.latest_manifest().files["checkpoint-1/optimizer.pt"]["size"] == len("1 optimizer.pt")
     store.trainer_running = lambda: False  # the trainer exited: everything as it is
     final = store.sync(d, 0, state)
     assert "checkpoint-2/model.safetensors" in final.manifest.files

@@ -9,6 +9,9 @@ plain trainers that save the way people write them.
 * A saver faster than the sync round: every committed version is one whole save.
 * A model and its optimizer saved one after the other (each atomically): no commit pairs a
   model of one step with an optimizer of another.
+* The same with a gap between the two files longer than `settle_s` (where timing alone would
+  pair them wrongly), declared with `trainer.saved([...], step=N)`: every commit is one step's
+  pair, and commits keep coming although the folder is never quiet for `settle_s` in a round.
 """
 
 from __future__ import annotations
@@ -63,6 +66,30 @@ while True:
 '''
 
 
+# model.pt, then 0.5 s later optim.pt, each saved atomically, then declared as one set; 0.3 s
+# later the next save. A log beside them.
+DECLARED_PAIRS = r'''
+import os, sys, time
+from slurmagent import trainer
+d = os.environ["SLURMAGENT_CKPT_DIR"]
+log = open(os.path.join(d, "train.log"), "a", buffering=1)
+def save(name, step):
+    tmp = os.path.join(d, name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(f"step={step};".encode().ljust(100_000, b"."))
+    os.replace(tmp, os.path.join(d, name))
+step = 0
+while True:
+    step += 1
+    log.write(f"step {step}\n")
+    save("model.pt", step)
+    time.sleep(0.5)
+    save("optim.pt", step)
+    trainer.saved(["model.pt", "optim.pt"], step=step)
+    time.sleep(0.3)
+'''
+
+
 def step_of(data: bytes) -> int:
     return int(data.split(b";", 1)[0].split(b"=")[1])
 
@@ -107,6 +134,39 @@ def test_a_saver_faster_than_the_sync_round_is_committed_whole(emu, tmp_path):
     restored = tmp_path / "restored"
     store.restore(restored, deadline_s=60)
     assert len((restored / "ckpt.pt").read_bytes()) == 200_000
+
+
+def committed_pairs(store, tmp_path, err, seconds: float) -> int:
+    """Restore every new commit seen within `seconds`; assert its model and optimizer are of one
+    step; the number of commits checked."""
+    checked, generations = 0, set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        m = store.latest_manifest()
+        if m is None or "model.pt" not in m.files or "optim.pt" not in m.files:
+            time.sleep(0.1)
+            continue
+        key = (entry_content_id(m.files["model.pt"]), entry_content_id(m.files["optim.pt"]))
+        if key not in generations:
+            generations.add(key)
+            restored = tmp_path / f"restored{len(generations)}"
+            got = store.restore(restored, deadline_s=60)
+            if got is not None and (restored / "optim.pt").exists():
+                model, optim = (restored / "model.pt").read_bytes(), (restored / "optim.pt").read_bytes()
+                assert step_of(model) == step_of(optim), (step_of(model), step_of(optim), err.read_text()[-2000:])
+                checked += 1
+        time.sleep(0.1)
+    return checked
+
+
+def test_a_declared_pair_saved_further_apart_than_settle_s_is_committed_whole_and_never_mixed(emu, tmp_path):
+    # settle 0.25 s, but 0.5 s between one save's files: only the trainer's word keeps them together
+    proc, _marks, err, store = start(tmp_path, "declared", sync_interval=0.3, code=DECLARED_PAIRS, settle_s=0.25)
+    try:
+        checked = committed_pairs(store, tmp_path, err, 10.0)
+    finally:
+        stop(proc)
+    assert checked >= 3, (checked, err.read_text()[-2000:])  # commits kept coming, each one save's pair
 
 
 def test_two_files_of_one_save_are_never_committed_from_different_steps(emu, tmp_path):

@@ -118,6 +118,14 @@ def test_hf_save_total_limit_on_two_nodes_holds_two_checkpoints_over_three_reque
     starts, saves = lines(log, "start"), lines(log, "save")
     assert len(starts) == 4 and starts[0] == 0 and all(s in saves for s in starts[1:]), (starts, saves)
     assert starts == sorted(starts) and len(set(starts)) == 4  # each attempt resumed where the last one saved
-    assert all(len(folders) <= 2 for folders in seen), [sorted(f) for f in seen if len(f) > 2]
+    # save_total_limit 2: a commit may hold a third folder only between a whole new save (its
+    # trainer_state.json is the mark: taken at once) and rank 0's rotation right after it; a
+    # folder that left the checkpoint never comes back (a rotation is never undone by a node
+    # still holding its files, nor by a restore)
+    assert all(len(folders) <= 3 for folders in seen), [sorted(f) for f in seen if len(f) > 3]
+    gone: set[str] = set()
+    for earlier, later in zip(seen, seen[1:]):
+        gone |= earlier - later
+        assert not (later & gone), (sorted(later & gone), [sorted(f) for f in seen])
     assert not any(halves), [sorted(h) for h in halves if h]
     assert checkpoint_folders(committed(job)) == {"checkpoint-90", "checkpoint-100"}
