@@ -91,9 +91,12 @@ def save(model, opt, step: int, root: Path, layout: str, keep: int = 2) -> None:
         if node_first:  # each node renames its own part: rank 0 alone would leave the others' .tmp
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
+            trainer.saved(final, step=step)  # this node's part of the step, whole
     else:
         dcp.save(state, checkpoint_id=final)
         barrier()
+        if node_first:
+            trainer.saved(final, step=step)
     if node_first:  # keep-last-k on every node, by name (only rank 0's node holds .metadata)
         steps = sorted((int(m.group(1)), p) for p in root.glob("step-*") if (m := STEP_DIR.fullmatch(p.name)))
         for _, old in steps[:-keep]:

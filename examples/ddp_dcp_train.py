@@ -55,6 +55,7 @@ def save(model, opt, ckpt: Path, step: int) -> None:
     model_sd, opt_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=ckpt / f"step_{step:07d}")
     dist.barrier()  # every shard and the .metadata are in place
+    trainer.saved(ckpt / f"step_{step:07d}", step=step)  # this node's part of the step, whole
     for old in sorted(ckpt.glob("step_*"))[:-KEEP]:  # each rank cleans its own node
         shutil.rmtree(old, ignore_errors=True)
 

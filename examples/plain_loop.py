@@ -19,6 +19,7 @@ with trainer.checkpoint_handler():  # SIGUSR1/SIGTERM only set a flag
         stop = trainer.any_rank(trainer.checkpoint_requested())  # every rank stops at the same step
         if step % 100 == 0 or stop:
             trainer.atomic_write(state_file, json.dumps({"step": step}))
+            trainer.saved(state_file, step=step)  # whole: the next sync round commits it
         if stop:
             print(f"checkpointed at step {step}, exiting for requeue", flush=True)
             sys.exit(0)

@@ -26,6 +26,7 @@ def save() -> None:
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
     os.replace(tmp, ckpt)
+    trainer.saved(ckpt, step=step)  # whole: the next sync round commits it
 
 
 with trainer.checkpoint_handler():

@@ -271,7 +271,7 @@ class PassThrough(click.Command):
         return []
 
 
-@cli.command(cls=PassThrough, epilog="Adds --requeue, or --requeue=expedite where Slurm >= 25.11 enables it (docs/user/wrapper.md); your own --requeue or --no-requeue wins.")
+@cli.command(cls=PassThrough, epilog="Adds --requeue, or --requeue=expedite where Slurm >= 25.11 enables it, and --open-mode=append (a requeue keeps the first attempt's output) (docs/user/wrapper.md); your own --requeue, --no-requeue or --open-mode wins.")
 @click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 def sbatch(state: State, args) -> None:

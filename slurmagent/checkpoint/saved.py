@@ -146,7 +146,8 @@ def declared_sets(declarations: Iterable[Declaration], before: Mapping[str, Mapp
                   after: Mapping[str, Mapping[str, list[int]]]) -> list[list]:
     """[set key, [relpaths], whole] for this node, for its report: `whole` when every file is as
     declared both before and after this round's upload (`cut.unit_files`), so the bytes uploaded
-    are the version the trainer vouched for. A rank's newer declaration of the same set wins."""
+    are the version the trainer vouched for. A rank's newer declaration of the same set wins; a
+    declared file gone from the node (a rotated checkpoint) leaves its set, an emptied set goes."""
     def flat(units: Mapping[str, Mapping[str, list[int]]]) -> dict[str, list[int]]:
         return {rel: st for files in units.values() for rel, st in files.items()}
 
@@ -159,6 +160,9 @@ def declared_sets(declarations: Iterable[Declaration], before: Mapping[str, Mapp
     sets: dict[str, list] = {}
     for (key, _rank), d in sorted(newest.items()):
         entry = sets.setdefault(key, [key, [], True])
-        entry[1].extend(d.files)
-        entry[2] = entry[2] and all(b.get(rel) == st and a.get(rel) == st for rel, st in d.files.items())
-    return [[k, sorted(set(files)), whole] for k, files, whole in sets.values()]
+        for rel, st in d.files.items():
+            if rel not in b and rel not in a:
+                continue  # deleted (a rotated checkpoint): it leaves by the rotation rules, not held here
+            entry[1].append(rel)
+            entry[2] = entry[2] and b.get(rel) == st and a.get(rel) == st
+    return [[k, sorted(set(files)), whole] for k, files, whole in sets.values() if files]

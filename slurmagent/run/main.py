@@ -22,7 +22,7 @@ from ..errors import SlurmagentError
 from ..state.host import node_name, slurmagent_argv
 from ..slurm import env as slurm_env
 from ..slurm.commands import Slurm
-from ..slurm.features import EXPEDITE, SlurmFeatures, requeue_option, user_chose_requeue
+from ..slurm.features import EXPEDITE, SlurmFeatures, requeue_option, user_chose_open_mode, user_chose_requeue
 from .child import RequeueHold
 from .ledger import AttemptLedger, LedgerReport, expiry_source, faulty_node
 from .identity import SUBMISSION_ENV, new_owner
@@ -390,6 +390,8 @@ def submit(cfg: Config, args: list[str]) -> int:
         raise WrapperError("nothing to run: slurmagent sbatch [sbatch options] -- CMD ARGS...")
     slurm = Slurm.from_config(cfg)
     extra = [] if user_chose_requeue(sbatch_opts, dict(os.environ)) else [submit_requeue_option(slurm)]
+    if not user_chose_open_mode(sbatch_opts, dict(os.environ)):
+        extra.append("--open-mode=append")  # a requeue would truncate the first attempt's output
     if not any(o == "--signal" or o.startswith("--signal=") for o in sbatch_opts):
         extra.append(f"--signal=B:{signal.Signals(signal.SIGUSR1).name[3:]}@{cfg.checkpoint.signal_lead_s}")
     fd, script = tempfile.mkstemp(prefix="slurmagent-sbatch-", suffix=".sh")

@@ -112,6 +112,15 @@ def user_chose_requeue(sbatch_opts: list[str], env: dict[str, str] | None = None
     return bool(env) and any(k in env for k in ("SBATCH_REQUEUE", "SBATCH_NO_REQUEUE"))
 
 
+def user_chose_open_mode(sbatch_opts: list[str], env: dict[str, str] | None = None) -> bool:
+    """The user's own --open-mode (or SBATCH_OPEN_MODE) wins over the `append` slurmagent adds:
+    Slurm truncates the job's output at each requeue otherwise, and the first attempt's lines
+    (the flush, the hang evidence's context) go with it."""
+    if any(o == "--open-mode" or o.startswith("--open-mode=") for o in sbatch_opts):
+        return True
+    return bool(env) and "SBATCH_OPEN_MODE" in env
+
+
 def requeue_option(features: SlurmFeatures | None) -> str:
     """What `slurmagent sbatch` adds when the user chose nothing: the expedited requeue where the
     controller honours it, else `--requeue` (an unreadable config: `--requeue`, as before 25.11)."""

@@ -72,8 +72,23 @@ def test_sbatch_takes_the_readme_forms_with_the_separator_intact(tmp_path, sbatc
     (call,) = [json.loads(line) for line in sbatch_log.read_text().splitlines()]
     script = next(a for a in call if a.endswith(".sh"))
     at = call.index(script)
-    assert call[:at] == [*sbatch_opts, "--requeue", "--signal=B:USR1@300"]
+    assert call[:at] == [*sbatch_opts, "--requeue", "--open-mode=append", "--signal=B:USR1@300"]
     assert call[at + 1:] == run_args
+
+
+@pytest.mark.parametrize(("argv", "env", "modes"), [
+    (["-N1"], {}, ["--open-mode=append"]),  # a requeue keeps the first attempt's output
+    (["--open-mode=truncate"], {}, ["--open-mode=truncate"]),
+    (["--open-mode", "truncate"], {}, ["--open-mode"]),
+    ([], {"SBATCH_OPEN_MODE": "truncate"}, []),  # sbatch reads the user's environment itself
+])
+def test_sbatch_appends_the_jobs_output_unless_the_user_chose_a_mode(tmp_path, sbatch_log, monkeypatch, argv, env, modes):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    proc = slurmagent("sbatch", *argv, "--", "true", config=tmp_path / "c.toml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (call,) = [json.loads(line) for line in sbatch_log.read_text().splitlines()]
+    assert [a for a in call if a.startswith("--open-mode")] == modes
 
 
 CONFIG_2605 = """Configuration data as of 2026-12-02T01:46:05

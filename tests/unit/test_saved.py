@@ -154,3 +154,17 @@ def test_a_safetensors_index_marks_its_folder_whole_only_with_every_shard(ckpt):
                                             "model-00002-of-00002.safetensors")
     write(ckpt, "checkpoint-7/model-00002-of-00002.safetensors", "s2")
     assert unit_marks(ckpt, unit_files(ckpt))["checkpoint-7"] == "whole checkpoint-7/model.safetensors.index.json"
+
+
+def test_a_declared_step_folder_rotated_away_leaves_the_checkpoint(ckpt):
+    cut = QuietCut()
+    write(ckpt, "step_1/w.bin", "1")
+    trainer.saved("step_1", step=1)
+    first = round_of(ckpt, unit_files(ckpt), cut, None)
+    assert sorted(first.files) == ["step_1/w.bin"]
+    write(ckpt, "step_2/w.bin", "2")
+    trainer.saved("step_2", step=2)
+    (ckpt / "step_1" / "w.bin").unlink()  # keep-last-1: the trainer removes the older step
+    (ckpt / "step_1").rmdir()
+    second = round_of(ckpt, unit_files(ckpt), cut, first.files)
+    assert sorted(second.files) == ["step_2/w.bin"]  # not held as a set "changed since declared"

@@ -66,9 +66,8 @@ def test_sbatch_adds_requeue_and_end_signal_and_keeps_argv_intact(monkeypatch, c
     code = submit(parse({"checkpoint": {"signal_lead_s": 240}}), ["-t", "10", "--", *nasty])
     assert code == 0 and capsys.readouterr().out == "77\n"
     [argv] = [c for c in runner.calls if c[0] == "sbatch"]  # after its `scontrol show config` (22.05 here)
-    assert argv[:4] == ["sbatch", "-t", "10", "--requeue"]
-    assert argv[4] == "--signal=B:USR1@240"
-    script_index = 5
+    assert argv[:6] == ["sbatch", "-t", "10", "--requeue", "--open-mode=append", "--signal=B:USR1@240"]
+    script_index = 6
     assert argv[script_index + 1:] == ["--", *nasty]  # one argv element each, no shell string
 
 
