@@ -219,7 +219,7 @@ class ChannelMetrics:
         self.path, self.job, self.node, self.say = Path(path), job, node, say
         self._said = False
 
-    def update(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None:
+    def update(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | tuple[str, ...] | None = None) -> None:
         """Keys are (name, labels) as for state.metrics.Metrics; root sets the `job` label itself."""
         def wire(name: str, labels: tuple) -> str:  # a `part` label travels in the name (job_requests.JOB_PARTS)
             part = dict(labels).get("part")

@@ -41,6 +41,7 @@ JOB_PARTS = ("progress", "startup", "restore", "recompute", "flush")
 # name -> "set" (a gauge) or "add" (a counter); the wrapper's own figures, nothing else
 JOB_METRICS = {
     "slurmagent_checkpoint_lag_seconds": "set",
+    "slurmagent_checkpoint_age_seconds": "set",
     "slurmagent_flush_seconds": "set",
     "slurmagent_bytes_synced_total": "add",
     "slurmagent_checkpoint_sync_errors_total": "add",
@@ -48,7 +49,7 @@ JOB_METRICS = {
     "slurmagent_hangs_total": "add",
     **{f"slurmagent_job_seconds_total/{part}": "add" for part in JOB_PARTS},
 }
-PER_JOB = ("slurmagent_checkpoint_lag_seconds",)  # labelled {job}; the others are node totals
+PER_JOB = ("slurmagent_checkpoint_lag_seconds", "slurmagent_checkpoint_age_seconds")  # labelled {job}; the others are node totals
 JOB_DRAIN_RULES = ("hang", "straggler")
 OPS = ("metrics", "drain", "report", "count")
 ANY_NODE_OPS = ("drain", "report")  # may name another node of the job (the batch step's evidence)
@@ -134,7 +135,7 @@ def judge(req: JobRequest, peer_uid: int, owner: JobOwner | None, this_node: str
     return ""
 
 
-def metric_update(req: JobRequest) -> tuple[dict, dict, str | None]:
+def metric_update(req: JobRequest) -> tuple[dict, dict, tuple[str, ...] | None]:
     """(set_, add, replace_prefix) for `Metrics.update`: per-job gauges labelled with the judged
     job id; `clear` removes that job's per-job series (no other job's)."""
     def key(name: str) -> tuple:
@@ -143,7 +144,7 @@ def metric_update(req: JobRequest) -> tuple[dict, dict, str | None]:
             return (base, (("part", part),))
         return (name, (("job", req.job),)) if name in PER_JOB else (name, ())
 
-    clear = f'slurmagent_checkpoint_lag_seconds{{job="{req.job}"}}' if req.clear else None
+    clear = tuple(f'{name}{{job="{req.job}"}}' for name in PER_JOB) if req.clear else None
     return {key(n): v for n, v in req.set_.items()}, {key(n): v for n, v in req.add.items()}, clear
 
 

@@ -42,7 +42,7 @@ from ..slurm.model import FAULT_FLUSH_SIGNAL, JobInfo
 from .requeue import REQUEUE_MIN_S, RequeueResult, RequeueVerb, requeue_own_job
 from .restore_failure import NodeExcluder, failed_nodes, requeue_without
 from .job import FAULT_GRACE_S, DirRecord, JobIdentity, Outcome, RunOptions, WrapperError  # noqa: F401 - re-export
-from .job import dir_owner, flush_grace, fresh_attempt, is_fault, manifest_id, signal_name, stat_scan
+from .job import dir_owner, flush_grace, fresh_attempt, is_fault, job_gauges, job_series, manifest_id, signal_name, stat_scan
 from .start_dir import prepare_dir, run_watched
 
 EXIT_FLUSHED = 143  # flushed and requeued (or, outside Slurm, handed back for a retry)
@@ -70,7 +70,8 @@ class CheckpointStore(Protocol):
 
 
 class MetricsSink(Protocol):
-    def update(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | None = None) -> None: ...
+    def update(self, set_: dict | None = None, add: dict | None = None,
+               replace_prefix: str | tuple[str, ...] | None = None) -> None: ...
 
 
 class Supervisor:
@@ -244,10 +245,6 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - metrics never fail the job
                 pass
 
-    @property
-    def _lag_key(self) -> tuple:
-        return ("slurmagent_checkpoint_lag_seconds", (("job", self.ident.name),))
-
     def stop_background_sync(self) -> None:
         """No more periodic syncs; a multi-node round in flight (a hung agent) is cancelled, not waited for."""
         self.stop_sync.set()
@@ -262,7 +259,7 @@ class Supervisor:
                 except OSError:
                     lag = None
                 if lag is not None:
-                    self._metric(set_={self._lag_key: lag})
+                    self._metric(set_=job_gauges(self.ident.name, lag, self.store, time.time()))
                 self._report_sync(ok, lag)
 
     def _report_sync(self, ok: bool, lag: float | None, say: bool = True) -> None:
@@ -343,7 +340,7 @@ class Supervisor:
             outcome.exit_code, outcome.summary = exit_by_itself(code)
             if not outcome.synced and self.store is not None:
                 outcome.summary += "; its last checkpoint is NOT in the bucket"
-            self._metric(replace_prefix=_series(self._lag_key))
+            self._metric(replace_prefix=job_series(self.ident.name))
             return outcome
         return self._flush(child, cause, outcome)
 
@@ -431,7 +428,7 @@ class Supervisor:
         self._hand_back(outcome, streak=self.no_progress_streak())
         outcome.flush_seconds = self.clock() - started
         outcome.bytes_synced = self.bytes_synced
-        self._metric(replace_prefix=_series(self._lag_key))
+        self._metric(replace_prefix=job_series(self.ident.name))
         return outcome
 
     def _stop_child(self, child: subprocess.Popen, outcome: Outcome, why: str) -> None:
@@ -505,10 +502,3 @@ class Supervisor:
         read = (lambda: self.read_job(job)) if self.read_job is not None else None
         deadline = max(self.flush_deadline or 0.0, self.clock() + REQUEUE_MIN_S)
         return requeue_own_job(job, self.ident.restart_count, call, read, deadline, self.say, clock=self.clock)
-
-
-def _series(key: tuple) -> str:
-    name, labels = key
-    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels))
-    return f"{name}{{{inner}}}"
-

@@ -36,6 +36,9 @@ HELP = {
     "slurmagent_checkpoint_lag_seconds": (
         "gauge", "how long the bucket has been behind a running job's checkpoint dir: age of the oldest "
         "checkpoint file change not yet committed (0: all committed)"),
+    "slurmagent_checkpoint_age_seconds": (
+        "gauge", "age of a running job's newest committed checkpoint (what a restore now gets): seconds since "
+        "its commit; absent before the first"),
     "slurmagent_checkpoint_sync_errors_total": ("counter", "checkpoint syncs that failed (background and final)"),
     "slurmagent_termination_timestamp_seconds": (
         "gauge", "Unix time at which this VM will be stopped or deleted (flex-start/spot expiry, maintenance, "
@@ -97,7 +100,7 @@ class Metrics:
             os.close(fd)
 
     def update(self, set_: dict[tuple[str, tuple], float] | None = None,
-               add: dict[tuple[str, tuple], float] | None = None, replace_prefix: str | None = None) -> None:
+               add: dict[tuple[str, tuple], float] | None = None, replace_prefix: str | tuple[str, ...] | None = None) -> None:
         """Set gauges / add to counters; keys are (name, ((label, value), ...))."""
         try:
             with self._locked() as values:

@@ -27,14 +27,15 @@ from test_watch_slurm import WatchProcess
 from test_wrapper_slurm import TOY
 
 LAG = "slurmagent_checkpoint_lag_seconds"
+AGE = "slurmagent_checkpoint_age_seconds"
 
 
-def lag_series(textfile: Path) -> dict[str, float]:
-    """job id -> value of the lag series in the node's textfile (none when it is absent)."""
+def lag_series(textfile: Path, name: str = LAG) -> dict[str, float]:
+    """job id -> value of the job's `name` series in the node's textfile (none when it is absent)."""
     if not textfile.exists():
         return {}
     return {s.labels["job"]: s.value for fam in text_string_to_metric_families(textfile.read_text())
-            for s in fam.samples if s.name == LAG}
+            for s in fam.samples if s.name == name}
 
 
 def python_for(user: str) -> tuple[str, str]:
@@ -115,10 +116,14 @@ def test_a_job_of_another_user_shows_its_checkpoint_lag_through_the_watch(open_c
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n{seen()}") from None
             assert lag_series(textfile)[job_id] >= 0
+            # the newest committed checkpoint's age: there once a round committed, seconds old
+            age = wait_for(lambda: lag_series(textfile, AGE).get(job_id), 60, f"the checkpoint age of job {job_id}")
+            assert 0 < age < 60, (age, seen())
             assert c.job(job_id)["JobState"] == "RUNNING"  # seen while the job ran
             job = c.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED"), 120)
             assert job["JobState"] == "COMPLETED", seen()
-            assert job_id not in lag_series(textfile), textfile.read_text()  # its series ends with it
+            assert job_id not in lag_series(textfile), textfile.read_text()  # its series end with it
+            assert job_id not in lag_series(textfile, AGE), textfile.read_text()
             assert "did not take this job's figures" not in seen(), seen()
         finally:
             c.run(["scancel", job_id], check=False)
