@@ -9,6 +9,8 @@ Cloud Storage emulator, a trainer that saves `model.pt` in place (`open(..., "wb
   at the kill: the final sync leaves its unit at the last commit and says so (before: the
   final sync took every file as it was).
 * A hard kill (the VM gone) restores the previous whole file.
+* The hang watch's kill of the stalled save (silence past `--hang-timeout`) does the same as
+  the grace's: the torn file stays out of the final commit.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ while True:
 
 
 def start(tmp_path: Path, name: str, grace: float = 1.0, sync_interval: float = 0.5, attempt: int = 0,
-          then: str = "rewrite", code: str = IN_PLACE_WRITER, settle_s: float = 2.0):
+          then: str = "rewrite", code: str = IN_PLACE_WRITER, settle_s: float = 2.0, run_opts: tuple = (), config_extra: str = ""):
     """`slurmagent run` of the trainer `code` (argv: a folder for its marks, `then`) as attempt
     `attempt` of Cloud Run task `name`; (wrapper, marks folder, its stderr file, the task's store)."""
     from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
@@ -57,7 +59,7 @@ def start(tmp_path: Path, name: str, grace: float = 1.0, sync_interval: float = 
     marks.mkdir()
     config = tmp_path / "c.toml"
     config.write_text(f'state_dir = "{tmp_path}/state"\n[checkpoint]\nremote = "gs://ckpt/{name}"\n'
-                      f'settle_s = {settle_s}\n')
+                      f'settle_s = {settle_s}\n{config_extra}')
     env = dict(os.environ, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), CLOUD_RUN_JOB=name,
                CLOUD_RUN_TASK_INDEX="0", CLOUD_RUN_TASK_ATTEMPT=str(attempt))
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURMAGENT_RESUMED"):
@@ -65,9 +67,11 @@ def start(tmp_path: Path, name: str, grace: float = 1.0, sync_interval: float = 
     err = tmp_path / f"wrapper{attempt}.err"
     proc = subprocess.Popen(
         [sys.executable, "-m", "slurmagent.entry", "run", "--ckpt-dir", str(tmp_path / "vm"),
-         "--sync-interval", str(sync_interval), "--grace", str(grace), "--", sys.executable, str(writer), str(marks),
+         "--sync-interval", str(sync_interval), "--grace", str(grace), *run_opts, "--", sys.executable, str(writer),
+         str(marks),
          then],
-        env=env, stdout=subprocess.DEVNULL, stderr=err.open("w"), start_new_session=True)
+        env=env, stdout=subprocess.DEVNULL, stderr=err.open("w"), start_new_session=True,
+        cwd=tmp_path)  # the hang evidence goes beside the job's output: the test's folder
     return proc, marks, err, GcsCheckpointStore(f"gs://ckpt/{name}/{name}-task-0")
 
 
@@ -138,6 +142,31 @@ def test_the_grace_kill_of_a_save_no_round_saw_keeps_the_last_whole_file(emu, tm
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     text = err.read_text()
+    assert "model.pt was open for writing when the job was stopped (torn); its last committed version stays" in text, text
+    restored = tmp_path / "restored"
+    store.restore(restored, deadline_s=60)
+    assert (restored / "model.pt").read_bytes() == b"1" * SIZE, text
+
+
+def test_the_hang_watchs_kill_of_a_stalled_in_place_save_keeps_the_last_whole_file(emu, tmp_path):
+    """Attempt 0 commits v1 and exits; attempt 1 rewrites model.pt in place and stalls with it
+    open; it never reports progress, so after its first-progress limit (3 s here) the hang
+    watch kills it."""
+    first, _, err0, store = start(tmp_path, "torn-hang", then="exit")
+    assert first.wait(60) == 0, err0.read_text()
+    assert committed_size(store) == SIZE, err0.read_text()
+    proc, marks, err, _ = start(tmp_path, "torn-hang", sync_interval=3600, attempt=1, run_opts=("--hang-timeout", "3"),
+                          config_extra="[run]\nhang_first_progress_s = 3\n")
+    try:
+        (marks / "rewrite").touch()
+        wait_for((marks / "stalled").exists, 30, "the rewrite to stall: " + err.read_text()[-2000:])
+        proc.wait(120)  # the hang watch ends it
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    text = err.read_text()
+    assert "hang: no progress" in text and list(tmp_path.glob("slurmagent-torn-hang-task-0.hang-*")), text
     assert "model.pt was open for writing when the job was stopped (torn); its last committed version stays" in text, text
     restored = tmp_path / "restored"
     store.restore(restored, deadline_s=60)
