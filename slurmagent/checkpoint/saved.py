@@ -157,12 +157,13 @@ def declared_sets(declarations: Iterable[Declaration], before: Mapping[str, Mapp
         k = (d.key, d.rank)
         if k not in newest or d.seq > newest[k].seq:
             newest[k] = d
-    sets: dict[str, list] = {}
+    vouched: dict[str, dict[str, list[list[int]]]] = {}  # set -> file -> versions some rank declared
     for (key, _rank), d in sorted(newest.items()):
-        entry = sets.setdefault(key, [key, [], True])
+        files = vouched.setdefault(key, {})
         for rel, st in d.files.items():
-            if rel not in b and rel not in a:
-                continue  # deleted (a rotated checkpoint): it leaves by the rotation rules, not held here
-            entry[1].append(rel)
-            entry[2] = entry[2] and b.get(rel) == st and a.get(rel) == st
-    return [[k, sorted(set(files)), whole] for k, files, whole in sets.values() if files]
+            if rel in b or rel in a:  # deleted (a rotated checkpoint): it leaves by the rotation rules
+                files.setdefault(rel, []).append(st)
+    # a file is as declared when it matches what one of the ranks said of it (two ranks of a node
+    # may both name the node's folder, one of them before the other's file was done)
+    return [[key, sorted(files), all(b.get(rel) in sts and a.get(rel) in sts for rel, sts in files.items())]
+            for key, files in vouched.items() if files]

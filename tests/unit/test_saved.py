@@ -168,3 +168,18 @@ def test_a_declared_step_folder_rotated_away_leaves_the_checkpoint(ckpt):
     (ckpt / "step_1").rmdir()
     second = round_of(ckpt, unit_files(ckpt), cut, first.files)
     assert sorted(second.files) == ["step_2/w.bin"]  # not held as a set "changed since declared"
+
+
+def test_two_ranks_naming_one_folder_agree_on_the_version_one_of_them_saw_last(ckpt):
+    write(ckpt, "step_4/a.pt", "a")
+    write(ckpt, "step_4/b.pt", "b half")
+    early = {"step_4/a.pt": unit_files(ckpt)["step_4"]["step_4/a.pt"],
+             "step_4/b.pt": unit_files(ckpt)["step_4"]["step_4/b.pt"]}
+    (ckpt / SAVED_DIR).mkdir()
+    (ckpt / SAVED_DIR / "rank-0.json").write_text(json.dumps([{"rank": 0, "seq": 0, "step": 4, "files": early}]))
+    write(ckpt, "step_4/b.pt", "b whole, longer")  # rank 1 finished its file after rank 0 named the folder
+    now = unit_files(ckpt)
+    assert declared_sets(read_declarations(ckpt), now, now) == [["step 4", ["step_4/a.pt", "step_4/b.pt"], False]]
+    late = {rel: now["step_4"][rel] for rel in early}
+    (ckpt / SAVED_DIR / "rank-1.json").write_text(json.dumps([{"rank": 1, "seq": 0, "step": 4, "files": late}]))
+    assert declared_sets(read_declarations(ckpt), now, now) == [["step 4", ["step_4/a.pt", "step_4/b.pt"], True]]
