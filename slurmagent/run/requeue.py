@@ -79,10 +79,10 @@ def requeue_own_job(job_id: str, restart_count: int, requeue: Callable[[], None]
                     clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep) -> RequeueResult:
     """Requeue job `job_id` once, by the rules above; `read_job` None: the state is unknown."""
-    unreadable_said = False
+    unreadable_said = tried = False
 
     def attempt() -> str:
-        nonlocal unreadable_said
+        nonlocal unreadable_said, tried
         if read_job is not None:
             try:
                 verdict, why = judge_job(read_job(), restart_count)
@@ -94,7 +94,8 @@ def requeue_own_job(job_id: str, restart_count: int, requeue: Callable[[], None]
             if verdict == "ending":
                 raise JobEnding(why)
             if verdict == "already":
-                return why
+                return "" if tried else why  # after a try of ours that failed late (a timeout): ours took
+        tried = True
         requeue()
         return ""
 

@@ -187,6 +187,16 @@ def test_an_earlier_try_that_went_through_counts_as_requeued():
     assert result.requeued and len(calls) == 2
 
 
+def test_a_try_that_timed_out_but_took_is_our_requeue_not_someone_elses():
+    """Under load scontrol's answer may time out after slurmctld requeued the job: the next try
+    reads the restart count moved, and that was ours (said as requeued, not "not requeueing")."""
+    clock = FakeClock()
+    call, calls = flaky(["Socket timed out on send/recv operation"])
+    reads = iter([job("RUNNING", restarts=0), job("PENDING", restarts=1)])
+    result = requeue_own_job("77", 0, call, lambda: next(reads), 60.0, print, clock=clock, sleep=clock.sleep)
+    assert result.requeued and result.why == "" and len(calls) == 1
+
+
 # --- a command that died of a signal (22.6) ------------------------------------------------------
 
 
