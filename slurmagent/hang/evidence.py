@@ -22,24 +22,12 @@ from pathlib import Path
 
 from ..policy.stall import RankState
 from ..state.host import slurmagent_argv
+from ..slurm.job_processes import proc_stat  # noqa: F401 - one reader of /proc/<pid>/stat; callers use evidence.proc_stat
 from ..state.progress import RankProgress
 
 PY_SPY_TIMEOUT_S = 10.0
 GPU_TIMEOUT_S = 20.0
 MAX_DUMPS = 16
-
-
-def proc_stat(pid: int, proc: str = "/proc") -> tuple[str, int] | None:
-    """(state letter, session id) of a process; None when it is gone."""
-    try:
-        raw = Path(proc, str(pid), "stat").read_text()
-    except (OSError, ValueError):
-        return None
-    try:
-        fields = raw.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
-        return fields[0], int(fields[3])
-    except (IndexError, ValueError):
-        return None
 
 
 def session_processes(sid: int, proc: str = "/proc") -> list[tuple[int, str, str]]:

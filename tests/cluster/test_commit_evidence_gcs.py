@@ -172,24 +172,8 @@ def test_a_declared_pair_saved_further_apart_than_settle_s_is_committed_whole_an
 def test_two_files_of_one_save_are_never_committed_from_different_steps(emu, tmp_path):
     # settle 0.25 s: longer than the 0.1 s between one save's files, shorter than the 1 s between saves
     proc, _marks, err, store = start(tmp_path, "pairs", sync_interval=0.3, code=TWO_FILES, settle_s=0.25)
-    checked, generations = 0, set()
     try:
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            m = store.latest_manifest()
-            if m is None or "model.pt" not in m.files or "optim.pt" not in m.files:
-                time.sleep(0.1)
-                continue
-            key = (entry_content_id(m.files["model.pt"]), entry_content_id(m.files["optim.pt"]))
-            if key not in generations:
-                generations.add(key)
-                restored = tmp_path / f"restored{checked}"
-                got = store.restore(restored, deadline_s=60)
-                if got is not None and (restored / "optim.pt").exists():
-                    model, optim = (restored / "model.pt").read_bytes(), (restored / "optim.pt").read_bytes()
-                    assert step_of(model) == step_of(optim), (step_of(model), step_of(optim), err.read_text()[-2000:])
-                    checked += 1
-            time.sleep(0.1)
+        checked = committed_pairs(store, tmp_path, err, 10.0)
     finally:
         stop(proc)
-    assert checked >= 3, (checked, generations, err.read_text()[-2000:])  # commits kept coming, each one save's pair
+    assert checked >= 3, (checked, err.read_text()[-2000:])  # commits kept coming, each one save's pair
