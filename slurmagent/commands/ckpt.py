@@ -87,6 +87,10 @@ def format_gc(result: GcResult, url: str, bucket: str, grace_s: float) -> str:
         f"{len(result.kept_commits)} commit(s) kept; {result.waiting} unreferenced object(s) within the "
         f"grace period of {grace_s:g}s"
     )
+    if result.marked or result.revived:
+        lines.append(f"{url}: {'would mark' if result.dry_run else 'marked'} {len(result.marked)} object(s) for the "
+                     f"bucket's daysSinceCustomTime lifecycle rule; {'would revive' if result.dry_run else 'revived'} "
+                     f"{len(result.revived)} marked object(s) a commit references again")
     return "\n".join(lines)
 
 

@@ -367,7 +367,7 @@ def _permission_skips(why: str) -> list[Result]:
 # What the checkpoint path does with objects: upload and compose (create), restore (get), scan
 # (list), replace a manifest and remove compose parts (delete). roles/storage.objectUser has them.
 BUCKET_PERMISSIONS = ("storage.objects.create", "storage.objects.get", "storage.objects.list",
-                      "storage.objects.delete")
+                      "storage.objects.delete", "storage.objects.update")  # update: customTime marks for the lifecycle rule
 
 
 def _bucket_result(cfg: config_mod.Config) -> Result:

@@ -212,11 +212,11 @@ def test_bucket_permissions_are_asked_not_tried(gcp, tmp_path, capsys, monkeypat
     cfg = make_config(tmp_path, compute_endpoint=gcp.url)
     code, rows, out = doctor(capsys, cfg)
     assert code == 0, out
-    assert rows["checkpoint bucket"] == ("ok", "listed gs://ckpt/jobs; holds create, get, list, delete on gs://ckpt "
+    assert rows["checkpoint bucket"] == ("ok", "listed gs://ckpt/jobs; holds create, get, list, delete, update on gs://ckpt "
                                                "(testIamPermissions)", ""), out
     asked = gcp.calls_of("storage.buckets.testIamPermissions")[0].query["permissions"]
     assert sorted(asked) == ["storage.objects.create", "storage.objects.delete", "storage.objects.get",
-                             "storage.objects.list"]
+                             "storage.objects.list", "storage.objects.update"]
     gcp.denied |= {"storage.objects.delete", "storage.objects.create"}
     code, rows, out = doctor(capsys, cfg)
     assert code == 1, out

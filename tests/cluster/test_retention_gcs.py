@@ -161,6 +161,79 @@ def test_superseded_manifests_keep_their_blobs(emu, tmp_path):
     assert manifest_objects(first.objects, current) <= names("blobs/")
 
 
+# ------------------------------------------------------------------ marks for the bucket's lifecycle rule
+
+
+def listed(sub: str) -> dict[str, object]:
+    """name -> the listed object (customTime, updated, generation), as the lifecycle rule sees them."""
+    return {b.name: b for b in make_client().list_blobs("ckpt", prefix=f"{PREFIX}/{sub}")}
+
+
+def test_a_finished_jobs_garbage_is_marked_for_the_lifecycle_rule(emu, tmp_path):
+    """A job's clean-ups delete nothing inside the grace; what it leaves when it ends carries a
+    customTime (the moment the rule would delete it), what the kept commits need carries none."""
+    ckpt, state = tmp_path / "ckpt", tmp_path / "state.json"
+    ckpt.mkdir()
+    s = store(gc_grace_s=3600)  # the production shape: a job's last commits are all inside the grace
+    for step in range(1, 6):
+        train_step(ckpt, step)
+        s.sync(ckpt, 0, state)
+    assert s.last_gc.deleted == []  # nothing is old enough to delete by the rule itself
+    kept = records()[-2:]  # keep_commits; the 3 older records linger inside their grace
+    referenced = set().union(*(manifest_objects(s.objects, m) for m in kept))
+    blobs = listed("blobs/")
+    garbage = set(blobs) - referenced
+    old_models = {s.blob_name(f"blake3:{m.files[f'step{i}/model.pt']['blake3']}")
+                  for i, m in enumerate(records()[:2], start=1)}
+    assert old_models <= garbage and len(garbage) > 2  # steps 1-2's models and the pack(s) of their meta.json
+    for name in garbage:
+        b = blobs[name]
+        assert b.custom_time is not None, name
+        assert abs(b.custom_time.timestamp() - (b.updated.timestamp() + 3600)) < 2, name
+    assert all(blobs[n].custom_time is None for n in referenced)
+    recs = listed("commits/")
+    kept_names = sorted(recs)[-2:]
+    assert all(recs[n].custom_time is None for n in kept_names)
+    assert all(recs[n].custom_time is not None for n in sorted(recs)[:-2])  # the 3 records beyond keep_commits
+    # the job's commits restore whole (a mark never touched a byte)
+    assert sorted(restore_tree(store(), tmp_path / "restored")) == ["step4/meta.json", "step4/model.pt",
+                                                                      "step5/meta.json", "step5/model.pt"]
+
+
+def test_a_marked_blob_referenced_again_is_revived_without_its_mark(emu, tmp_path):
+    """customTime can never be cleared: bytes that come back are uploaded anew (a new generation, no
+    mark), and a marked object a commit references without uploading it (a commit in flight from
+    another node while a clean-up marked its young blobs) is rewritten unmarked at the clean-up after
+    that commit, so the lifecycle rule never deletes a kept commit's bytes."""
+    import datetime
+
+    d, state = tmp_path / "ckpt", tmp_path / "state.json"
+    d.mkdir()
+    s = store(gc_grace_s=3600, keep_commits=1)
+    write_tree(d, {"model.pt": payload("P"), "config.bin": payload("C")})
+    s.sync(d, 0, state)
+    p_blob = s.blob_name(f"blake3:{records()[-1].files['model.pt']['blake3']}")
+    c_blob = s.blob_name(f"blake3:{records()[-1].files['config.bin']['blake3']}")
+    write_tree(d, {"model.pt": payload("Q")})
+    s.sync(d, 0, state)
+    marked = listed("blobs/")[p_blob]
+    assert marked.custom_time is not None and p_blob in s.last_gc.marked
+    write_tree(d, {"model.pt": payload("P")})  # the bytes come back
+    s.sync(d, 0, state)
+    again = listed("blobs/")[p_blob]
+    assert again.custom_time is None and again.generation != marked.generation
+
+    # config.bin is in every commit; a concurrent clean-up marked it (as it would a young blob in flight)
+    blob = make_client().bucket("ckpt").blob(c_blob)
+    blob.custom_time = datetime.datetime.now(datetime.timezone.utc)
+    blob.patch()
+    write_tree(d, {"model.pt": payload("R")})
+    s.sync(d, 0, state)
+    assert c_blob in s.last_gc.revived
+    assert listed("blobs/")[c_blob].custom_time is None
+    assert restore_tree(store(), tmp_path / "restored") == {"model.pt": payload("R"), "config.bin": payload("C")}
+
+
 # ------------------------------------------------------------------ the commands
 
 
@@ -216,6 +289,8 @@ def test_ckpt_gc_dry_run_deletes_nothing_then_gc_deletes_what_it_said(three_comm
     # with the default grace (600 s) nothing that young goes
     again = slurmagent("ckpt", "gc", "--remote", url, "--keep", "1")
     assert again.returncode == 0 and "deleted 0 object(s)" in again.stdout
+    # ... it is marked for the lifecycle rule instead: commit 2's model.pt and pack, and its record
+    assert "marked 3 object(s) for the bucket's daysSinceCustomTime lifecycle rule" in again.stdout
 
 
 def test_ckpt_gc_refuses_a_bad_keep(emu):

@@ -79,6 +79,23 @@ def test_object_settings_use_only_their_fields():
         assert set(r) <= set(RELEASE["runner_keys"]) and {"type", "destination"} <= set(r), r
 
 
+def test_the_checkpoint_bucket_deletes_what_jobs_mark_and_nothing_else():
+    """The lifecycle rule docs/admin/install.md gives (Delete on daysSinceCustomTime: 1), in the
+    module's own fields; no age rule (a blob's age says nothing of whether a commit needs it)."""
+    bucket = "modules/file-system/cloud-storage-bucket"
+    (m,) = [m for m in modules() if m["source"] == bucket]
+    fields = RELEASE["object_fields"][bucket]
+    rules = m["settings"]["lifecycle_rules"]
+    for r in rules:
+        assert set(r) <= set(fields["lifecycle_rules"])
+        assert set(r["action"]) <= set(fields["lifecycle_rules.action"])
+        assert set(r["condition"]) <= set(fields["lifecycle_rules.condition"])
+    assert rules == [{"action": {"type": "Delete"}, "condition": {"days_since_custom_time": 1}}]
+    install = (ROOT / "docs/admin/install.md").read_text()
+    assert '"daysSinceCustomTime": 1' in install
+    assert all("checkpoint_bucket" not in g.get("use", []) for g in modules())  # never mounted on a node
+
+
 def test_slurm_conf_parameters_slurmagent_needs():
     """PrologFlags=Alloc and nohold_on_prolog_fail through cloud_parameters, the Toolkit's own
     SchedulerParameters kept (the list replaces them); the rest in the template."""

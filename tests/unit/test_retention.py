@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from slurmagent.checkpoint.gcs.retention import Commit, StoredObject, collectable, manifest_objects, split_commits
+from slurmagent.checkpoint.gcs.retention import (Commit, StoredObject, collectable, garbage_marks, manifest_objects,
+                                                 record_marks, split_commits)
 from slurmagent.checkpoint.gcs.bucket import BucketObjects
 from slurmagent.checkpoint.manifest import Manifest
 from slurmagent.errors import ConfigError
@@ -94,3 +95,22 @@ def test_the_job_store_gets_the_retention_keys_from_the_config():
 
     kw = store_tunables(parse({"checkpoint": {"keep_commits": 4, "gc_grace_s": 30}}, "x"))
     assert kw["keep_commits"] == 4 and kw["gc_grace_s"] == 30
+
+
+def test_garbage_is_marked_with_the_moment_the_rule_would_delete_it_and_marks_never_move():
+    young = obj("orphan-young", 5)
+    named_by_lingering = obj("lingering", 9000)
+    already = StoredObject("p/blobs/marked-before", 7, 10, NOW - 5, custom_time=NOW - 1)
+    kept_but_marked = StoredObject("p/blobs/kept", 7, 10, NOW - 5, custom_time=NOW - 1)
+    marks, revive = garbage_marks([young, named_by_lingering, already, kept_but_marked, obj("kept-clean", 5)],
+                                  {"p/blobs/kept", "p/blobs/kept-clean"}, {"p/blobs/lingering": NOW + 300}, 600)
+    assert [(o.name, when) for o, when in marks] == [("p/blobs/lingering", NOW + 300),  # its last commit's grace
+                                                     ("p/blobs/orphan-young", NOW - 5 + 600)]  # written + grace
+    assert [o.name for o in revive] == ["p/blobs/kept"]  # a kept commit needs it: rewritten without the mark
+
+
+def test_a_record_beyond_the_window_is_marked_for_when_it_dropped_out_plus_the_grace():
+    cs = commits(100, 200, 500, NOW - 50, NOW - 10)
+    got = record_marks(cs[:3], cs, keep=2, grace_s=600)
+    assert [(int(c.id), until) for c, until in got] == [(1, 500 + 600), (2, NOW - 50 + 600), (3, NOW - 10 + 600)]
+    assert record_marks(cs[3:], cs, keep=2, grace_s=600) == []  # kept ones are never marked

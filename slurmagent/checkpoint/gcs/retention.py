@@ -23,6 +23,17 @@ So no state of its own is kept: a blob's "unreferenced since" is bounded by the 
 last referencing commit dropped out, which the records' times say.  Times are the
 server's, compared with this host's clock (NTP keeps them within far less than a grace).
 
+Garbage the job leaves behind is marked for the bucket's lifecycle rule, so a finished (or
+cancelled) job's prefix empties itself with nobody running anything and no root process
+deleting what a user named.  Each clean-up sets ``customTime`` on what it may not delete yet
+(:func:`garbage_marks`): an unreferenced object inside its grace gets ``written + grace``, a
+commit record inside its grace ``dropped out + grace``, i.e. the moment this rule would
+delete it.  The rule ``daysSinceCustomTime: 1`` (docs/admin/install.md) then deletes it a day
+after that.  Cloud Storage never lets ``customTime`` go back, so an object already marked
+keeps its mark; one marked and referenced again (a new commit reusing old bytes, a commit in
+flight from another node) is *revived*: rewritten onto itself, a new generation without the
+mark, at the clean-up after that commit.
+
 Only the fence holder collects: the caller's attempt is fenced against ``manifest.json``
 (:meth:`ManifestStore.fence`) before planning and again before each batch of deletes, and
 every batch leaves out what the newest manifest references (a new commit may reuse an old
@@ -36,7 +47,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import StaleAttemptError
@@ -46,8 +57,8 @@ from .manifest_store import ManifestStore
 from .transfer import Deadline, WorkerPool, is_not_found, is_precondition_failed
 from .verify import objects_of
 
-__all__ = ["Commit", "GcResult", "StoredObject", "collect", "collectable", "list_commits", "manifest_objects",
-           "split_commits"]
+__all__ = ["Commit", "GcResult", "StoredObject", "collect", "collectable", "garbage_marks", "list_commits",
+           "manifest_objects", "record_marks", "split_commits"]
 
 log = logging.getLogger("slurmagent.checkpoint.gcs.store")
 
@@ -62,6 +73,7 @@ class StoredObject:
     generation: int
     size: int
     updated: float
+    custom_time: float = 0.0  # epoch seconds of its customTime; 0 = none (not marked)
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,7 @@ class Commit:
     id: str
     created: float
     generation: int = 0  # of the record object itself
+    custom_time: float = 0.0  # of the record object; 0 = not marked
 
 
 @dataclass
@@ -81,6 +94,8 @@ class GcResult:
     dropped_commits: list[str] = field(default_factory=list)
     kept_commits: list[str] = field(default_factory=list)
     waiting: int = 0  # unreferenced objects still inside the grace period
+    marked: list[str] = field(default_factory=list)  # names given customTime for the lifecycle rule
+    revived: list[str] = field(default_factory=list)  # marked names referenced again: rewritten unmarked
     fenced: str = ""  # why nothing was deleted: this attempt does not hold the fence, or there is no commit
     dry_run: bool = False
 
@@ -120,6 +135,30 @@ def collectable(blobs: Iterable[StoredObject], protected: set[str], grace_s: flo
     return sorted(out, key=lambda o: o.name), waiting
 
 
+def garbage_marks(blobs: Iterable[StoredObject], protected: set[str], lingering_until: dict[str, float],
+                  grace_s: float) -> tuple[list[tuple[StoredObject, float]], list[StoredObject]]:
+    """(objects no kept commit needs and with no mark yet, each with the moment this rule may delete it:
+    written + grace, or later when a commit inside its grace still names it; objects a kept commit
+    needs that carry a mark: to revive). Marks stay (Cloud Storage never moves ``customTime`` back)."""
+    marks, revive = [], []
+    for o in sorted(blobs, key=lambda o: o.name):
+        if o.name in protected:
+            if o.custom_time:
+                revive.append(o)
+        elif not o.custom_time:
+            marks.append((o, max(o.updated + grace_s, lingering_until.get(o.name, 0.0))))
+    return marks, revive
+
+
+def record_marks(records: Iterable[Commit], commits: Sequence[Commit], keep: int, grace_s: float) -> list[tuple[Commit, float]]:
+    """Each of ``records`` beyond the window of ``commits``, with the moment it may go: when it dropped
+    out (the commit ``keep`` places newer was written) + grace. Kept records are left out."""
+    ordered = sorted(commits, key=lambda c: c.id)
+    cut = max(0, len(ordered) - keep)
+    until = {c.id: ordered[i + keep].created + grace_s for i, c in enumerate(ordered[:cut])}
+    return [(c, until[c.id]) for c in records if c.id in until]
+
+
 def manifest_objects(objects: BucketObjects, manifest: Manifest | None) -> set[str]:
     """The object names (``PREFIX/blobs/...``) whose bytes ``manifest`` needs."""
     if manifest is None:
@@ -146,7 +185,8 @@ def _list(objects: BucketObjects, sub: str, dl: Deadline) -> list[Any]:
     def once(timeout: float) -> list[Any]:
         it = objects.client.list_blobs(
             objects.bucket_name, prefix=prefix,
-            fields="items(name,generation,size,updated,timeCreated),nextPageToken", timeout=timeout, retry=None,
+            fields="items(name,generation,size,updated,timeCreated,customTime),nextPageToken", timeout=timeout,
+            retry=None,
         )  # fmt: skip
         return list(it)
 
@@ -154,7 +194,7 @@ def _list(objects: BucketObjects, sub: str, dl: Deadline) -> list[Any]:
 
 
 def list_blobs(objects: BucketObjects, dl: Deadline) -> list[StoredObject]:
-    return [StoredObject(b.name, int(b.generation or 0), int(b.size or 0), _epoch(b.updated))
+    return [StoredObject(b.name, int(b.generation or 0), int(b.size or 0), _epoch(b.updated), _epoch(b.custom_time))
             for b in _list(objects, "blobs/", dl)]
 
 
@@ -164,7 +204,8 @@ def list_commits(objects: BucketObjects, dl: Deadline) -> list[Commit]:
     for b in _list(objects, "commits/", dl):
         stem = b.name.rpartition("/")[2]
         if stem.endswith(".json") and stem[:-5].isdigit():
-            out.append(Commit(stem[:-5], _epoch(b.time_created or b.updated), int(b.generation or 0)))
+            out.append(Commit(stem[:-5], _epoch(b.time_created or b.updated), int(b.generation or 0),
+                              _epoch(b.custom_time)))
     return sorted(out, key=lambda c: c.id)
 
 
@@ -232,15 +273,25 @@ def collect(
     t = now()
     kept, lingering, dropped = split_commits(commits, keep, grace_s, t)
     result.kept_commits = [c.id for c in kept]
-    protected = manifest_objects(objects, newest)
-    for c in kept + lingering:
-        m = read_commit(objects, c, dl, cache)
-        protected |= manifest_objects(objects, m)
+    protected = manifest_objects(objects, newest)  # for good: what a restore may still want
+    for c in kept:
+        protected |= manifest_objects(objects, read_commit(objects, c, dl, cache))
     for b in _list(objects, "superseded/", dl):
         protected |= manifest_objects(objects, read_json_manifest(objects, b.name, dl))
-    doomed, result.waiting = collectable(list_blobs(objects, dl), protected, grace_s, t)
+    record_until = {c.id: until for c, until in record_marks(lingering, commits, keep, grace_s)}
+    lingering_until: dict[str, float] = {}  # object -> when the last lingering commit naming it expires
+    for c in lingering:
+        for name in manifest_objects(objects, read_commit(objects, c, dl, cache)):
+            lingering_until[name] = max(lingering_until.get(name, 0.0), record_until[c.id])
+    blobs = list_blobs(objects, dl)
+    doomed, result.waiting = collectable(blobs, protected | set(lingering_until), grace_s, t)
+    gone_names = {o.name for o in doomed}
+    marks, revive = garbage_marks([o for o in blobs if o.name not in gone_names], protected, lingering_until, grace_s)
+    marks_r = [(c, record_until[c.id]) for c in lingering if not c.custom_time]
     if dry_run:
         result.deleted, result.dropped_commits = doomed, [c.id for c in dropped]
+        result.marked = [o.name for o, _ in marks] + [objects.key(f"commits/{c.id}.json") for c, _ in marks_r]
+        result.revived = [o.name for o in revive]
         return result
     if before_delete is not None:
         before_delete()
@@ -258,7 +309,57 @@ def collect(
             result.dropped_commits.append(c.id)
             if cache is not None:
                 cache.pop(c.id, None)
+    newest, _ = manifests.read(dl)  # a commit since planning may reference what was garbage then
+    result.fenced = _fenced_out(manifests, newest, attempt)
+    if result.fenced:
+        return result
+    live = manifest_objects(objects, newest)
+    result.revived = revive_objects(objects, revive, dl)
+    records = [(StoredObject(objects.key(f"commits/{c.id}.json"), c.generation, 0, c.created), when) for c, when in marks_r]
+    result.marked = mark_objects(objects, [(o, w) for o, w in marks if o.name not in live] + records, dl)
     return result
+
+
+def mark_objects(objects: BucketObjects, marks: list[tuple[StoredObject, float]], dl: Deadline) -> list[str]:
+    """Set ``customTime`` on each object (only at its listed generation); the names marked. One that is
+    gone or written again since the listing is left alone."""
+    done = []
+    for o, when in marks:
+        blob = objects.bucket.blob(o.name)
+        blob.custom_time = datetime.fromtimestamp(when, tz=timezone.utc)
+        kw = {"if_generation_match": o.generation} if o.generation else {}
+        try:
+            objects.call(lambda t: blob.patch(timeout=t, retry=None, **kw), dl, "marking an object for the lifecycle rule")
+        except Exception as exc:
+            if is_not_found(exc) or is_precondition_failed(exc):
+                continue
+            raise
+        done.append(o.name)
+    return done
+
+
+def revive_objects(objects: BucketObjects, stale: list[StoredObject], dl: Deadline) -> list[str]:
+    """Rewrite each marked object a commit references onto itself: a new generation without
+    ``customTime`` (which can never be cleared or moved back), so the lifecycle rule leaves it."""
+    done = []
+    for o in stale:
+        src = objects.bucket.blob(o.name)
+        dst = objects.bucket.blob(o.name)  # a fresh resource: the rewrite's body carries no customTime
+        kw = {"if_generation_match": o.generation} if o.generation else {}
+
+        def once(timeout: float) -> None:
+            token, _, _ = dst.rewrite(src, timeout=timeout, retry=None, **kw)
+            while token is not None:
+                token, _, _ = dst.rewrite(src, token=token, timeout=timeout, retry=None, **kw)
+
+        try:
+            objects.call(once, dl, "reviving a marked object a commit references")
+        except Exception as exc:
+            if is_not_found(exc) or is_precondition_failed(exc):
+                continue
+            raise
+        done.append(o.name)
+    return done
 
 
 def delete_objects(objects: BucketObjects, batch: list[StoredObject], dl: Deadline, workers: int) -> list[StoredObject]:
