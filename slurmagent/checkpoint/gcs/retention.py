@@ -344,7 +344,10 @@ def revive_objects(objects: BucketObjects, stale: list[StoredObject], dl: Deadli
     done = []
     for o in stale:
         src = objects.bucket.blob(o.name)
-        dst = objects.bucket.blob(o.name)  # a fresh resource: the rewrite's body carries no customTime
+        dst = objects.bucket.blob(o.name)
+        # A non-empty body is the new generation's metadata (an empty one copies the source's,
+        # customTime included): content type only, no customTime.
+        dst.content_type = "application/octet-stream"
         kw = {"if_generation_match": o.generation} if o.generation else {}
 
         def once(timeout: float) -> None:
