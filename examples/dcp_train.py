@@ -48,16 +48,6 @@ from slurmagent import trainer
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
-def complete_steps(root: Path) -> list[tuple[int, Path]]:
-    """Step folders holding DCP's `.metadata` (written last by dcp.save), oldest first."""
-    found = []
-    for p in root.iterdir() if root.is_dir() else ():
-        m = STEP_DIR.fullmatch(p.name)
-        if m and (p / ".metadata").is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
 def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
@@ -74,6 +64,17 @@ def ranks() -> tuple[int, int, int]:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# recipe: save
+def complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """Step folders holding DCP's `.metadata` (written last by dcp.save), oldest first."""
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = STEP_DIR.fullmatch(p.name)
+        if m and (p / ".metadata").is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
 
 
 def save(model, opt, step: int, root: Path, layout: str, keep: int = 2) -> None:
@@ -109,6 +110,7 @@ def load(model, opt, folder: Path) -> int:
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
+# recipe: end
 
 
 def main() -> int:

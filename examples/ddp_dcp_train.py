@@ -45,6 +45,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).tanh()
 
 
+# recipe: save
 def latest(ckpt: Path) -> Path | None:
     """The newest complete step folder: DCP writes `.metadata` last (rank 0, after every shard)."""
     done = sorted(p for p in ckpt.glob("step_*") if (p / ".metadata").is_file())
@@ -58,6 +59,7 @@ def save(model, opt, ckpt: Path, step: int) -> None:
     trainer.saved(ckpt / f"step_{step:07d}", step=step)  # this node's part of the step, whole
     for old in sorted(ckpt.glob("step_*"))[:-KEEP]:  # each rank cleans its own node
         shutil.rmtree(old, ignore_errors=True)
+# recipe: end
 
 
 def log(line: str) -> None:
@@ -66,6 +68,7 @@ def log(line: str) -> None:
         fh.write(line + "\n")
 
 
+# recipe: main
 def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)  # MASTER_ADDR/MASTER_PORT
     torch.manual_seed(0)
@@ -100,7 +103,8 @@ def main() -> None:
     if rank == 0:
         torch.save(model.module.state_dict(), OUT / "final.pt")
     log("done")
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # without it gloo may abort the exit: FAILED
+# recipe: end
 
 
 if __name__ == "__main__":

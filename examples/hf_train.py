@@ -56,14 +56,20 @@ def main() -> int:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
 
+    # recipe: callback
     class CheckpointOnSignal(TrainerCallback):
-        """The recipe: on the wrapper's signal, save at the end of this step and stop."""
+        """On the wrapper's signal, save at the end of this step and stop; say each save is whole."""
 
         def on_step_end(self, targs, state, control, **kwargs):
             if trainer.any_rank(trainer.checkpoint_requested()):  # every rank stops at the same step
                 control.should_save = True
                 control.should_training_stop = True
             return control
+
+        def on_save(self, targs, state, control, **kwargs):  # this rank's files of checkpoint-N are written
+            folder = os.path.join(targs.output_dir, f"checkpoint-{state.global_step}")
+            trainer.saved(folder, step=state.global_step)  # every rank's part of the step: committed together
+    # recipe: end
 
     class Ledger(TrainerCallback):
         """What the test checks: where each attempt started, each save, progress."""
@@ -96,6 +102,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=args.n_embd, n_layer=2, n_head=2))
+    # recipe: train
     out = str(trainer.ckpt_dir())
     targs = TrainingArguments(
         output_dir=out, max_steps=args.max_steps, per_device_train_batch_size=4, learning_rate=1e-3,
@@ -106,6 +113,7 @@ def main() -> int:
     hf = Trainer(model=model, args=targs, train_dataset=RandomTokens(), callbacks=[CheckpointOnSignal(), Ledger()])
     with trainer.checkpoint_handler():  # SIGUSR1/SIGTERM only set a flag
         hf.train(resume_from_checkpoint=get_last_checkpoint(out) if trainer.resumed() else None)
+    # recipe: end
     return 0
 
 

@@ -65,6 +65,7 @@ class Model(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=4)
 
 
+# recipe: callback
 class CheckpointOnSignal(pl.Callback):
     """Auto-requeue off: on the wrapper's signal, save `path` (temp name, rename) at the next
     batch end and stop training; every rank stops at the same step."""
@@ -78,7 +79,9 @@ class CheckpointOnSignal(pl.Callback):
             pl_trainer.save_checkpoint(tmp)
             if pl_trainer.is_global_zero:
                 os.replace(tmp, self.path)
+                trainer.saved(self.path)  # whole: the next sync round commits it
             pl_trainer.should_stop = True
+# recipe: end
 
 
 def main() -> int:
@@ -92,6 +95,7 @@ def main() -> int:
     model = Model(args.mib, args.log)
     common = dict(default_root_dir=str(root), max_steps=args.max_steps, max_epochs=-1, logger=False,
                   enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    # recipe: fit
     if args.auto_requeue == "on":
         pl.Trainer(plugins=[SLURMEnvironment(auto_requeue=True)], enable_checkpointing=False, **common).fit(model)
         return 0
@@ -101,6 +105,7 @@ def main() -> int:
         pl_trainer = pl.Trainer(plugins=plugins, callbacks=[CheckpointOnSignal(last)], enable_checkpointing=False,
                                 **common)
         pl_trainer.fit(model, ckpt_path=str(last) if last.exists() else None)
+    # recipe: end
     return 0
 
 

@@ -9,6 +9,7 @@ from slurmagent import trainer
 TOTAL = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
 STEP_S = float(sys.argv[2]) if len(sys.argv) > 2 else 0.1
 
+# recipe: loop
 with trainer.checkpoint_handler():  # SIGUSR1/SIGTERM only set a flag
     state_file = trainer.ckpt_dir() / "state.json"
     step = json.loads(state_file.read_text())["step"] if trainer.resumed() else 0
@@ -23,4 +24,5 @@ with trainer.checkpoint_handler():  # SIGUSR1/SIGTERM only set a flag
         if stop:
             print(f"checkpointed at step {step}, exiting for requeue", flush=True)
             sys.exit(0)
+# recipe: end
 print(f"done at step {step}", flush=True)

@@ -1,4 +1,4 @@
-"""PyTorch under `slurmagent run -- python examples/pytorch_loop.py` (needs torch installed).
+"""PyTorch under `slurmagent run -- python examples/pytorch_loop.py [TOTAL]` (needs torch installed).
 
 The checkpoint is saved to a temporary name and renamed, so the background sync never
 uploads a half-written file and a restore always sees a whole one.
@@ -11,6 +11,9 @@ import torch
 
 from slurmagent import trainer
 
+TOTAL = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
+
+# recipe: loop
 model = torch.nn.Linear(128, 10)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ckpt = trainer.ckpt_dir() / "model.pt"
@@ -30,7 +33,7 @@ def save() -> None:
 
 
 with trainer.checkpoint_handler():
-    while step < 10_000:
+    while step < TOTAL:
         loss = model(torch.randn(32, 128)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -40,3 +43,4 @@ with trainer.checkpoint_handler():
             save()
         if trainer.checkpoint_requested():
             sys.exit(0)
+# recipe: end

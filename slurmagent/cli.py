@@ -233,7 +233,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 
 
 @cli.command("node-agent", hidden=True)
-@click.argument("action", type=click.Choice(["restore", "sync", "evidence"]))
+@click.argument("action", type=click.Choice(["restore", "sync", "evidence", "writers"]))
 @click.option("--ckpt-dir", required=True)
 @click.option("--remote", default="")
 @click.option("--state-file", default=None)
@@ -252,7 +252,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.option("--fresh", is_flag=True)
 @click.option("--keep-uncommitted", type=click.IntRange(1), default=3)
 def node_agent(action, deadline, **options) -> None:
-    """Internal: one node's part of a multi-node job's restore, sync or hang evidence (the wrapper runs it via srun)."""
+    """Internal: one node's part of a multi-node job's restore, sync, hang evidence or kill-time writers (the wrapper runs it via srun)."""
     from .run.node_agent import node_agent_main  # start-up speed: only this hidden command needs it
 
     sys.exit(node_agent_main(action, deadline_s=deadline, env=os.environ, **options))

@@ -61,6 +61,8 @@ from .agent_reports import Merged, NodeReport, content_key, merge_reports, write
 from .node_agent import TOKEN_ENV
 
 AGENT_STEP_NAME = "slurmagent-node-agent"
+WRITERS_DEADLINE_S = 10.0  # the kill-time record of open files: one short agent round before the kill
+
 SCOPES = ("all", "node")
 CLOCK_SKEW_WARN_S = 2.0  # an agent's clock further than this from the batch step's is said
 
@@ -241,6 +243,17 @@ class AllocationStore:
         self._lock = threading.Lock()
         self.rounds = Rounds()  # cancel_rounds ends the agent step in flight
         self.on_reports: Callable[[list[NodeReport]], None] | None = None
+        self.torn: set[str] = set()  # files the job's ranks held open for writing when it was killed
+
+    def record_torn(self, ckpt_dir: str | os.PathLike, deadline_s: float = WRITERS_DEADLINE_S) -> None:
+        """Just before the trainer is killed: every node's files open for writing now are torn,
+        whatever they look like afterwards; the final sync leaves their units at the last commit.
+        A node that does not answer in time is said: its files count by the final sync's evidence."""
+        reports = self.launcher.run(["writers", "--ckpt-dir", os.path.abspath(ckpt_dir)], deadline_s)
+        self.torn = {rel for r in reports if r.ok for rel in r.writing}
+        failed = self._failures(reports, "the kill-time record of open files")
+        if failed:
+            self.say(f"{failed}; that node's files are judged by the final sync's evidence alone")
 
     def say(self, message: str) -> None:
         print(f"slurmagent run: {message}", file=self.err, flush=True)
@@ -390,7 +403,7 @@ class AllocationStore:
                                 previous_files=previous.files if previous else None,
                                 previous_writers=previous.writers if previous else None, running=running,
                                 node_names={r.index: r.who for r in reports},
-                                writing={rel for r in reports for rel in r.writing} if running else (),
+                                writing={rel for r in reports for rel in r.writing} if running else set(self.torn),
                                 views={r.index: r.views for r in reports} if running else None,
                                 appending={rel for r in reports for rel in r.appending},
                                 declared=[d for r in reports for d in r.declared] if running else ())

@@ -147,7 +147,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
                     fresh: bool = False, cache_gib: float = -1.0, cache_copies: int = 2, cache_dir: str = "",
                     peers: str = "", keep_uncommitted: int = KEEP_SETS) -> int:
-    """`slurmagent node-agent restore|sync|evidence`: one task of the agent step; one framed report."""
+    """`slurmagent node-agent restore|sync|evidence|writers`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
     progress_dir = env.get(PROGRESS_ENV, "")  # the hang watch's, in the agents' environment (run/main.py)
@@ -156,6 +156,15 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
 
         # the batch node's wrapper reads its own at the same time (two py-spy on one rank: one is refused)
         write_frames(out, index, b"{}" if node == env.get(BATCH_NODE_ENV) else node_evidence(progress_dir, node, index))
+        return 0
+    if action == "writers":  # the trainer is about to be killed: what this node's ranks hold open is torn
+        report = NodeReport(index=index, node=node, ok=True)
+        try:
+            writing, appending = checkpoint_writers(Path(ckpt_dir), slurm_env.job_id(env) or "")
+            report.writing, report.appending = sorted(writing), sorted(appending)
+        except OSError as exc:
+            report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
+        write_frames(out, index, report.payload())
         return 0
     num_nodes = slurm_env.num_nodes(env)
     store = None

@@ -136,8 +136,12 @@ class Supervisor:
 
     def _record_torn(self) -> None:
         """Just before the trainer is killed: files being written now are torn, whatever they
-        look like afterwards, and stay out of the final commit (`checkpoint/cut.py`)."""
-        if hasattr(self.store, "torn"):
+        look like afterwards, and stay out of the final commit (`checkpoint/cut.py`). A multi-node
+        job's store asks every node's agent (`node-agent writers`)."""
+        record = getattr(self.store, "record_torn", None)
+        if record is not None:
+            record(self.opts.ckpt_dir)
+        elif hasattr(self.store, "torn"):
             self.store.torn = self.open_files()[0]
 
     def say(self, message: str) -> None:

@@ -396,3 +396,62 @@ def test_no_srun_is_a_failed_round_on_every_node_not_a_crash(tmp_path):
     reports = launcher.run(["sync", "--ckpt-dir", "/d"], deadline_s=5)
     assert [(r.index, r.ok) for r in reports] == [(0, False), (1, False)]
     assert "cannot run" in reports[0].error
+
+
+# --- the kill-time record of open files on every node (issue 35, "Never torn") -----------------
+
+
+def test_the_writers_agent_reports_what_this_jobs_processes_hold_open_here(tmp_path):
+    """`node-agent writers`: the files below --ckpt-dir a process of this job (SLURM_JOB_ID in its
+    environment) holds open for writing, rewriting apart from appending; no bucket, no google import."""
+    import subprocess
+    import sys
+
+    from slurmagent.run.agent_channel import read_frames
+    from slurmagent.run.node_agent import node_agent_main
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; a = open(sys.argv[1], 'wb'); b = open(sys.argv[2], 'a'); "
+         "a.write(b'x'); a.flush(); print('open', flush=True); time.sleep(60)", str(ckpt / "model.pt"),
+         str(ckpt / "train.log")], env={"SLURM_JOB_ID": "4242", "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        out = io.StringIO()
+        env = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": "1", "SLURMD_NODENAME": "n2"}
+        assert node_agent_main("writers", ckpt_dir=str(ckpt), remote="gs://never/read", state_file=None, attempt=0,
+                               generation=0, scope="all", deadline_s=5, env=env, out=out) == 0
+        report = NodeReport.from_payload(read_frames(out.getvalue().splitlines()).reports[1])
+        assert report.ok and report.writing == ["model.pt"] and report.appending == ["train.log"]
+        other = io.StringIO()  # another job's agent on the same node sees none of them
+        node_agent_main("writers", ckpt_dir=str(ckpt), remote="", state_file=None, attempt=0, generation=0,
+                        scope="all", deadline_s=5, env={**env, "SLURM_JOB_ID": "4243"}, out=other)
+        assert NodeReport.from_payload(read_frames(other.getvalue().splitlines()).reports[1]).writing == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+class Writers:
+    """Agents whose `writers` round says node 1 holds model-1.pt open and node 2 gives no report."""
+
+    def __init__(self):
+        self.asked: list[list[str]] = []
+
+    def run(self, args, deadline_s, cancel=None):
+        self.asked.append(args)
+        return [NodeReport(index=0, node="v0", ok=True), NodeReport(index=1, node="v1", ok=True, writing=["model-1.pt"]),
+                NodeReport(index=2, node="v2", ok=False, error="no report from v2 (node index 2)")]
+
+
+def test_the_kill_time_record_asks_every_node_and_names_a_silent_one():
+    alloc = Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "v[0-2]"})
+    err = io.StringIO()
+    launcher = Writers()
+    store = AllocationStore(alloc, Bucket(), launcher, err=err)
+    store.record_torn("/ck")
+    assert launcher.asked == [["writers", "--ckpt-dir", "/ck"]]
+    assert store.torn == {"model-1.pt"}
+    assert "no report from v2 (node index 2); that node's files are judged by the final sync's evidence alone" \
+        in err.getvalue()
