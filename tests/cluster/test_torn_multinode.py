@@ -1,8 +1,12 @@
 """Never torn, on two nodes: the wrapper kills a multi-node trainer whose rank on the second
 node is rewriting its file in place (the grace ran out); just before the kill every node's
 agent records what the job's ranks there hold open for writing (`node-agent writers`), and the
-final sync leaves those files at their last commit. Before: the kill-time record was the batch
-node's alone, and the final sync committed the other node's 400 kB of a 1 MB file.
+final sync leaves those files at their last commit. Before: a multi-node job recorded nothing
+at the kill, and the final sync committed the other node's 400 kB of a 1 MB file.
+
+The local cluster's "nodes" share one /proc, so here the batch node could see rank 1's open
+file too; that each node's agent answers for its own node (and a silent one is named) is
+tests/unit/test_multinode_store.py's `writers` tests.
 """
 
 from __future__ import annotations
