@@ -13,9 +13,12 @@ and afterwards restores each of those commits into an empty folder (the real res
 checked) and inspects the files:
 
 * **age**: the moment minus when the newest whole save in that commit ended (the trainer
-  logs each save's end); before any commit, the moment minus the start;
-* **bound**: one save period + two sync rounds + the upload of one checkpoint, the upload
-  measured in the same run (a cold `GcsCheckpointStore.sync` of one checkpoint of that shape);
+  logs each save's end); before any commit, the moment minus the trainer's start;
+* **bound**: one save period + two sync rounds + the upload of one checkpoint. A round is
+  `--sync` of waiting plus the round's own work (the wrapper waits the interval after each
+  round); both are measured in the same run on the same emulator: the upload as a cold
+  `GcsCheckpointStore.sync` of one checkpoint of that shape, a round's work as a second sync
+  of it after one file changed (hashing, upload, commit, clean-up);
 * **torn**: a restored file that is not one save's whole bytes (an in-place save cut short),
   or a step folder the framework's restore would load (HF's highest `checkpoint-N/`, DCP's
   `.metadata`) holding files of another step or missing some;
@@ -108,6 +111,7 @@ if with_log:
     threading.Thread(target=log, daemon=True).start()
 start, step = time.time(), 0
 with open(side, "a") as out:
+    out.write(f"0 {start:.6f}\n"); out.flush()  # step 0: the trainer's start (an age before any commit)
     while time.time() - start < seconds:
         time.sleep(max(0.0, start + (step + 1) * period - time.time()))
         step += 1
@@ -158,8 +162,9 @@ def whole_step(kind: str, root: Path, size: int) -> tuple[int | None, str]:
     return (n, "") if all(v == n for v in got.values()) else (None, "torn")
 
 
-def upload_seconds(kind: str, size: int, url: str, work: Path) -> float:
-    """A cold sync of one checkpoint of this shape (hashing included): the bound's upload term."""
+def upload_seconds(kind: str, size: int, url: str, work: Path) -> tuple[float, float]:
+    """(a cold sync of one checkpoint of this shape, hashing included: the bound's upload term;
+    a sync after one file of it changed, commit and clean-up included: a round's own work)."""
     from slurmagent.checkpoint.gcs.store import GcsCheckpointStore
 
     d = work / f"upload-{kind}"
@@ -170,10 +175,15 @@ def upload_seconds(kind: str, size: int, url: str, work: Path) -> float:
     for rel, n in shapes.items():
         (d / rel).parent.mkdir(parents=True, exist_ok=True)
         (d / rel).write_bytes(os.urandom(n))
-    store = GcsCheckpointStore(f"{url}-{kind}")
+    store = GcsCheckpointStore(f"{url}-{kind}", keep_commits=10000, gc_grace_s=86400)
     t = time.monotonic()
     store.sync(d, 0, work / f"upload-{kind}.json")
-    return time.monotonic() - t
+    cold = time.monotonic() - t
+    first = sorted(shapes)[0]
+    (d / first).write_bytes(os.urandom(shapes[first]))
+    t = time.monotonic()
+    store.sync(d, 0, work / f"upload-{kind}.json")
+    return cold, time.monotonic() - t
 
 
 def run_one(kind: str, with_log: bool, args, emu_url: str, work: Path) -> dict:
@@ -213,9 +223,10 @@ def run_one(kind: str, with_log: bool, args, emu_url: str, work: Path) -> dict:
         proc.wait(timeout=args.seconds + 120)
     saved = {int(a): float(b) for a, b in (line.split() for line in side.read_text().splitlines())}
     ages, torn, mixed, none, checked = [], 0, 0, 0, {}
+    samples = [(t, text) for t, text in samples if t > saved[0]]  # a kill before the trainer ran: nothing to lose
     for i, (t, text) in enumerate(samples):
         if text is None:
-            ages.append(t - start)
+            ages.append(t - saved[0])
             none += 1
             continue
         if text not in checked:
@@ -226,11 +237,12 @@ def run_one(kind: str, with_log: bool, args, emu_url: str, work: Path) -> dict:
         torn += wrong == "torn"
         mixed += wrong == "mixed"
         if step is None:
-            ages.append(t - start)
+            ages.append(t - saved[0])
             none += 1
         else:
             ages.append(t - saved[step])
-    return {"writer": kind, "log": with_log, "saves": len(saved), "commits": len({s[1] for s in samples if s[1]}),
+    worst = max(range(len(ages)), key=ages.__getitem__)
+    return {"worst_at_s": samples[worst][0] - saved[0], "writer": kind, "log": with_log, "saves": len(saved) - 1, "commits": len({s[1] for s in samples if s[1]}),
             "kills": len(samples), "no_whole": none, "age_p50": statistics.median(ages), "age_max": max(ages),
             "torn": torn, "mixed": mixed, "wrapper_rc": proc.returncode}
 
@@ -257,11 +269,11 @@ def main() -> int:
         emu.create_bucket("ckpt")
         os.environ["STORAGE_EMULATOR_HOST"] = emu.url
         for kind in args.only:
-            upload = upload_seconds(kind, args.size_kib * 1024, "gs://ckpt/upload", work)
-            bound = args.period + 2 * args.sync + upload
+            upload, work_s = upload_seconds(kind, args.size_kib * 1024, "gs://ckpt/upload", work)
+            bound = args.period + 2 * (args.sync + work_s) + upload
             for with_log in (False, True):
                 row = run_one(kind, with_log, args, emu.url, work)
-                row.update(upload_s=upload, bound_s=bound, within=row["age_max"] <= bound)
+                row.update(upload_s=upload, round_work_s=work_s, bound_s=bound, within=row["age_max"] <= bound)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -270,13 +282,13 @@ def main() -> int:
           f"settle {args.settle:g} s, {args.seconds:g} s per run, model {args.size_kib} KiB"
           + (", trainer.saved after each save" if args.declare else ", no trainer.saved"))
     print(f"{'writer':8} {'log':4} {'saves':>5} {'commits':>7} {'no whole':>8} {'age p50':>8} {'age max':>8} "
-          f"{'bound':>6} {'upload':>7} {'torn':>4} {'mixed':>5}  ok")
+          f"{'bound':>6} {'upload':>7} {'round':>6} {'torn':>4} {'mixed':>5}  ok")
     bad = 0
     for r in rows:
         ok = r["within"] and not r["torn"] and not r["mixed"] and r["wrapper_rc"] == 0
         bad += not ok
         print(f"{r['writer']:8} {'yes' if r['log'] else 'no':4} {r['saves']:5d} {r['commits']:7d} {r['no_whole']:8d} "
-              f"{r['age_p50']:7.2f}s {r['age_max']:7.2f}s {r['bound_s']:5.2f}s {r['upload_s']:6.3f}s {r['torn']:4d} "
+              f"{r['age_p50']:7.2f}s {r['age_max']:7.2f}s {r['bound_s']:5.2f}s {r['upload_s']:6.3f}s {r['round_work_s']:5.3f}s {r['torn']:4d} "
               f"{r['mixed']:5d}  {'yes' if ok else 'NO'}")
     return 1 if bad else 0
 

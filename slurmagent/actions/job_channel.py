@@ -1,19 +1,26 @@
 """The wrapper -> root channel: `watch` (root) serves its node's wrapped jobs, which ask.
 
 The wrapper runs as the job's user, so the node's metrics and drains are root's: it asks
-(`ask_root`, `ChannelMetrics`: best effort, a short deadline; no answer costs the job only
-the figure, said once on stderr) and `ChannelServer` judges and acts.
+(`ask_root`, `ChannelMetrics`: best effort, retried within a short deadline; no answer costs the
+job only the figure, said once on stderr) and `ChannelServer` judges and acts.
 
 A Unix stream socket (`[watch] channel_socket`, mode 0666 in a root-owned 0755 directory:
 any local process may connect, none may replace it). One JSON request per connection, one
 JSON answer (`{"ok": bool, "why": str}`). The caller's uid comes from the kernel
 (SO_PEERCRED); the job's owner, state and nodes from Slurm (squeue, numeric fields only),
-cached for `OWNER_TTL_S`; the request's own words are judged, never believed
-(policy/job_requests.py). Granted metrics go into the node's textfile; a granted drain goes
-through the journal and the breaker like any other fault drain, at most once per job on a
-node; a hang counted against every node of a job goes into this node's repair state (the
-lemon count's other input, `state/repair_state.record_hangs`). Every request is answered within `CONNECTION_TIMEOUT_S`; one connection at a time, so a
-flood of them delays answers and costs root nothing else.
+read afresh for every drain, count and report, cached `OWNER_TTL_S` for metrics only; the
+request's own words are judged, never believed (policy/job_requests.py). Granted metrics go
+into the node's textfile; a granted drain goes through the journal and the breaker like any
+other fault drain, at most once per job on a node; a hang counted against every node of a job
+goes into this node's repair state (the lemon count's other input, `state/repair_state.record_hangs`).
+
+Any local user may connect, so the server holds against all of them: one selector thread reads
+every open connection side by side (an idle one costs a slot, dropped after
+`CONNECTION_TIMEOUT_S`; at most `MAX_CONNECTIONS`, `MAX_PER_UID` of one uid), `WORKERS`
+threads judge and answer whole requests (the shared state under one lock), any exception in a
+request is caught, counted and answered, and a refusal is logged once per uid and minute with
+its count (`RefusalLog`), so no flood grows root's log. If the serving thread itself dies,
+`alive()` says so and `watch` exits non-zero for systemd to restart it.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,9 +47,19 @@ from ..state.config import Config
 from ..state.decisionlog import DecisionLog
 from ..state.repair_state import record_hangs
 
-CONNECTION_TIMEOUT_S = 2.0
-OWNER_TTL_S = 30.0
-BACKLOG = 16
+CONNECTION_TIMEOUT_S = 2.0  # a connection's whole request must arrive within this
+OWNER_TTL_S = 30.0  # metrics only: a drain, a count, a report read Slurm afresh
+BACKLOG = 128
+MAX_CONNECTIONS = 256  # open at once; past it a new one is closed at once
+MAX_PER_UID = 32  # open at once from one uid (root's own wrappers included)
+WORKERS = 4  # requests judged side by side (each may read Slurm)
+MAX_QUEUED = 64  # whole requests waiting for a worker; past it: "busy", answered at once
+REFUSAL_WINDOW_S = 60.0
+RAN_HERE_S = 600.0  # a job seen RUNNING here may still send its end-of-attempt figures this long
+# What a job no longer RUNNING may still send: its attempt's end (requeue count, flush, seconds by
+# part, a hang) and the removal of its own series; never a lag or an age, never a drain.
+END_OF_ATTEMPT = {"slurmagent_requeues_total", "slurmagent_flush_seconds", "slurmagent_hangs_total",
+                  *(f"slurmagent_job_seconds_total/{part}" for part in job_requests.JOB_PARTS)}
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -48,6 +67,46 @@ def peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid
+
+
+class RefusalLog:
+    """Refusals to the decision log without a flood: a uid's first refusal in a window is written
+    at once, the rest of that window as one summary line (count, ops, the last reason) when the
+    window ends. So a uid costs root at most two lines a minute, whatever it sends."""
+
+    def __init__(self, log: DecisionLog, node: str, window_s: float = REFUSAL_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log, self.node, self.window_s, self.clock = log, node, window_s, clock
+        self.windows: dict[int, dict[str, Any]] = {}  # uid -> {"start", "count", "ops", "why", "job"}
+
+    def refused(self, uid: int, job: str, op: str, why: str) -> None:
+        now = self.clock()
+        w = self.windows.get(uid)
+        if w is None:
+            self.windows[uid] = {"start": now, "count": 0, "ops": {}, "why": "", "job": ""}
+            self.log.write("job-request", node=self.node, job=job, uid=uid, op=op, verdict="refused", why=why)
+            return
+        w["count"] += 1
+        w["ops"][op] = w["ops"].get(op, 0) + 1
+        w["why"], w["job"] = why, job
+
+    def flush(self, everything: bool = False) -> None:
+        """Write the summary of every window that ended (all of them at a stop)."""
+        now = self.clock()
+        for uid, w in list(self.windows.items()):
+            if not everything and now - w["start"] < self.window_s:
+                continue
+            del self.windows[uid]
+            if w["count"]:
+                self.log.write("job-request", node=self.node, uid=uid, verdict="refused", count=w["count"],
+                               ops=w["ops"], job=w["job"], why=w["why"], window_s=round(now - w["start"], 1))
+
+
+class _Conn:
+    __slots__ = ("sock", "uid", "deadline", "data")
+
+    def __init__(self, sock: socket.socket, uid: int, deadline: float):
+        self.sock, self.uid, self.deadline, self.data = sock, uid, deadline, b""
 
 
 class ChannelServer:
@@ -61,12 +120,21 @@ class ChannelServer:
         self.say = say
         self.path = Path(cfg.node_path(cfg.watch.channel_socket, node))
         self.owners: dict[str, tuple[float, JobOwner | None]] = {}
+        self.ran_here: dict[str, tuple[float, int]] = {}  # job -> (when root last saw it RUNNING here, its uid)
         self.drained_for: set[str] = set()  # jobs that already had their one drain from this node
         self.counted_for: set[str] = set()  # jobs whose hang was counted against their nodes
         self.reports: dict[str, int] = {}  # job -> reports written to the decision log from it
-        self.counts: dict[str, int] = {"granted": 0, "refused": 0, "malformed": 0, "failed": 0}
+        self.counts: dict[str, int] = {"granted": 0, "refused": 0, "malformed": 0, "failed": 0, "errors": 0,
+                                       "idle": 0, "shed": 0, "busy": 0}
+        self.refusals = RefusalLog(log, node, clock=clock)
+        self.lock = threading.Lock()  # the state above, the metrics textfile, the decision log
+        self.failure = ""  # why the serving thread ended, when it did not end by stop()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued = 0
+        self._queue_lock = threading.Lock()
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -83,49 +151,170 @@ class ChannelServer:
         sock.bind(str(self.path))
         os.chmod(self.path, 0o666)  # any job's user may ask; the uid is the kernel's to tell
         sock.listen(BACKLOG)
+        sock.setblocking(False)
         self._sock = sock
-        self._thread = threading.Thread(target=self._serve, name="job-channel", daemon=True)
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="job-channel-request")
+        self._thread = threading.Thread(target=self._serve_supervised, name="job-channel", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        """Serving: the thread runs (False once it died of anything but stop())."""
+        return self._thread is not None and self._thread.is_alive() and not self.failure
+
     def stop(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        self._stopping.set()
         if self._thread is not None:
             self._thread.join(CONNECTION_TIMEOUT_S + 1)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            self.refusals.flush(everything=True)
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def _serve_supervised(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - said and seen by alive(); watch exits for a restart
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.say(f"the channel for wrapped jobs at {self.path} stopped serving: {self.failure}")
+        finally:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
 
     def _serve(self) -> None:
-        while self._sock is not None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        open_conns: dict[int, _Conn] = {}
+        last_flush = self.clock()
+        try:
+            while not self._stopping.is_set():
+                for key, _ in sel.select(timeout=0.1):
+                    if key.data is None:
+                        self._accept(sel, open_conns)
+                    else:
+                        self._read(sel, open_conns, key.data)
+                now = self.clock()
+                for c in [c for c in open_conns.values() if now > c.deadline]:  # idle or too slow: dropped
+                    self.counts["idle"] += 1
+                    self._drop(sel, open_conns, c)
+                if now - last_flush >= 1.0:
+                    last_flush = now
+                    with self.lock:
+                        self.refusals.flush()
+        finally:
+            for c in list(open_conns.values()):
+                self._drop(sel, open_conns, c)
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector, open_conns: dict[int, _Conn]) -> None:
+        while True:
             try:
                 conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (23, 24):  # ENFILE, EMFILE: shed until descriptors come back
+                    self.counts["shed"] += 1
+                    return
+                raise
+            try:
+                uid = peer_uid(conn)
             except OSError:
-                return  # closed by stop()
-            with conn:
-                conn.settimeout(CONNECTION_TIMEOUT_S)
-                try:
-                    answer = self.handle(peer_uid(conn), _read_request(conn))
-                    conn.sendall(json.dumps(answer).encode() + b"\n")
-                except OSError:
-                    self.counts["failed"] += 1  # the caller went away or stalled: its loss only
+                conn.close()
+                continue
+            if len(open_conns) >= MAX_CONNECTIONS or sum(c.uid == uid for c in open_conns.values()) >= MAX_PER_UID:
+                self.counts["shed"] += 1
+                conn.close()
+                continue
+            conn.setblocking(False)
+            c = _Conn(conn, uid, self.clock() + CONNECTION_TIMEOUT_S)
+            open_conns[conn.fileno()] = c
+            sel.register(conn, selectors.EVENT_READ, c)
+
+    def _read(self, sel: selectors.BaseSelector, open_conns: dict[int, _Conn], c: _Conn) -> None:
+        try:
+            chunk = c.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.counts["failed"] += 1
+            self._drop(sel, open_conns, c)
+            return
+        c.data += chunk
+        if chunk and b"\n" not in c.data and len(c.data) <= job_requests.MAX_REQUEST_BYTES:
+            return  # more to come
+        sel.unregister(c.sock)
+        open_conns.pop(c.sock.fileno(), None)
+        raw = c.data.split(b"\n", 1)[0]
+        with self._queue_lock:
+            busy = self._queued >= MAX_QUEUED
+            if not busy:
+                self._queued += 1
+        if busy:
+            self.counts["busy"] += 1
+            self._answer(c, {"ok": False, "why": "busy: too many requests at once, ask again"})
+            return
+        self._pool.submit(self._work, c, raw)
+
+    def _drop(self, sel: selectors.BaseSelector, open_conns: dict[int, _Conn], c: _Conn) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(c.sock)
+        open_conns.pop(c.sock.fileno(), None)
+        c.sock.close()
+
+    def _work(self, c: _Conn, raw: bytes) -> None:
+        try:
+            self._answer(c, self.handle(c.uid, raw))
+        finally:
+            with self._queue_lock:
+                self._queued -= 1
+
+    def _answer(self, c: _Conn, answer: dict[str, Any]) -> None:
+        try:
+            c.sock.setblocking(True)
+            c.sock.settimeout(CONNECTION_TIMEOUT_S)
+            c.sock.sendall(json.dumps(answer).encode() + b"\n")
+        except OSError:
+            self.counts["failed"] += 1  # the caller went away or stalled: its loss only
+        finally:
+            c.sock.close()
 
     # --- one request -------------------------------------------------------------------
 
     def handle(self, uid: int, raw: bytes) -> dict[str, Any]:
+        """Judge and act on one request; never raises (a bug is counted and answered, not fatal)."""
+        try:
+            return self._handle(uid, raw)
+        except Exception as exc:  # noqa: BLE001 - no request may end the channel
+            with self.lock:
+                self.counts["errors"] += 1
+            return {"ok": False, "why": f"root could not handle the request ({type(exc).__name__}); it was not taken"}
+
+    def _handle(self, uid: int, raw: bytes) -> dict[str, Any]:
         try:
             req = job_requests.parse_request(raw)
         except job_requests.RequestError as exc:
-            self.counts["malformed"] += 1
+            with self.lock:
+                self.counts["malformed"] += 1
+                self.refusals.refused(uid, "", "malformed", str(exc))
             return {"ok": False, "why": str(exc)}
         try:
-            owner = self._owner(req.job)
+            owner = self._owner(req.job, fresh=req.op != "metrics")
         except SlurmagentError as exc:
-            self.counts["failed"] += 1
+            with self.lock:
+                self.counts["failed"] += 1
             return {"ok": False, "why": f"cannot read job {req.job} from Slurm: {exc}"}
+        with self.lock:
+            return self._judged(uid, req, owner)
+
+    def _judged(self, uid: int, req: job_requests.JobRequest, owner: JobOwner | None) -> dict[str, Any]:
         why = job_requests.judge(req, uid, owner, self.node)
+        if not why:
+            self.ran_here[req.job] = (self.clock(), owner.uid)
+        elif req.op == "metrics" and self._ended_here(req, uid, owner):
+            why = ""  # the attempt's end, from a job root saw running here moments ago
         if not why and req.op == "drain" and req.job in self.drained_for:
             why = f"job {req.job} already asked for a drain from {self.node}"
         if not why and req.op == "count" and req.job in self.counted_for:
@@ -134,7 +323,7 @@ class ChannelServer:
             why = f"job {req.job} already sent {job_requests.MAX_REPORTS_PER_JOB} reports to {self.node}"
         if why:
             self.counts["refused"] += 1
-            self.log.write("job-request", node=self.node, job=req.job, uid=uid, op=req.op, verdict="refused", why=why)
+            self.refusals.refused(uid, req.job, req.op, why)
             return {"ok": False, "why": why}
         self.counts["granted"] += 1
         if req.rule == "straggler" and req.op in ("report", "drain"):  # labelled by the straggler's node
@@ -164,38 +353,59 @@ class ChannelServer:
         self.say(f"job {req.job} (uid {uid}) asked to drain {req.node} ({req.rule}): {outcome.action}")
         return {"ok": True, "why": outcome.action}
 
-    def _owner(self, job: str) -> JobOwner | None:
+    def _ended_here(self, req: job_requests.JobRequest, uid: int, owner: JobOwner | None) -> bool:
+        """A job root saw RUNNING on this node within `RAN_HERE_S`, of this uid, no longer RUNNING
+        (requeued, ending): its end-of-attempt figures and the removal of its own series only."""
+        seen = self.ran_here.get(req.job)
+        if seen is None or self.clock() - seen[0] > RAN_HERE_S or seen[1] != uid and uid != 0:
+            return False
+        if owner is not None and (owner.state == "RUNNING" or owner.uid != seen[1]):
+            return False  # running elsewhere now, or no longer the same job: the judge's word stands
+        if req.node != self.node:
+            return False
+        return set(req.set_) | set(req.add) <= END_OF_ATTEMPT
+
+    def _owner(self, job: str, fresh: bool) -> JobOwner | None:
         now = self.clock()
-        cached = self.owners.get(job)
-        if cached is not None and now - cached[0] < OWNER_TTL_S:
+        with self.lock:
+            cached = self.owners.get(job)
+        if not fresh and cached is not None and now - cached[0] < OWNER_TTL_S:
             return cached[1]
         owner = self.slurm.job_owner(job)
-        if len(self.owners) > 256:
-            self.owners.clear()
-        self.owners[job] = (now, owner)
+        with self.lock:
+            if len(self.owners) > 256:
+                self.owners.clear()
+            if len(self.ran_here) > 4096:
+                self.ran_here = {j: v for j, v in self.ran_here.items() if now - v[0] <= RAN_HERE_S}
+            self.owners[job] = (now, owner)
         return owner
-
-
-def _read_request(conn: socket.socket) -> bytes:
-    """Up to one line or MAX_REQUEST_BYTES + 1 (then refused as too long), within the timeout."""
-    data = b""
-    deadline = time.monotonic() + CONNECTION_TIMEOUT_S
-    while b"\n" not in data and len(data) <= job_requests.MAX_REQUEST_BYTES:
-        conn.settimeout(max(0.01, deadline - time.monotonic()))
-        chunk = conn.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return data.split(b"\n", 1)[0] if b"\n" in data else data
 
 
 # --- the wrapper's side (the job's user) ------------------------------------------------------
 
 ASK_TIMEOUT_S = 2.0
+ASK_DEADLINE_S = 5.0  # retries of a refused connection or a "busy" answer, within this
 
 
-def ask_root(path: str | Path, request: dict[str, Any], timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Any]:
-    """One request, one answer. Raises OSError (no socket, refused, timeout) or ValueError."""
+def ask_root(path: str | Path, request: dict[str, Any], timeout_s: float = ASK_TIMEOUT_S,
+             deadline_s: float = ASK_DEADLINE_S) -> dict[str, Any]:
+    """One request, one answer; a full backlog (EAGAIN), a refused connection or "busy" is asked
+    again with backoff until `deadline_s`. Raises OSError (no socket, no answer in time) or ValueError."""
+    end, pause = time.monotonic() + deadline_s, 0.05
+    while True:
+        try:
+            answer = _ask_once(path, request, timeout_s)
+        except (BlockingIOError, ConnectionRefusedError):
+            if time.monotonic() + pause > end:
+                raise
+        else:
+            if answer.get("ok") or not str(answer.get("why", "")).startswith("busy:") or time.monotonic() + pause > end:
+                return answer
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+def _ask_once(path: str | Path, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
         s.settimeout(timeout_s)
         s.connect(str(path))

@@ -142,6 +142,7 @@ class Watcher:
         self.evicted: dict[tuple[str, int], None] = {}  # (job, restarts) already made to leave, oldest first
         self.judged = 0
         self._stopping = False
+        self.channel: Any = None  # actions/job_channel.ChannelServer, when one serves: its death ends the watch
         self._stopped = threading.Event()  # set by the main loop on its way out: wakes the NVML thread
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # NVML event or stop: wake the loop
         self._poller = select.poll()
@@ -194,8 +195,13 @@ class Watcher:
         ping_every = watchdog_interval(self.env)
         next_ping = 0.0
         first = True
+        code = 0
         try:
             while not self._stopping:
+                if self.channel is not None and not self.channel.alive():
+                    self.say(f"the channel for wrapped jobs stopped ({self.channel.failure}): exiting for a restart")
+                    code = 1
+                    break
                 self._poll_kernel(detector, force=first)
                 if first:
                     sd_notify(f"READY=1\nSTATUS=following {' and '.join(following) or 'nothing'}", self.env)
@@ -219,7 +225,7 @@ class Watcher:
             if self._thread is not None:
                 self._thread.join(timeout=self.nvml_events.wait_ms / 1000 + 1)
         self.say(f"stopped ({self.judged} XID events judged, {self.drains} drains, {self.app_xids} application XIDs)")
-        return 0
+        return code
 
     def _say_expected(self) -> None:
         """What the hooks and the health check will expect (files only, no network): said at
@@ -451,6 +457,7 @@ def run_watch(cfg: Config, node: str, *, interval: float = DEFAULT_INTERVAL_S, u
         channel = ChannelServer(cfg, node, watcher.slurm, watcher.log, say=watcher.say)
         try:
             channel.start()
+            watcher.channel = channel
         except OSError as exc:
             watcher.say(f"no channel for wrapped jobs at {channel.path}: {exc.strerror or exc} (their per-job "
                         "metrics and hang drains are not taken; the watch goes on)")

@@ -55,6 +55,17 @@ OPS = ("metrics", "drain", "report", "count")
 ANY_NODE_OPS = ("drain", "report")  # may name another node of the job (the batch step's evidence)
 MAX_REPORTS_PER_JOB = 16
 MAX_VALUE = 1e15  # a value past this is a lie or a bug: refused, never written
+MAX_DEPTH = 3  # {"add": {"name": 1}} is 2 deep; deeper is refused before json.loads (a RecursionError there)
+# What one request may add: no job's wrapper does more in one ask (one requeue, one hang, one failed
+# round per request; an attempt's seconds within a flex VM's life). A larger delta is a lie or a bug.
+MAX_ADD = {
+    "slurmagent_requeues_total": 1,
+    "slurmagent_hangs_total": 1,
+    "slurmagent_checkpoint_sync_errors_total": 1,
+    "slurmagent_bytes_synced_total": 1e14,  # 100 TB in one round
+    **{f"slurmagent_job_seconds_total/{part}": 8 * 86400 for part in JOB_PARTS},
+}
+MAX_SET = 366 * 86400  # a lag, an age (a restored checkpoint may be old), a flush: a year at most
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,9})?$")
 
 
@@ -74,12 +85,37 @@ class JobRequest:
     clear: bool = False  # metrics: the job's own per-job series go (the job ends)
 
 
+def nesting(raw: bytes) -> int:
+    """How deep `[`/`{` nest in ``raw`` outside JSON strings (a linear scan, no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
 def parse_request(raw: bytes) -> JobRequest:
+    """The request, or :class:`RequestError` (never another exception: anything may arrive)."""
     if len(raw) > MAX_REQUEST_BYTES:
         raise RequestError(f"request over {MAX_REQUEST_BYTES} bytes")
+    if nesting(raw) > MAX_DEPTH:
+        raise RequestError(f"request nested deeper than {MAX_DEPTH}")
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise RequestError("request is not one JSON object") from None
     if not isinstance(doc, dict):
         raise RequestError("request is not one JSON object")
@@ -114,6 +150,9 @@ def _values(doc: Any, kind: str) -> dict[str, float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or not 0 <= value <= MAX_VALUE:
             raise RequestError(f"{name}: value must be a number in [0, {MAX_VALUE:g}]")
+        most = MAX_ADD[name] if kind == "add" else MAX_SET
+        if value > most:
+            raise RequestError(f"{name}: {value:g} is more than one request may {kind} ({most:g})")
         out[name] = float(value)
     return out
 
