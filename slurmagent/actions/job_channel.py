@@ -51,10 +51,11 @@ CONNECTION_TIMEOUT_S = 2.0  # a connection's whole request must arrive within th
 OWNER_TTL_S = 30.0  # metrics only: a drain, a count, a report read Slurm afresh
 BACKLOG = 128
 MAX_CONNECTIONS = 256  # open at once; past it a new one is closed at once
-MAX_PER_UID = 32  # open at once from one uid (root's own wrappers included)
+MAX_PER_UID = 64  # open at once from one uid (root's own wrappers included)
 WORKERS = 4  # requests judged side by side (each may read Slurm)
 MAX_QUEUED = 64  # whole requests waiting for a worker; past it: "busy", answered at once
 REFUSAL_WINDOW_S = 60.0
+BUSY = json.dumps({"ok": False, "why": "busy: too many requests at once, ask again"}).encode()
 RAN_HERE_S = 600.0  # a job seen RUNNING here may still send its end-of-attempt figures this long
 # What a job no longer RUNNING may still send: its attempt's end (requeue count, flush, seconds by
 # part, a hang) and the removal of its own series; never a lag or an age, never a drain.
@@ -226,6 +227,9 @@ class ChannelServer:
                 continue
             if len(open_conns) >= MAX_CONNECTIONS or sum(c.uid == uid for c in open_conns.values()) >= MAX_PER_UID:
                 self.counts["shed"] += 1
+                with contextlib.suppress(OSError):  # the asker tries again with backoff (ask_root)
+                    conn.setblocking(False)
+                    conn.send(BUSY + b"\n")
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -254,7 +258,7 @@ class ChannelServer:
                 self._queued += 1
         if busy:
             self.counts["busy"] += 1
-            self._answer(c, {"ok": False, "why": "busy: too many requests at once, ask again"})
+            self._answer(c, json.loads(BUSY))
             return
         self._pool.submit(self._work, c, raw)
 

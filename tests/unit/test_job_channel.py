@@ -13,6 +13,8 @@ import os
 import shutil
 import socket
 import tempfile
+import time
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -257,3 +259,203 @@ def test_an_attempts_goodput_seconds_reach_the_node_by_part_and_a_made_up_part_d
     bad = {"op": "metrics", "job": "7", "node": "n1", "add": {"slurmagent_job_seconds_total/idle": 5}}
     assert ask_root(server.path, bad) == {
         "ok": False, "why": "'slurmagent_job_seconds_total/idle' is not a job metric one may add"}
+
+
+# --- against a hostile local user (issue 36) ----------------------------------------------------
+
+
+def jreq(**kw) -> dict:
+    return json.loads(req(**kw))
+
+
+def raw_ask(path, raw: bytes, timeout: float = 5) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(raw)
+        return json.loads(s.makefile().readline())
+
+
+def test_a_deeply_nested_request_is_answered_and_the_channel_goes_on(served):
+    """Before: json.loads raised RecursionError, nothing caught it and the channel thread died."""
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    assert raw_ask(server.path, b"[" * 16000 + b"\n") == {"ok": False, "why": "request nested deeper than 3"}
+    assert raw_ask(server.path, b'{"op": "metrics", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}\n")["ok"] is False
+    assert server.alive()
+    assert ask_root(server.path, jreq(add={"slurmagent_bytes_synced_total": 3}))["ok"] is True
+
+
+def test_any_failure_inside_a_request_is_answered_counted_and_the_channel_goes_on(served):
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    real = server.slurm.job_owner
+    server.slurm.job_owner = lambda job: (_ for _ in ()).throw(KeyError("a bug"))
+    answer = ask_root(server.path, jreq(op="drain", rule="hang"))
+    assert answer == {"ok": False, "why": "root could not handle the request (KeyError); it was not taken"}
+    assert server.counts["errors"] == 1 and server.alive()
+    server.slurm.job_owner = real
+    assert ask_root(server.path, jreq(add={"slurmagent_bytes_synced_total": 3}))["ok"] is True
+
+
+def test_a_dead_serving_thread_is_seen_and_ends_the_watch_for_a_restart(tmp_path):
+    from slurmagent.commands.watch import Watcher
+
+    class Dead:
+        failure = "RuntimeError: gone"
+
+        def alive(self):
+            return False
+
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
+                 "health": {"kernel_log_enabled": False}})
+    err = io.StringIO()
+    w = Watcher(cfg, "n1", use_nvml=False, interval=0.05, stderr=err)
+    w.channel = Dead()
+    assert w.run() == 1
+    assert "the channel for wrapped jobs stopped (RuntimeError: gone): exiting for a restart" in err.getvalue()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to ask as another uid")
+def test_a_flood_of_refusals_grows_roots_log_by_a_few_lines_with_their_count(served):
+    """Before: one decision-log line per refused request (11.5 MB in 10 s from one uid)."""
+    server, sc, tmp_path = served
+    server.refusals.window_s = 0.5
+    log = tmp_path / "state" / "n1" / "hooks.log"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: a uid with no job, asking as fast as it can for 2 s
+        try:
+            os.close(r)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            n, end = 0, time.monotonic() + 2.0
+            while time.monotonic() < end:
+                with contextlib.suppress(OSError, ValueError):
+                    ask_root(server.path, {"op": "drain", "job": "99", "node": "n1", "rule": "hang"}, deadline_s=0.1)
+                    n += 1
+            os.write(w, str(n).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    sent = int(os.read(r, 100) or b"0")
+    os.close(r)
+    os.waitpid(pid, 0)
+    time.sleep(1.5)  # the window (0.5 s) ends and its summary is written
+    records = [x for x in read_records(log) if x.get("uid") == NOBODY]
+    assert sent > 100 and server.counts["refused"] == sent
+    assert 2 <= len(records) <= 2 * 6  # the first at once, then one summary per window of 0.5 s over 2 s
+    assert sum(x.get("count", 1) for x in records) == sent
+    assert records[0]["why"] == "job 99 is not known to Slurm"
+    assert log.stat().st_size < 8192
+
+
+def test_a_job_that_ended_gets_no_drain_or_count_however_fresh_its_cached_trust(served):
+    """Before: the owner was cached 30 s, so a cancelled job's id still drained and counted."""
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid="0")
+    assert ask_root(server.path, jreq(set={"slurmagent_checkpoint_lag_seconds": 1}))["ok"] is True  # cached RUNNING
+    sc.jobs["7"].update(JobState="CANCELLED")
+    assert ask_root(server.path, jreq(op="drain", rule="hang")) == {"ok": False, "why": "job 7 is CANCELLED, not RUNNING"}
+    assert ask_root(server.path, jreq(op="count", rule="hang")) == {"ok": False, "why": "job 7 is CANCELLED, not RUNNING"}
+    assert "DRAIN" not in sc.nodes["n1"].get("State", "")
+
+
+def test_a_requeued_job_still_sends_its_attempts_end_and_nothing_else(served):
+    """After `scontrol requeue` the job is PENDING: root saw it running here, so its requeue count,
+    flush seconds and series removal are taken; a lag, a drain, or another uid's ask are not."""
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    assert ask_root(server.path, jreq(set={"slurmagent_checkpoint_lag_seconds": 4}))["ok"] is True
+    sc.jobs["7"].update(JobState="PENDING", NodeList="(null)")
+    server.owners.clear()  # as 30 s later
+    end = jreq(add={"slurmagent_requeues_total": 1, "slurmagent_job_seconds_total/flush": 3},
+              set={"slurmagent_flush_seconds": 3}, clear=True)
+    assert ask_root(server.path, end) == {"ok": True, "why": ""}
+    text = prom(tmp_path)
+    assert "slurmagent_requeues_total 1\n" in text and 'slurmagent_checkpoint_lag_seconds{job="7"}' not in text
+    assert ask_root(server.path, jreq(set={"slurmagent_checkpoint_lag_seconds": 4}))["ok"] is False
+    assert ask_root(server.path, jreq(op="drain", rule="hang"))["ok"] is False
+    assert ask_root(server.path, jreq(job="8", add={"slurmagent_requeues_total": 1}))["ok"] is False  # never seen here
+
+
+@pytest.mark.parametrize("name,value", [("slurmagent_hangs_total", 2), ("slurmagent_requeues_total", 5),
+                                        ("slurmagent_checkpoint_sync_errors_total", 1e15),
+                                        ("slurmagent_job_seconds_total/flush", 1e9)])
+def test_a_metric_delta_past_what_one_job_can_do_is_refused(served, name, value):
+    """Before: up to 1e15 per request went into node-wide totals (3e15 after 3 requests)."""
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    answer = ask_root(server.path, jreq(add={name: value}))
+    assert answer["ok"] is False and "is more than one request may add" in answer["why"]
+    assert name.split("/")[0] not in prom(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+def test_forty_idle_connections_do_not_keep_a_wrapper_from_its_answer(served):
+    """Before: one connection served at a time, up to 2 s each: ~40 idle ones from `nobody` made
+    every legitimate request fail at once."""
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: 40 connections as nobody, saying nothing
+        try:
+            os.close(r)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            held = []
+            for _ in range(40):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(server.path))
+                held.append(s)
+            os.write(w, b"ready")
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 10) == b"ready"
+        t = time.monotonic()
+        assert ask_root(server.path, jreq(add={"slurmagent_bytes_synced_total": 3}))["ok"] is True
+        assert time.monotonic() - t < 2.0  # answered before the idle ones even time out (a generous bound)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(r)
+
+
+def test_past_its_connection_limit_a_uid_is_told_busy_and_its_wrapper_asks_again(served, monkeypatch):
+    from slurmagent.actions import job_channel
+
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    monkeypatch.setattr(job_channel, "MAX_PER_UID", 2)
+    held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    for s in held:
+        s.connect(str(server.path))
+    time.sleep(0.3)  # both accepted
+    assert raw_ask(server.path, b"{}\n")["why"].startswith("busy:")
+    for s in held:  # the limit frees as connections end: the retrying wrapper gets its answer
+        s.close()
+    assert ask_root(server.path, jreq(add={"slurmagent_bytes_synced_total": 3}), deadline_s=5)["ok"] is True
+    assert server.counts["shed"] >= 1
+
+
+def test_wrappers_side_by_side_each_get_their_answer_and_every_add_counts(served):
+    import threading
+
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    answers = []
+
+    def one():
+        answers.append(ask_root(server.path, jreq(add={"slurmagent_bytes_synced_total": 1}), deadline_s=10))
+
+    threads = [threading.Thread(target=one) for _ in range(64)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert [a["ok"] for a in answers] == [True] * 64
+    assert "slurmagent_bytes_synced_total 64\n" in prom(tmp_path)
