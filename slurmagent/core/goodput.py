@@ -21,6 +21,8 @@ so the five parts of an attempt add up to E - S, and with the PENDING gaps the j
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Iterable
 
 from .timefmt import fmt_time, from_epoch
@@ -97,10 +99,68 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+EPOCH_RANGE = (0.0, 4.1e9)  # up to 2099: a time outside (or not finite) is a lie or a bug
+MAX_SECONDS = 1e7  # a restore or a flush of ~115 days at most
+MAX_TEXT = 4096
+_TIMES = ("started", "ended", "first_progress", "last_commit")
+_DURATIONS = ("restore_s", "flush_s")
+_COUNTS = ("gpus", "node_count")
+_TEXTS = ("end", "why", "nodes", "fault_node", "prefix")
+
+
+def _finite(value: Any) -> float | None:
+    v = _num(value)
+    return v if v is not None and math.isfinite(v) else None
+
+
+def clean_record(record: Any) -> tuple[dict | None, str]:
+    """(the record with only the fields the report uses, each of its type and range; or None and
+    why it is unusable). Every job's user writes records under their own prefix: nothing in one
+    is trusted, and a bad one costs only itself."""
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    job, attempt = record.get("job"), record.get("attempt")
+    if not isinstance(job, str) or not 0 < len(job) <= 64:
+        return None, "job: not a job id"
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= 1_000_000:
+        return None, "attempt: not a whole number in [0, 1000000]"
+    out: dict[str, Any] = {"job": job, "attempt": attempt}
+    for key in _TIMES:
+        if record.get(key) is None and key != "started":
+            continue
+        t = _finite(record.get(key))
+        if t is None or not EPOCH_RANGE[0] <= t <= EPOCH_RANGE[1]:
+            return None, f"{key}: not a time between 1970 and 2099"
+        out[key] = t
+    for key in _DURATIONS:
+        if record.get(key) is None:
+            continue
+        d = _finite(record.get(key))
+        if d is None or not 0 <= d <= MAX_SECONDS:
+            return None, f"{key}: not a number of seconds in [0, {MAX_SECONDS:g}]"
+        out[key] = d
+    for key in _COUNTS:
+        v = record.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 100_000:
+            return None, f"{key}: not a whole number in [0, 100000]"
+        out[key] = v
+    for key in _TEXTS:
+        v = record.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            return None, f"{key}: not text"
+        out[key] = v[:MAX_TEXT]
+    if "requeued" in record:
+        out["requeued"] = record["requeued"] is True
+    return out, ""
+
+
 def valid(record: Any) -> bool:
-    """A record the report can use: a job, an attempt and a start time."""
-    return (isinstance(record, dict) and isinstance(record.get("job"), str) and record["job"] != ""
-            and isinstance(record.get("attempt"), int) and _num(record.get("started")) is not None)
+    """A record the report can use (`clean_record` takes it)."""
+    return clean_record(record)[0] is not None
 
 
 def attempt_parts(rec: dict, next_start: float | None) -> dict[str, Any]:
@@ -177,10 +237,12 @@ def build_report(records: Iterable[Any], *, now: float, job: str | None = None, 
                  errors: Iterable[str] = ()) -> dict[str, Any]:
     """The report over every record read: per job (by prefix and id), and the totals."""
     groups: dict[tuple[str, str], list[dict]] = {}
-    skipped = 0
-    for rec in records:
-        if not valid(rec):
+    skipped, why_skipped = 0, {}
+    for raw in records:
+        rec, why = clean_record(raw)
+        if rec is None:
             skipped += 1
+            why_skipped[why] = why_skipped.get(why, 0) + 1
             continue
         if job is not None and rec["job"] != job:
             continue
@@ -200,6 +262,7 @@ def build_report(records: Iterable[Any], *, now: float, job: str | None = None, 
                    "progress_s": round(progress, 3), "ettr": round(progress / wall, 4) if wall > 0 else None,
                    "lost": lost},
         "causes": list(CAUSES), "errors": list(errors), "skipped_records": skipped,
+        "skipped_why": dict(sorted(why_skipped.items())),
     }
 
 
@@ -306,5 +369,6 @@ def format_text(report: dict[str, Any]) -> str:
     for err in report["errors"]:
         lines.append(f"warning: {err}")
     if report.get("skipped_records"):
-        lines.append(f"warning: {report['skipped_records']} unreadable record(s) skipped")
+        why = "; ".join(f"{n} x {w}" for w, n in (report.get("skipped_why") or {}).items())
+        lines.append(f"warning: {report['skipped_records']} unreadable record(s) skipped" + (f" ({why})" if why else ""))
     return "\n".join(lines)

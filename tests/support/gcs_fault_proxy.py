@@ -1,7 +1,7 @@
 """A Cloud Storage stand-in that refuses some uploads: a reverse proxy in front of the emulator.
 
-Every request is passed to the emulator as it is, except an upload whose body contains
-`refuse_marker`: that one is answered 403, as Cloud Storage answers a request its caller may
+Every request is passed to the emulator as it is (after `delay_s`, a slow network), except an
+upload whose body contains `refuse_marker`: that one is answered 403, as Cloud Storage answers a request its caller may
 not make. Jobs point STORAGE_EMULATOR_HOST at `url`; a test decides which content fails by
 writing the marker into a checkpoint file. Small (single request) uploads only.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -18,9 +19,10 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te
 
 
 class GcsFaultProxy:
-    def __init__(self, upstream: str, refuse_marker: bytes):
+    def __init__(self, upstream: str, refuse_marker: bytes = b"", delay_s: float = 0.0):
         self.upstream = urlsplit(upstream)
         self.refuse_marker = refuse_marker
+        self.delay_s = delay_s  # every request waits this long first: a slow network
         self.refused = 0
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         proxy = self
@@ -34,7 +36,9 @@ class GcsFaultProxy:
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 proxy.requests.append((self.command, self.path))
-                if self.command in ("POST", "PUT") and proxy.refuse_marker in body:
+                if proxy.delay_s:
+                    time.sleep(proxy.delay_s)
+                if self.command in ("POST", "PUT") and proxy.refuse_marker and proxy.refuse_marker in body:
                     proxy.refused += 1
                     reply = json.dumps({"error": {"code": 403, "message": "upload refused by the test"}}).encode()
                     self.send_response(403)

@@ -250,3 +250,35 @@ def test_report_json_and_html_from_one_read(tmp_path):
     assert report["remote"] == "gs://b/p" and report["errors"] == ["gs://b/p/x/ledger/bad.json: not JSON"]
     assert report["totals"]["ettr"] == 0.837 and 'data-ettr="0.837"' in page.read_text()
     assert "not JSON" in page.read_text()
+
+
+# --- records are untrusted input (issue 36): a bad one is skipped and counted, never a crash --------
+
+
+BAD_RECORDS = [
+    (rec(0, 1000.0, gpus="eight"), "gpus: not a whole number in [0, 100000]"),
+    (rec(0, 1000.0, gpus=float("inf")), "gpus: not a whole number in [0, 100000]"),
+    (rec(0, 1000.0, node_count=[1]), "node_count: not a whole number in [0, 100000]"),
+    (rec(0, 1e308), "started: not a time between 1970 and 2099"),
+    (rec(0, float("nan")), "started: not a time between 1970 and 2099"),
+    (rec(0, -1e20), "started: not a time between 1970 and 2099"),
+    (rec(0, 1000.0, ended=float("inf")), "ended: not a time between 1970 and 2099"),
+    (rec(0, 1000.0, flush_s=-5), "flush_s: not a number of seconds in [0, 1e+07]"),
+    (rec(0, 1000.0, why={"a": 1}), "why: not text"),
+    ({"job": "x" * 100, "attempt": 0, "started": 1000.0}, "job: not a job id"),
+    (rec(True, 1000.0), "attempt: not a whole number in [0, 1000000]"),
+    ([[[]]], "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("bad,why", BAD_RECORDS)
+def test_a_bad_record_is_skipped_with_its_reason_and_the_good_ones_reported(bad, why, tmp_path):
+    """Before: `gpus: "eight"`, `node_count: [1]`, `started: 1e308` raised; `ended: Infinity` gave
+    ETTR 0.0 and `Infinity` in the JSON; `started: NaN` crashed only --html."""
+    good = rec(0, 1000.0, ended=2000.0, end="completed", first_progress=1100.0, last_commit=1900.0, gpus=8)
+    report = build_report([good, bad], now=3000.0)
+    assert [j["job"] for j in report["jobs"]] == ["77"] and report["jobs"][0]["ettr"] == 0.8
+    assert report["skipped_records"] == 1 and report["skipped_why"] == {why: 1}
+    json.dumps(report, allow_nan=False)  # standard JSON: no Infinity, no NaN
+    assert f"warning: 1 unreadable record(s) skipped (1 x {why})" in format_text(report)
+    (tmp_path / "r.html").write_text(render_html({**report, "remote": "gs://b/p"}))

@@ -6,6 +6,7 @@ by `slurmagent report`; the records' meaning is `core/goodput.py`'s. Every reque
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...core.goodput import LEDGER_DIR, record_name
@@ -14,13 +15,14 @@ from .bucket import BucketObjects
 from .transfer import Aborted, Deadline, is_not_found, one_line
 
 MAX_RECORD_BYTES = 64 * 1024  # a record is ~1 KiB; anything far larger is not ours
+READERS = 16  # records read side by side
 
 
 class LedgerBucket:
     """The ledger under one remote prefix: the job's own (writing) or a parent of many (reading)."""
 
     def __init__(self, remote_url: str, *, client: Any = None, timeout_s: float = 10.0) -> None:
-        self.objects = BucketObjects(remote_url, client=client, timeout_s=timeout_s, pool_size=4)
+        self.objects = BucketObjects(remote_url, client=client, timeout_s=timeout_s, pool_size=READERS)
         self.url = self.objects.url
 
     def record_url(self, job: str, attempt: int) -> str:
@@ -59,15 +61,54 @@ class LedgerBucket:
         root = self.objects.key("")
         _, children = self._list(root, dl, "/")
         dirs = [root + LEDGER_DIR + "/"] + [c + LEDGER_DIR + "/" for c in children if c != root + LEDGER_DIR + "/"]
-        records, errors = [], []
-        for d in dirs:
-            names, _ = self._list(d, dl, "/")
-            for name in names:
-                if not name.endswith(".json"):
-                    continue
-                rec, err = self._read(name, dl)
+        errors: list[str] = []
+
+        def names_in(d: str) -> list[str] | None:  # None: out of time
+            if dl.remaining() <= 0:
+                return None
+            try:
+                return self._list(d, dl, "/")[0]
+            except CheckpointError:
+                if dl.remaining() < 1.0:  # the deadline, however the call said it
+                    return None
+                raise
+
+        todo: list[tuple[str, str]] = []  # (object name, the checkpoint prefix it sits under)
+        with ThreadPoolExecutor(READERS, thread_name_prefix="ledger-list") as pool:
+            listed = list(pool.map(names_in, dirs))
+        late = sum(n is None for n in listed)
+        if late:
+            errors.append(f"out of time listing the ledgers ({dl.total:g} s): {late} of {len(dirs)} job prefix(es) "
+                          "not read; the report is partial")
+        for d, names in zip(dirs, listed):
+            todo += [(n, f"gs://{self.objects.bucket_name}/{d[:-len(LEDGER_DIR) - 2]}") for n in names or ()
+                     if n.endswith(".json")]
+        return self._read_many(todo, dl, errors)
+
+    def _read_many(self, todo: list[tuple[str, str]], dl: Deadline, errors: list[str]) -> tuple[list[dict], list[str]]:
+        """The records of `todo`, READERS at a time; past the deadline, what was read and a note."""
+        records: list[dict] = []
+        left = len(todo)
+
+        def one(item: tuple[str, str]) -> tuple[dict | None, str]:
+            if dl.remaining() <= 0:
+                return None, "late"
+            try:
+                return self._read(item[0], dl)
+            except CheckpointError as exc:
+                return (None, "late") if dl.remaining() < 1.0 else (None, str(exc))
+
+        with ThreadPoolExecutor(READERS, thread_name_prefix="ledger-read") as pool:
+            for (name, prefix), (rec, err) in zip(todo, pool.map(one, todo)):
+                left -= 1
+                if err == "late":
+                    late = left + 1
+                    errors.append(f"out of time reading the ledger ({dl.total:g} s): {late} of {len(todo)} "
+                                  "record(s) not read; the report is partial")
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    break
                 if rec is not None:
-                    rec["prefix"] = f"gs://{self.objects.bucket_name}/{d[:-len(LEDGER_DIR) - 2]}"
+                    rec["prefix"] = prefix
                     records.append(rec)
                 elif err:
                     errors.append(err)
@@ -87,7 +128,7 @@ class LedgerBucket:
             return None, f"gs://{self.objects.bucket_name}/{name}: {one_line(exc)}"
         try:
             rec = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None, f"gs://{self.objects.bucket_name}/{name}: not JSON"
         if not isinstance(rec, dict):
             return None, f"gs://{self.objects.bucket_name}/{name}: not a JSON object"
