@@ -486,28 +486,32 @@ cli.add_command(report)
 
 
 def main(argv: list[str] | None = None) -> int:
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    args = list(argv if argv is not None else sys.argv[1:])
+    debug, as_json = "--debug" in args, "--json" in (args[:args.index("--")] if "--" in args else args)
+
+    def failed(line: str, code: int) -> int:  # stderr; with --json also a JSON object on stdout
+        click.echo(line, err=True)
+        if as_json:
+            echo_json({"ok": False, "error": line.split(": ", 1)[1], "exit_code": code})
+        return code
+
     try:
         cli.main(args=argv, prog_name="slurmagent", standalone_mode=False)
         return 0
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
+        return click.echo("aborted", err=True) or 130
     except click.ClickException as exc:
-        exc.show()
-        return 2
+        return failed(f"Error: {exc.format_message()}", 2) if as_json else (exc.show() or 2)
     except SlurmagentError as exc:
         if debug:
             traceback.print_exc()
-        click.echo(f"slurmagent: {exc}", err=True)
-        return exc.exit_code
+        return failed(f"slurmagent: {exc}", exc.exit_code)
     except OSError as exc:  # a path the user gave (or the machine) said no: one line, not a traceback
         if debug:
             traceback.print_exc()
-        click.echo(f"slurmagent: {os_error_line(exc)}", err=True)
-        return 2
+        return failed(f"slurmagent: {os_error_line(exc)}", 2)
     except KeyboardInterrupt:
         return 130
 

@@ -206,3 +206,24 @@ def test_snapshot_never_creates_the_directory_of_its_output(tmp_path):
     assert "does not exist" in line and not (tmp_path / "nonexistent").exists()
     ok = slurmagent("snapshot", "-o", str(tmp_path / "x.json"), config=tmp_path / "c.toml", cwd=tmp_path)
     assert ok.returncode == 0 and json.loads((tmp_path / "x.json").read_text()), ok.stderr
+
+
+@pytest.mark.parametrize("args", [["status", "--json"], ["journal", "--json"], ["repair", "--dry-run", "--json"],
+                                  ["ckpt", "ls", "--json", "--remote", "gs://b/p"]])
+def test_a_json_command_prints_a_json_error_object_on_exit_2(tmp_path, args):
+    """Before: a config error printed one line on stderr and nothing a script reading stdout could parse
+    (doctor --json did; status, repair --dry-run, journal did not)."""
+    bad = tmp_path / "c.toml"
+    bad.write_text("[watch]\nchannel_socket = 5\n")  # not a path: the config is invalid
+    r = slurmagent(*args, config=bad, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and "channel_socket" in doc["error"] and doc["version"]
+    assert len(r.stderr.strip().splitlines()) == 1 and "channel_socket" in r.stderr
+
+
+def test_json_after_the_double_dash_is_the_wrapped_commands_not_ours(tmp_path):
+    bad = tmp_path / "c.toml"
+    bad.write_text("[watch]\nchannel_socket = 5\n")
+    r = slurmagent("run", "--", "tool", "--json", config=bad, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
