@@ -128,7 +128,8 @@ def test_repair_dry_run_with_slurm_stopped_exits_3_in_text_and_json(cluster):
 
 def test_repair_json_goes_with_dry_run_only(cluster):
     code, out, err = cluster.run("repair", "--json")
-    assert code == EXIT_USAGE and out == "" and "--json goes with --dry-run" in err
+    assert code == EXIT_USAGE and "--json goes with --dry-run" in err
+    assert "--json goes with --dry-run" in json.loads(out)["error"]  # --json asked: the error as JSON too
     assert cluster.sc.calls == []
 
 
@@ -313,9 +314,14 @@ def test_status_says_a_journal_it_cannot_read_instead_of_no_pending_actions(clus
 
 @pytest.mark.parametrize("argv", [["status", "--json"], ["status"], ["repair", "--dry-run", "--json"],
                                   ["journal", "--json"], ["check", "--json"]])
-def test_a_missing_config_file_is_exit_2_one_line_and_no_json(cluster, argv):
+def test_a_missing_config_file_is_exit_2_one_line_and_a_json_error_object_with_json(cluster, argv):
     cluster.config = cluster.tmp / "absent.toml"
     code, out, err = cluster.run(*argv)
-    assert code == EXIT_USAGE and out == ""
+    assert code == EXIT_USAGE
     assert err == f"slurmagent: config {cluster.config}: file not found\n"
+    if "--json" in argv:  # scripts read stdout: one JSON object saying what failed
+        doc = json.loads(out)
+        assert doc["ok"] is False and doc["exit_code"] == 2 and doc["error"] == f"config {cluster.config}: file not found"
+    else:
+        assert out == ""
     assert cluster.sc.calls == []
