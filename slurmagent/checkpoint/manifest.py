@@ -123,8 +123,8 @@ class Manifest:
 
         try:
             raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad(f"not JSON ({exc})") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise bad(f"not JSON ({type(exc).__name__ if isinstance(exc, RecursionError) else exc})") from None
         if not isinstance(raw, dict):
             raise bad("not a JSON object")
         schema = raw.get("schema")

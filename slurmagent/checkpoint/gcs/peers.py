@@ -95,7 +95,13 @@ def read_json_line(sock: socket.socket, limit: int = 64 << 20) -> dict:
         f.close()
     if not line:
         raise PeerFailed("the connection closed")
-    return json.loads(line)
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError):
+        raise PeerFailed("not one JSON line") from None
+    if not isinstance(doc, dict):
+        raise PeerFailed("not a JSON object")
+    return doc
 
 
 # --------------------------------------------------------------------------- serving a cache
@@ -278,7 +284,7 @@ class PeerSession:
             self.sock.sendall(f"HELLO {self.token}\n".encode() + json.dumps(hello).encode() + b"\n")
             plan = read_json_line(self.sock).get("plan", {})
             return {cid: (p[0], int(p[1]), str(p[2])) for cid, p in plan.items()}
-        except (OSError, ValueError, PeerFailed) as exc:
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, PeerFailed) as exc:  # any answer
             self.say(f"no peers for this restore (the coordinator at {self.coord[0]}:{self.coord[1]}: "
                      f"{one_line(exc)}): every blob not in the node-local cache comes from the bucket")
             return {}
@@ -409,7 +415,7 @@ class Coordinator:
                 while not self._closed and not self._done >= set(self._hellos):
                     self._cond.wait(1.0)
             conn.sendall(b"END\n")
-        except (OSError, ValueError, KeyError, PeerFailed):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, PeerFailed):  # whatever a peer sent
             with self._cond:
                 if index is not None:
                     self._done.add(index)
