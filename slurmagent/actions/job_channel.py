@@ -304,6 +304,9 @@ class ChannelServer:
                 self.counts["malformed"] += 1
                 self.refusals.refused(uid, "", "malformed", str(exc))
             return {"ok": False, "why": str(exc)}
+        if req.op == "ping":
+            with self.lock:
+                return {"ok": True, "why": "serving: " + ", ".join(f"{v} {k}" for k, v in self.counts.items() if v)}
         try:
             owner = self._owner(req.job, fresh=req.op != "metrics")
         except SlurmagentError as exc:
@@ -424,6 +427,23 @@ def _ask_once(path: str | Path, request: dict[str, Any], timeout_s: float) -> di
     if not isinstance(answer, dict):
         raise ValueError("no answer")
     return answer
+
+
+def probe(cfg: Config, node: str, timeout_s: float = ASK_TIMEOUT_S) -> tuple[str, str]:
+    """Does this node's channel answer? ("off" | "absent" | "ok" | "silent", one line): `doctor`
+    and `status` ask it a no-op, so a channel that stopped serving is seen, not guessed."""
+    if not cfg.watch.channel_socket:
+        return "off", "turned off ([watch] channel_socket is empty)"
+    path = Path(cfg.node_path(cfg.watch.channel_socket, node))
+    if not path.is_socket():
+        return "absent", f"no channel at {path} (slurmagent-watch is not running on this node)"
+    try:
+        answer = ask_root(path, {"op": "ping"}, timeout_s=timeout_s, deadline_s=timeout_s)
+    except (OSError, ValueError) as exc:
+        return "silent", f"{path} does not answer ({type(exc).__name__}: {exc}); wrapped jobs get no drains or metrics"
+    if not answer.get("ok"):
+        return "silent", f"{path} answered but not to a ping ({str(answer.get('why'))[:100]}): an older watch?"
+    return "ok", f"{path} answers ({answer.get('why') or 'serving'})"
 
 
 class ChannelMetrics:

@@ -220,6 +220,8 @@ def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = tim
         ("checkpoint bucket", "check [checkpoint] remote and the network path to Cloud Storage",
          lambda: _bucket_result(cfg)),
         ("clock", FIX_CLOCK, lambda: _clock_result(cfg, md_timeout, clock)),
+        ("job channel", "systemctl restart slurmagent-watch (journalctl -u slurmagent-watch says why)",
+         lambda: _channel_result(cfg)),
         (SLURM_FEATURES, FIX_SLURM_METRICS, lambda: _slurm_features_result(cfg)),
     ]
     rows = run_bounded(checks, deadline_s)
@@ -255,6 +257,18 @@ def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]
             slot = Result(name, False, f"no answer within {deadline_s:g} s", fix, unreachable=True)
         out.extend(slot if isinstance(slot, list) else [slot])
     return out
+
+
+def _channel_result(cfg: config_mod.Config) -> Result:
+    """This node's wrapper -> root channel answers a no-op (actions/job_channel.probe)."""
+    from ..actions.job_channel import probe  # only here: start-up speed
+    from ..state.host import node_name
+
+    state, detail = probe(cfg, node_name())
+    if state in ("off", "absent"):
+        return _skip("job channel", detail)
+    return Result("job channel", state == "ok", detail,
+                  "systemctl restart slurmagent-watch (journalctl -u slurmagent-watch says why)")
 
 
 def _slurm_features_result(cfg: config_mod.Config) -> Result:

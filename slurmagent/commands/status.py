@@ -99,6 +99,10 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
           "journal": {"pending": None if unreadable else sum(j["pending"] for j in journals), "journals": journals,
                       "unreadable": unreadable},
           "expiry": expiries}
+    from ..actions.job_channel import probe  # only here: start-up speed
+
+    state, detail = probe(cfg, local)
+    st["channel"] = {"state": state, "detail": detail}
     st["problems"] = status_problems(st)
     st["exit_code"] = status_exit_code(st)
     return st
@@ -121,6 +125,8 @@ def status_problems(st: dict[str, Any]) -> list[str]:
     if pending:
         out.append(f"{pending} journal action(s) pending")
     out += [f"journal not read: {why}" for why in st["journal"]["unreadable"].values()]
+    if (st.get("channel") or {}).get("state") == "silent":
+        out.append(f"the job channel: {st['channel']['detail']}")
     return out
 
 
@@ -163,6 +169,8 @@ def format_status(st: dict[str, Any]) -> str:
         when = e["in_s"]
         lines.append(f"expiry: {node} terminates {e['termination_time']}"
                      + (f" (in {human(when, column=True)})" if when is not None and when >= 0 else " (passed)" if when is not None else ""))
+    if st.get("channel"):
+        lines.append(f"channel: {st['channel']['detail']}")
     lines.append(f"version: slurmagent {st['version']} (this node)")
     if st.get("problems"):  # last: what to act on
         lines.append("problems: " + "; ".join(st["problems"]))

@@ -19,6 +19,7 @@ Four operations:
   lists them, not as the request does) for lemon tracking (policy/lemon.py); once per job.
 - `report`: the same rule and detail, written to root's decision log only (a straggler the
   job's owner chose to report, not drain); at most `MAX_REPORTS_PER_JOB` per job on a node.
+- `ping`: nothing; the answer says the channel serves (`doctor`, `status`).
 
 Pure: the socket, Slurm and the actions are the runtime's (actions/job_channel.py).
 """
@@ -51,7 +52,7 @@ JOB_METRICS = {
 }
 PER_JOB = ("slurmagent_checkpoint_lag_seconds", "slurmagent_checkpoint_age_seconds")  # labelled {job}; the others are node totals
 JOB_DRAIN_RULES = ("hang", "straggler")
-OPS = ("metrics", "drain", "report", "count")
+OPS = ("metrics", "drain", "report", "count", "ping")  # ping: is the channel serving (doctor, status)
 ANY_NODE_OPS = ("drain", "report")  # may name another node of the job (the batch step's evidence)
 MAX_REPORTS_PER_JOB = 16
 MAX_VALUE = 1e15  # a value past this is a lie or a bug: refused, never written
@@ -122,6 +123,8 @@ def parse_request(raw: bytes) -> JobRequest:
     op, job, node = doc.get("op"), doc.get("job"), doc.get("node")
     if op not in OPS:
         raise RequestError(f"unknown op {str(op)[:20]!r} ({', '.join(OPS)})")
+    if op == "ping":  # asks nothing of a job: no id, no node
+        return JobRequest("ping", "", "")
     if not isinstance(job, str) or not _JOB_ID.match(job):
         raise RequestError("job must be a Slurm job id")
     if not isinstance(node, str) or not 0 < len(node) <= 255:  # judged against this node's own name

@@ -35,7 +35,7 @@ NAMES = ["version", "config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.c
          "metadata server", "compute API", "permission compute.instances.get",
          "permission compute.instances.reportHostAsFaulty", "permission compute.instances.list",
          "permission compute.instanceGroupManagers.update", "permission compute.zoneOperations.get",
-         "permission compute.regionOperations.get", "checkpoint bucket", "clock", "slurm 25.11+ features"]
+         "permission compute.regionOperations.get", "checkpoint bucket", "clock", "job channel", "slurm 25.11+ features"]
 PERMISSIONS = [n for n in NAMES if n.startswith("permission ")]
 GOOD_SLURM_CONF = ("Prolog={hooks}/prolog\nEpilog={hooks}/epilog\nPrologFlags=Alloc\n"
                    "SchedulerParameters=nohold_on_prolog_fail,bf_interval=2\nPrologEpilogTimeout=120\n"
@@ -75,7 +75,7 @@ def make_config(tmp_path: Path, *, compute_endpoint: str, remote: str = "gs://ck
                    f'[health]\nsnapshot = "{d}/n1.json"\nexpected_gpus = 8\n'
                    f'[slurm]\nconf = "{d}/slurm.conf"\n'
                    f'[gcp]\ncompute_endpoint = "{compute_endpoint}"\n{gcp_extra}'
-                   f'[checkpoint]\nremote = "{remote}"\n')
+                   f'[checkpoint]\nremote = "{remote}"\n[watch]\nchannel_socket = "{tmp_path}/run/%n/channel.sock"\n')
     cfg.chmod(0o644)
     return cfg
 
@@ -117,10 +117,12 @@ def test_all_checks_pass_and_nothing_is_written(gcp, emu, tmp_path, capsys):
     assert list(rows) == NAMES, out
     regional_ops = "permission compute.regionOperations.get"  # the MIG is zonal: not needed
     not_set = "slurm.conf HealthCheckProgram"
+    assert rows.pop("job channel")[:2] == ("skip", f"no channel at {tmp_path}/run/n1/channel.sock (slurmagent-watch "
+                                                   "is not running on this node)")
     slurm_new = rows.pop("slurm 25.11+ features")  # ok on Slurm >= 25.11, skip on older or without a controller
     assert slurm_new[0] in ("ok", "skip"), out
     assert {name: mark for name, (mark, _, _) in rows.items()} == {
-        name: "skip" if name in (regional_ops, not_set) else "ok" for name in NAMES[:-1]}, out
+        name: "skip" if name in (regional_ops, not_set) else "ok" for name in NAMES[:-1] if name != "job channel"}, out
     assert rows[regional_ops][1] == "not needed: the MIG is zonal"
     assert "project test-proj, zone us-central1-a, instance n1" in rows["metadata server"][1]
     assert "instances.get test-proj/us-central1-a/n1: in MIG projects/123456789/zones/us-central1-a/" \

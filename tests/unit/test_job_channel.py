@@ -42,7 +42,7 @@ def req(**kw) -> bytes:
     (b"x" * (job_requests.MAX_REQUEST_BYTES + 1), "request over 16384 bytes"),
     (b"not json", "request is not one JSON object"),
     (b"[1]", "request is not one JSON object"),
-    (req(op="resume"), "unknown op 'resume' (metrics, drain, report, count)"),
+    (req(op="resume"), "unknown op 'resume' (metrics, drain, report, count, ping)"),
     (req(job="7; scontrol update"), "job must be a Slurm job id"),
     (req(set={"slurmagent_breaker_open": 0}), "'slurmagent_breaker_open' is not a job metric one may set"),
     (req(add={"slurmagent_checkpoint_lag_seconds": 1}), "'slurmagent_checkpoint_lag_seconds' is not a job metric one may add"),
@@ -459,3 +459,28 @@ def test_wrappers_side_by_side_each_get_their_answer_and_every_add_counts(served
         th.join()
     assert [a["ok"] for a in answers] == [True] * 64
     assert "slurmagent_bytes_synced_total 64\n" in prom(tmp_path)
+
+
+def test_doctor_and_status_ask_the_channel_a_no_op_and_say_when_it_does_not_answer(served, tmp_path):
+    """Before: a channel whose thread had died looked like one serving to every command."""
+    from slurmagent.actions.job_channel import probe
+    from slurmagent.commands.status import format_status, status_problems
+
+    server, sc, _ = served
+    state, detail = probe(server.cfg, "n1")
+    assert state == "ok" and detail.startswith(f"{server.path} answers (serving") and not sc.calls
+    server.stop()
+    assert probe(server.cfg, "n1")[0] == "absent"
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound and listening, never answering
+    stuck.bind(str(server.path))
+    stuck.listen(4)
+    try:
+        state, detail = probe(server.cfg, "n1", timeout_s=0.5)
+        assert state == "silent" and "does not answer" in detail
+        st = {"nodes": [], "breaker": {"state": "closed", "summary": "closed"},
+              "journal": {"journals": [], "unreadable": {}, "pending": 0}, "expiry": {},
+              "channel": {"state": state, "detail": detail}, "slurm_error": None, "version": "x"}
+        assert f"the job channel: {detail}" in status_problems(st)
+        assert f"channel: {detail}" in format_status({**st, "problems": status_problems(st)})
+    finally:
+        stuck.close()
