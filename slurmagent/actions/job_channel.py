@@ -33,6 +33,7 @@ import socket
 import struct
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +56,7 @@ MAX_PER_UID = 64  # open at once from one uid (root's own wrappers included)
 WORKERS = 4  # requests judged side by side (each may read Slurm)
 MAX_QUEUED = 64  # whole requests waiting for a worker; past it: "busy", answered at once
 REFUSAL_WINDOW_S = 60.0
+ANSWERS_KEPT, ANSWER_TTL_S = 4096, 600.0  # answers by (uid, request id), for retries whose answer was lost
 BUSY = json.dumps({"ok": False, "why": "busy: too many requests at once, ask again"}).encode()
 RAN_HERE_S = 600.0  # a job seen RUNNING here may still send its end-of-attempt figures this long
 # What a job no longer RUNNING may still send: its attempt's end (requeue count, flush, seconds by
@@ -128,6 +130,7 @@ class ChannelServer:
         self.counts: dict[str, int] = {"granted": 0, "refused": 0, "malformed": 0, "failed": 0, "errors": 0,
                                        "idle": 0, "shed": 0, "busy": 0}
         self.refusals = RefusalLog(log, node, clock=clock)
+        self.answered: dict[tuple[int, str], tuple[float, dict[str, Any]]] = {}  # (uid, request id) -> answer
         self.lock = threading.Lock()  # the state above, the metrics textfile, the decision log
         self.failure = ""  # why the serving thread ended, when it did not end by stop()
         self._sock: socket.socket | None = None
@@ -307,6 +310,10 @@ class ChannelServer:
         if req.op == "ping":
             with self.lock:
                 return {"ok": True, "why": "serving: " + ", ".join(f"{v} {k}" for k, v in self.counts.items() if v)}
+        key = (uid, req.rid)
+        with self.lock:
+            if req.rid and key in self.answered:  # a retry whose answer was lost: the same answer, not acted again
+                return self.answered[key][1]
         try:
             owner = self._owner(req.job, fresh=req.op != "metrics")
         except SlurmagentError as exc:
@@ -314,7 +321,15 @@ class ChannelServer:
                 self.counts["failed"] += 1
             return {"ok": False, "why": f"cannot read job {req.job} from Slurm: {exc}"}
         with self.lock:
-            return self._judged(uid, req, owner)
+            answer = self._judged(uid, req, owner)
+            if req.rid:
+                now = self.clock()
+                if len(self.answered) >= ANSWERS_KEPT:
+                    self.answered = {k: v for k, v in self.answered.items() if now - v[0] < ANSWER_TTL_S}
+                    while len(self.answered) >= ANSWERS_KEPT:
+                        self.answered.pop(next(iter(self.answered)))
+                self.answered[key] = (now, answer)
+            return answer
 
     def _judged(self, uid: int, req: job_requests.JobRequest, owner: JobOwner | None) -> dict[str, Any]:
         why = job_requests.judge(req, uid, owner, self.node)
@@ -396,14 +411,20 @@ ASK_DEADLINE_S = 5.0  # retries of a refused connection or a "busy" answer, with
 
 def ask_root(path: str | Path, request: dict[str, Any], timeout_s: float = ASK_TIMEOUT_S,
              deadline_s: float = ASK_DEADLINE_S) -> dict[str, Any]:
-    """One request, one answer; a full backlog (EAGAIN), a refused connection or "busy" is asked
-    again with backoff until `deadline_s`. Raises OSError (no socket, no answer in time) or ValueError."""
+    """One request, one answer. The request gets an id (unless it has one), so asking again is safe:
+    a full backlog, a refused or reset connection, a lost answer or "busy" is asked again with
+    backoff until `deadline_s`, and root answers a retry as it answered the first. Raises OSError
+    (no socket, no answer in time) or ValueError."""
+    if request.get("op") != "ping" and "id" not in request:
+        request = {**request, "id": uuid.uuid4().hex}
     end, pause = time.monotonic() + deadline_s, 0.05
     while True:
         try:
             answer = _ask_once(path, request, timeout_s)
-        except (BlockingIOError, ConnectionRefusedError):
-            if time.monotonic() + pause > end:
+        except FileNotFoundError:
+            raise  # no channel at all: asking again will not make one
+        except OSError:
+            if time.monotonic() + pause + timeout_s > end:
                 raise
         else:
             if answer.get("ok") or not str(answer.get("why", "")).startswith("busy:") or time.monotonic() + pause > end:

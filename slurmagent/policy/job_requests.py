@@ -68,6 +68,7 @@ MAX_ADD = {
 }
 MAX_SET = 366 * 86400  # a lag, an age (a restored checkpoint may be old), a flush: a year at most
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,9})?$")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class RequestError(ValueError):
@@ -84,6 +85,7 @@ class JobRequest:
     rule: str = ""
     detail: str = ""
     clear: bool = False  # metrics: the job's own per-job series go (the job ends)
+    rid: str = ""  # the asker's id of this request: a retry of it gets the first answer
 
 
 def nesting(raw: bytes) -> int:
@@ -125,20 +127,23 @@ def parse_request(raw: bytes) -> JobRequest:
         raise RequestError(f"unknown op {str(op)[:20]!r} ({', '.join(OPS)})")
     if op == "ping":  # asks nothing of a job: no id, no node
         return JobRequest("ping", "", "")
+    rid = doc.get("id", "")
+    if not isinstance(rid, str) or rid and not _REQUEST_ID.match(rid):
+        raise RequestError("id must be up to 64 letters, digits, - or _")
     if not isinstance(job, str) or not _JOB_ID.match(job):
         raise RequestError("job must be a Slurm job id")
     if not isinstance(node, str) or not 0 < len(node) <= 255:  # judged against this node's own name
         raise RequestError("node must be a node name")
     if op == "metrics":
         return JobRequest(op, job, node, set_=_values(doc.get("set"), "set"), add=_values(doc.get("add"), "add"),
-                          clear=doc.get("clear") is True)
+                          clear=doc.get("clear") is True, rid=rid)
     rule, detail = doc.get("rule"), doc.get("detail", "")
     rules = ("hang",) if op == "count" else JOB_DRAIN_RULES
     if rule not in rules:
         raise RequestError(f"{op} rule must be one of {', '.join(rules)}")
     if not isinstance(detail, str):
         raise RequestError("detail must be text")
-    return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150])
+    return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150], rid=rid)
 
 
 def _values(doc: Any, kind: str) -> dict[str, float]:

@@ -446,3 +446,20 @@ def test_failing_prolog_drains_without_the_repair_path_modules(tmp_path) -> None
     assert modules == "[]", modules
     [d] = read_records(root / "state" / "n1" / "hooks.log")
     assert d["verdict"] == "unhealthy" and d["action"] == "drained"
+
+
+def test_the_epilog_drops_the_jobs_own_series_and_keeps_the_others(h) -> None:
+    """Before: a cancelled job's `slurmagent_checkpoint_lag_seconds{job=...}` stayed in the node's
+    textfile for good (its wrapper was killed before it could clear it)."""
+    from slurmagent.state import metrics
+
+    m = metrics.for_node(h.cfg, "n1")
+    m.update(set_={("slurmagent_checkpoint_lag_seconds", (("job", "42"),)): 5.0,
+                   ("slurmagent_checkpoint_age_seconds", (("job", "42"),)): 9.0,
+                   ("slurmagent_checkpoint_lag_seconds", (("job", "43"),)): 7.0})
+    assert h.run("epilog", HEALTHY) == 0
+    text = (h.tmp / "state" / "n1" / "slurmagent.prom").read_text()
+    assert 'job="42"' not in text and 'slurmagent_checkpoint_lag_seconds{job="43"} 7' in text
+    m.update(set_={("slurmagent_checkpoint_lag_seconds", (("job", "42"),)): 5.0})
+    assert h.run("prolog", HEALTHY) == 0  # the prolog leaves them
+    assert 'job="42"' in (h.tmp / "state" / "n1" / "slurmagent.prom").read_text()

@@ -484,3 +484,21 @@ def test_doctor_and_status_ask_the_channel_a_no_op_and_say_when_it_does_not_answ
         assert f"channel: {detail}" in format_status({**st, "problems": status_problems(st)})
     finally:
         stuck.close()
+
+
+def test_a_retried_request_gets_its_first_answer_and_is_acted_on_once(served):
+    """A wrapper whose answer was lost asks again with the same id: before, it was told 'already
+    asked' (a drain) or counted twice (metrics); now it gets the first answer and nothing is done twice."""
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid="0")
+    drain = {**jreq(op="drain", rule="hang", detail="rank 1 stopped"), "id": "a1"}
+    first = ask_root(server.path, drain)
+    assert first["ok"] is True
+    assert ask_root(server.path, drain) == first  # the retry
+    assert ask_root(server.path, {**drain, "id": "a2"}) == {"ok": False, "why": "job 7 already asked for a drain from n1"}
+    assert len(sc.of("scontrol", "update")) == 1
+    add = {**jreq(add={"slurmagent_bytes_synced_total": 5}), "id": "m1"}
+    assert ask_root(server.path, add)["ok"] and ask_root(server.path, add)["ok"]
+    assert "slurmagent_bytes_synced_total 5\n" in prom(tmp_path)  # counted once
+    assert raw_ask(server.path, json.dumps({**add, "id": "no spaces"}).encode() + b"\n") == {
+        "ok": False, "why": "id must be up to 64 letters, digits, - or _"}
