@@ -51,7 +51,7 @@ def slurm_runner(jobs: int):
 
 
 def flood(path: str, seconds: float, out_fd: int) -> None:  # pragma: no cover - a child as nobody
-    from slurmagent.actions.job_channel import ask_root
+    from slurmagent.actions.channel_client import ask_root
 
     os.setgid(NOBODY)
     os.setuid(NOBODY)

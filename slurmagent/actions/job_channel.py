@@ -33,7 +33,6 @@ import socket
 import struct
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +54,9 @@ MAX_CONNECTIONS = 256  # open at once; past it a new one is closed at once
 MAX_PER_UID = 64  # open at once from one uid (root's own wrappers included)
 WORKERS = 4  # requests judged side by side (each may read Slurm)
 MAX_QUEUED = 64  # whole requests waiting for a worker; past it: "busy", answered at once
+MAX_QUEUED_PER_UID = 16  # of them from one uid: one user's flood never takes every slot
+ACCEPTS_PER_PASS = 64  # new connections taken per selector pass: reads are never starved by a connect flood
+UNKNOWN_TTL_S = 5.0  # "Slurm does not know this job": reused this long (a flood of made-up ids costs no squeue)
 REFUSAL_WINDOW_S = 60.0
 ANSWERS_KEPT, ANSWER_TTL_S = 4096, 600.0  # answers by (uid, request id), for retries whose answer was lost
 BUSY = json.dumps({"ok": False, "why": "busy: too many requests at once, ask again"}).encode()
@@ -81,8 +83,13 @@ class RefusalLog:
                  clock: Callable[[], float] = time.monotonic):
         self.log, self.node, self.window_s, self.clock = log, node, window_s, clock
         self.windows: dict[int, dict[str, Any]] = {}  # uid -> {"start", "count", "ops", "why", "job"}
+        self.lock = threading.Lock()  # its own: the selector thread flushes without waiting on a drain
 
     def refused(self, uid: int, job: str, op: str, why: str) -> None:
+        with self.lock:
+            self._refused(uid, job, op, why)
+
+    def _refused(self, uid: int, job: str, op: str, why: str) -> None:
         now = self.clock()
         w = self.windows.get(uid)
         if w is None:
@@ -137,8 +144,13 @@ class ChannelServer:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._pool: ThreadPoolExecutor | None = None
-        self._queued = 0
+        self._queued: dict[int, int] = {}  # uid -> its requests waiting for or in a worker
         self._queue_lock = threading.Lock()
+        self._inflight: dict[tuple[int, str], threading.Event] = {}  # (uid, request id) being judged now
+
+    def _count(self, key: str) -> None:
+        with self.lock:
+            self.counts[key] += 1
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -171,7 +183,7 @@ class ChannelServer:
             self._thread.join(CONNECTION_TIMEOUT_S + 1)
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        with self.lock:
+        with self.refusals.lock:
             self.refusals.flush(everything=True)
         with contextlib.suppress(OSError):
             self.path.unlink()
@@ -201,11 +213,11 @@ class ChannelServer:
                         self._read(sel, open_conns, key.data)
                 now = self.clock()
                 for c in [c for c in open_conns.values() if now > c.deadline]:  # idle or too slow: dropped
-                    self.counts["idle"] += 1
+                    self._count("idle")
                     self._drop(sel, open_conns, c)
                 if now - last_flush >= 1.0:
                     last_flush = now
-                    with self.lock:
+                    with self.refusals.lock:
                         self.refusals.flush()
         finally:
             for c in list(open_conns.values()):
@@ -213,14 +225,14 @@ class ChannelServer:
             sel.close()
 
     def _accept(self, sel: selectors.BaseSelector, open_conns: dict[int, _Conn]) -> None:
-        while True:
+        for _ in range(ACCEPTS_PER_PASS):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in (23, 24):  # ENFILE, EMFILE: shed until descriptors come back
-                    self.counts["shed"] += 1
+                    self._count("shed")
                     return
                 raise
             try:
@@ -229,7 +241,7 @@ class ChannelServer:
                 conn.close()
                 continue
             if len(open_conns) >= MAX_CONNECTIONS or sum(c.uid == uid for c in open_conns.values()) >= MAX_PER_UID:
-                self.counts["shed"] += 1
+                self._count("shed")
                 with contextlib.suppress(OSError):  # the asker tries again with backoff (ask_root)
                     conn.setblocking(False)
                     conn.send(BUSY + b"\n")
@@ -246,7 +258,7 @@ class ChannelServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self.counts["failed"] += 1
+            self._count("failed")
             self._drop(sel, open_conns, c)
             return
         c.data += chunk
@@ -256,11 +268,11 @@ class ChannelServer:
         open_conns.pop(c.sock.fileno(), None)
         raw = c.data.split(b"\n", 1)[0]
         with self._queue_lock:
-            busy = self._queued >= MAX_QUEUED
+            busy = sum(self._queued.values()) >= MAX_QUEUED or self._queued.get(c.uid, 0) >= MAX_QUEUED_PER_UID
             if not busy:
-                self._queued += 1
+                self._queued[c.uid] = self._queued.get(c.uid, 0) + 1
         if busy:
-            self.counts["busy"] += 1
+            self._count("busy")
             self._answer(c, json.loads(BUSY))
             return
         self._pool.submit(self._work, c, raw)
@@ -276,7 +288,9 @@ class ChannelServer:
             self._answer(c, self.handle(c.uid, raw))
         finally:
             with self._queue_lock:
-                self._queued -= 1
+                self._queued[c.uid] -= 1
+                if not self._queued[c.uid]:
+                    del self._queued[c.uid]
 
     def _answer(self, c: _Conn, answer: dict[str, Any]) -> None:
         try:
@@ -284,7 +298,7 @@ class ChannelServer:
             c.sock.settimeout(CONNECTION_TIMEOUT_S)
             c.sock.sendall(json.dumps(answer).encode() + b"\n")
         except OSError:
-            self.counts["failed"] += 1  # the caller went away or stalled: its loss only
+            self._count("failed")  # the caller went away or stalled: its loss only
         finally:
             c.sock.close()
 
@@ -303,26 +317,28 @@ class ChannelServer:
         try:
             req = job_requests.parse_request(raw)
         except job_requests.RequestError as exc:
-            with self.lock:
-                self.counts["malformed"] += 1
-                self.refusals.refused(uid, "", "malformed", str(exc))
+            self._count("malformed")
+            self.refusals.refused(uid, "", "malformed", str(exc))
             return {"ok": False, "why": str(exc)}
         if req.op == "ping":
             with self.lock:
                 return {"ok": True, "why": "serving: " + ", ".join(f"{v} {k}" for k, v in self.counts.items() if v)}
+        if not req.rid:
+            return self._decide(uid, req)
         key = (uid, req.rid)
-        with self.lock:
-            if req.rid and key in self.answered:  # a retry whose answer was lost: the same answer, not acted again
-                return self.answered[key][1]
-        try:
-            owner = self._owner(req.job, fresh=req.op != "metrics")
-        except SlurmagentError as exc:
+        while True:  # one judgement per (uid, id): a retry waits for the first and gets its answer
             with self.lock:
-                self.counts["failed"] += 1
-            return {"ok": False, "why": f"cannot read job {req.job} from Slurm: {exc}"}
-        with self.lock:
-            answer = self._judged(uid, req, owner)
-            if req.rid:
+                if key in self.answered:
+                    return self.answered[key][1]
+                running = self._inflight.get(key)
+                if running is None:
+                    running = self._inflight[key] = threading.Event()
+                    break
+            if not running.wait(CONNECTION_TIMEOUT_S * 5):
+                return json.loads(BUSY)
+        try:
+            answer = self._decide(uid, req)
+            with self.lock:
                 now = self.clock()
                 if len(self.answered) >= ANSWERS_KEPT:
                     self.answered = {k: v for k, v in self.answered.items() if now - v[0] < ANSWER_TTL_S}
@@ -330,8 +346,32 @@ class ChannelServer:
                         self.answered.pop(next(iter(self.answered)))
                 self.answered[key] = (now, answer)
             return answer
+        finally:
+            with self.lock:
+                self._inflight.pop(key).set()
 
-    def _judged(self, uid: int, req: job_requests.JobRequest, owner: JobOwner | None) -> dict[str, Any]:
+    def _decide(self, uid: int, req: job_requests.JobRequest) -> dict[str, Any]:
+        try:
+            owner = self._owner(req.job, fresh=req.op != "metrics")
+        except SlurmagentError as exc:
+            self._count("failed")
+            return {"ok": False, "why": f"cannot read job {req.job} from Slurm: {exc}"}
+        with self.lock:
+            answer, drain = self._judged(uid, req, owner)
+        if drain is None:
+            return answer
+        # the drain itself outside the lock: it may wait on the journal and scontrol for seconds
+        reason = job_requests.drain_reason(req)
+        outcome = JournalExecutor(self.cfg, self.slurm, self.node).drain_fault(
+            reason, node=req.node, source=f"job {req.job} ({req.rule})", job=req.job)
+        self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="drain", verdict="granted",
+                       reason=reason, action=outcome.action, drained=req.node)
+        self.say(f"job {req.job} (uid {uid}) asked to drain {req.node} ({req.rule}): {outcome.action}")
+        return {"ok": True, "why": outcome.action}
+
+    def _judged(self, uid: int, req: job_requests.JobRequest, owner: JobOwner | None
+                ) -> tuple[dict[str, Any], job_requests.JobRequest | None]:
+        """(the answer, or the drain still to make); under the lock: the state is checked and marked here."""
         why = job_requests.judge(req, uid, owner, self.node)
         if not why:
             self.ran_here[req.job] = (self.clock(), owner.uid)
@@ -346,34 +386,28 @@ class ChannelServer:
         if why:
             self.counts["refused"] += 1
             self.refusals.refused(uid, req.job, req.op, why)
-            return {"ok": False, "why": why}
+            return {"ok": False, "why": why}, None
         self.counts["granted"] += 1
         if req.rule == "straggler" and req.op in ("report", "drain"):  # labelled by the straggler's node
             metrics.for_node(self.cfg, self.node).update(add={("slurmagent_stragglers_total", (("node", req.node),)): 1})
         if req.op == "metrics":
             set_, add, clear = job_requests.metric_update(req)
             metrics.for_node(self.cfg, self.node).update(set_=set_, add=add, replace_prefix=clear)
-            return {"ok": True, "why": ""}
+            return {"ok": True, "why": ""}, None
         if req.op == "report":  # the decision log only: what a job saw, said where root's decisions are
             self.reports[req.job] = self.reports.get(req.job, 0) + 1
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="report", verdict="granted",
                            rule=req.rule, about=req.node, detail=req.detail)  # about: the node it names
-            return {"ok": True, "why": "reported"}
+            return {"ok": True, "why": "reported"}, None
         if req.op == "count":  # a hang that names no node: every node of the job, as Slurm lists them
             self.counted_for.add(req.job)
             nodes = sorted(owner.nodes)
             record_hangs(self.cfg.state_path(self.node), nodes, time.time())
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="count", verdict="granted",
                            rule=req.rule, detail=req.detail, nodes=nodes)
-            return {"ok": True, "why": f"counted against {', '.join(nodes)}"}
-        self.drained_for.add(req.job)
-        reason = job_requests.drain_reason(req)
-        outcome = JournalExecutor(self.cfg, self.slurm, self.node).drain_fault(
-            reason, node=req.node, source=f"job {req.job} ({req.rule})", job=req.job)
-        self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="drain", verdict="granted",
-                       reason=reason, action=outcome.action, drained=req.node)
-        self.say(f"job {req.job} (uid {uid}) asked to drain {req.node} ({req.rule}): {outcome.action}")
-        return {"ok": True, "why": outcome.action}
+            return {"ok": True, "why": f"counted against {', '.join(nodes)}"}, None
+        self.drained_for.add(req.job)  # marked now: a second ask is refused while this one drains
+        return {}, req
 
     def _ended_here(self, req: job_requests.JobRequest, uid: int, owner: JobOwner | None) -> bool:
         """A job root saw RUNNING on this node within `RAN_HERE_S`, of this uid, no longer RUNNING
@@ -391,8 +425,9 @@ class ChannelServer:
         now = self.clock()
         with self.lock:
             cached = self.owners.get(job)
-        if not fresh and cached is not None and now - cached[0] < OWNER_TTL_S:
-            return cached[1]
+        if cached is not None and (not fresh and now - cached[0] < OWNER_TTL_S
+                                   or cached[1] is None and now - cached[0] < UNKNOWN_TTL_S):
+            return cached[1]  # a job Slurm did not know moments ago cannot be one this uid runs here
         owner = self.slurm.job_owner(job)
         with self.lock:
             if len(self.owners) > 256:
@@ -403,92 +438,4 @@ class ChannelServer:
         return owner
 
 
-# --- the wrapper's side (the job's user) ------------------------------------------------------
-
-ASK_TIMEOUT_S = 2.0
-ASK_DEADLINE_S = 5.0  # retries of a refused connection or a "busy" answer, within this
-
-
-def ask_root(path: str | Path, request: dict[str, Any], timeout_s: float = ASK_TIMEOUT_S,
-             deadline_s: float = ASK_DEADLINE_S) -> dict[str, Any]:
-    """One request, one answer. The request gets an id (unless it has one), so asking again is safe:
-    a full backlog, a refused or reset connection, a lost answer or "busy" is asked again with
-    backoff until `deadline_s`, and root answers a retry as it answered the first. Raises OSError
-    (no socket, no answer in time) or ValueError."""
-    if request.get("op") != "ping" and "id" not in request:
-        request = {**request, "id": uuid.uuid4().hex}
-    end, pause = time.monotonic() + deadline_s, 0.05
-    while True:
-        try:
-            answer = _ask_once(path, request, timeout_s)
-        except FileNotFoundError:
-            raise  # no channel at all: asking again will not make one
-        except OSError:
-            if time.monotonic() + pause + timeout_s > end:
-                raise
-        else:
-            if answer.get("ok") or not str(answer.get("why", "")).startswith("busy:") or time.monotonic() + pause > end:
-                return answer
-        time.sleep(pause)
-        pause = min(pause * 2, 0.5)
-
-
-def _ask_once(path: str | Path, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(timeout_s)
-        s.connect(str(path))
-        s.sendall(json.dumps(request, separators=(",", ":")).encode() + b"\n")
-        data = b""
-        while b"\n" not in data and len(data) < 65536:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    answer = json.loads(data.split(b"\n", 1)[0] or b"null")
-    if not isinstance(answer, dict):
-        raise ValueError("no answer")
-    return answer
-
-
-def probe(cfg: Config, node: str, timeout_s: float = ASK_TIMEOUT_S) -> tuple[str, str]:
-    """Does this node's channel answer? ("off" | "absent" | "ok" | "silent", one line): `doctor`
-    and `status` ask it a no-op, so a channel that stopped serving is seen, not guessed."""
-    if not cfg.watch.channel_socket:
-        return "off", "turned off ([watch] channel_socket is empty)"
-    path = Path(cfg.node_path(cfg.watch.channel_socket, node))
-    if not path.is_socket():
-        return "absent", f"no channel at {path} (slurmagent-watch is not running on this node)"
-    try:
-        answer = ask_root(path, {"op": "ping"}, timeout_s=timeout_s, deadline_s=timeout_s)
-    except (OSError, ValueError) as exc:
-        return "silent", f"{path} does not answer ({type(exc).__name__}: {exc}); wrapped jobs get no drains or metrics"
-    if not answer.get("ok"):
-        return "silent", f"{path} answered but not to a ping ({str(answer.get('why'))[:100]}): an older watch?"
-    return "ok", f"{path} answers ({answer.get('why') or 'serving'})"
-
-
-class ChannelMetrics:
-    """A MetricsSink (run/supervisor.py) that asks root to write the job's figures."""
-
-    def __init__(self, path: str | Path, job: str, node: str, say: Callable[[str], None]):
-        self.path, self.job, self.node, self.say = Path(path), job, node, say
-        self._said = False
-
-    def update(self, set_: dict | None = None, add: dict | None = None, replace_prefix: str | tuple[str, ...] | None = None) -> None:
-        """Keys are (name, labels) as for state.metrics.Metrics; root sets the `job` label itself."""
-        def wire(name: str, labels: tuple) -> str:  # a `part` label travels in the name (job_requests.JOB_PARTS)
-            part = dict(labels).get("part")
-            return f"{name}/{part}" if part else name
-
-        request = {"op": "metrics", "job": self.job, "node": self.node,
-                   "set": {wire(*k): v for k, v in (set_ or {}).items()},
-                   "add": {wire(*k): v for k, v in (add or {}).items()}}
-        if replace_prefix:  # the supervisor removes the job's own lag series as it ends
-            request["clear"] = True
-        try:
-            answer = ask_root(self.path, request)
-        except (OSError, ValueError) as exc:
-            answer = {"ok": False, "why": f"no answer from {self.path} ({exc})"}
-        if not answer.get("ok") and not self._said:
-            self._said = True
-            self.say(f"the node's metrics did not take this job's figures: {answer.get('why')}")
+from .channel_client import ASK_TIMEOUT_S, ChannelMetrics, ask_root, probe  # noqa: E402,F401 - the wrapper's side

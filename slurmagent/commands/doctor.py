@@ -261,7 +261,7 @@ def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]
 
 def _channel_result(cfg: config_mod.Config) -> Result:
     """This node's wrapper -> root channel answers a no-op (actions/job_channel.probe)."""
-    from ..actions.job_channel import probe  # only here: start-up speed
+    from ..actions.channel_client import probe  # only here: start-up speed
     from ..state.host import node_name
 
     state, detail = probe(cfg, node_name())

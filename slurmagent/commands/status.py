@@ -99,7 +99,7 @@ def collect_status(cfg: Config, slurm: Slurm | None = None, local_node: str | No
           "journal": {"pending": None if unreadable else sum(j["pending"] for j in journals), "journals": journals,
                       "unreadable": unreadable},
           "expiry": expiries}
-    from ..actions.job_channel import probe  # only here: start-up speed
+    from ..actions.channel_client import probe  # only here: start-up speed
 
     state, detail = probe(cfg, local)
     st["channel"] = {"state": state, "detail": detail}

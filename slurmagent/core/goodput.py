@@ -120,7 +120,7 @@ def clean_record(record: Any) -> tuple[dict | None, str]:
     if not isinstance(record, dict):
         return None, "not a JSON object"
     job, attempt = record.get("job"), record.get("attempt")
-    if not isinstance(job, str) or not 0 < len(job) <= 64:
+    if not isinstance(job, str) or not 0 < len(job) <= 256:  # a Cloud Run task's: "<job name>-task-<i>"
         return None, "job: not a job id"
     if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= 1_000_000:
         return None, "attempt: not a whole number in [0, 1000000]"

@@ -58,13 +58,15 @@ MAX_REPORTS_PER_JOB = 16
 MAX_VALUE = 1e15  # a value past this is a lie or a bug: refused, never written
 MAX_DEPTH = 3  # {"add": {"name": 1}} is 2 deep; deeper is refused before json.loads (a RecursionError there)
 # What one request may add: no job's wrapper does more in one ask (one requeue, one hang, one failed
-# round per request; an attempt's seconds within a flex VM's life). A larger delta is a lie or a bug.
+# round per request; an attempt's bytes and seconds, sent once at its end, within a year and a PB).
+# A larger delta is a lie or a bug: refused. The wrapper clamps its own figures to these
+# (actions/job_channel.ChannelMetrics), so a figure past them never costs the rest of its request.
 MAX_ADD = {
     "slurmagent_requeues_total": 1,
     "slurmagent_hangs_total": 1,
     "slurmagent_checkpoint_sync_errors_total": 1,
-    "slurmagent_bytes_synced_total": 1e14,  # 100 TB in one round
-    **{f"slurmagent_job_seconds_total/{part}": 8 * 86400 for part in JOB_PARTS},
+    "slurmagent_bytes_synced_total": 1e15,
+    **{f"slurmagent_job_seconds_total/{part}": 366 * 86400 for part in JOB_PARTS},
 }
 MAX_SET = 366 * 86400  # a lag, an age (a restored checkpoint may be old), a flush: a year at most
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,9})?$")

@@ -213,7 +213,7 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     def ask(rule_name: str, detail: str, op: str = "drain", about: str = "") -> str:
         if not socket_path:
             return "no root channel (not a Slurm job, or [watch] channel_socket empty)"
-        from ..actions.job_channel import ask_root  # start-up speed: only on a hang or a straggler
+        from ..actions.channel_client import ask_root  # start-up speed: only on a hang or a straggler
 
         try:
             answer = ask_root(socket_path, {"op": op, "job": ident.job_id, "node": about or node, "rule": rule_name,
@@ -323,7 +323,7 @@ def _job_metrics(cfg: Config, node: str | None, ident: JobIdentity):
     socket_path = cfg.node_path(cfg.watch.channel_socket, node)
     if ident.platform != "slurm" or not node or not socket_path or not os.path.exists(socket_path):
         return None
-    from ..actions.job_channel import ChannelMetrics  # only for a job that may not write them: start-up speed
+    from ..actions.channel_client import ChannelMetrics  # only for a job that may not write them: start-up speed
 
     return ChannelMetrics(socket_path, ident.job_id, node,
                           lambda line: print(f"slurmagent run: {line}", file=sys.stderr, flush=True))

@@ -139,8 +139,9 @@ class Supervisor:
         look like afterwards, and stay out of the final commit (`checkpoint/cut.py`). A multi-node
         job's store asks every node's agent (`node-agent writers`)."""
         record = getattr(self.store, "record_torn", None)
-        if record is not None:
-            record(self.opts.ckpt_dir)
+        if record is not None:  # at most 10 s, less when the flush has less left (3 s at least: one srun round)
+            left = (self.flush_deadline or 0.0) - self.clock()
+            record(self.opts.ckpt_dir, deadline_s=min(10.0, max(3.0, left)))
         elif hasattr(self.store, "torn"):
             self.store.torn = self.open_files()[0]
 

@@ -371,3 +371,36 @@ def test_ckpt_ls_shows_a_manifest_written_before_retention(emu, tmp_path):
     assert r.returncode == 0, r.stderr
     assert [line.split()[0::len(line.split()) - 1] for line in r.stdout.splitlines()[1:]] == [["-", "latest"]]
     assert names("commits/") == set()
+
+
+def test_a_commit_never_names_a_marked_blob_even_without_a_clean_up_after_it(emu, tmp_path, monkeypatch):
+    """The review's case: the final commit reuses a marked blob and no clean-up follows it (out of
+    time, or failed). The sync itself writes a marked blob's bytes again, unmarked, before it
+    commits; before, the lifecycle rule would have deleted bytes the newest commit needs."""
+    import datetime
+
+    from support.gcs_fault_proxy import GcsFaultProxy
+
+    d, state = tmp_path / "ckpt", tmp_path / "state.json"
+    d.mkdir()
+    with GcsFaultProxy(emu.url, create_only=True) as proxy:  # uploads answered as Cloud Storage does
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        s = store(keep_commits=None)  # no records, no clean-up at all: only the sync can unmark
+        write_tree(d, {"model.pt": payload("P"), "config.bin": payload("C")})
+        first = s.sync(d, 0, state).files
+        marked = {rel: s.blob_name(f"blake3:{first[rel]['blake3']}") for rel in ("model.pt", "config.bin")}
+        for name in marked.values():  # both marked, as a clean-up marks young garbage
+            blob = make_client().bucket("ckpt").blob(name)
+            blob.custom_time = datetime.datetime.now(datetime.timezone.utc)
+            blob.patch()
+        write_tree(d, {"model.pt": payload("Q")})
+        s.sync(d, 0, state)
+        write_tree(d, {"model.pt": payload("P")})  # the same bytes again: there, but marked
+        s.sync(d, 0, state)
+        fresh = store(keep_commits=None)  # another attempt: config.bin's blob is not "known", its upload meets a 412
+        write_tree(d, {"config.bin": payload("C"), "extra.bin": payload("E")})
+        fresh.sync(d, 1, tmp_path / "fresh-state.json")
+        assert {rel: listed("blobs/")[name].custom_time for rel, name in marked.items()} == {
+            "model.pt": None, "config.bin": None}
+        assert restore_tree(store(), tmp_path / "restored") == {
+            "model.pt": payload("P"), "config.bin": payload("C"), "extra.bin": payload("E")}

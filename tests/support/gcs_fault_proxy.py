@@ -19,9 +19,12 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te
 
 
 class GcsFaultProxy:
-    def __init__(self, upstream: str, refuse_marker: bytes = b"", delay_s: float = 0.0):
+    def __init__(self, upstream: str, refuse_marker: bytes = b"", delay_s: float = 0.0, create_only: bool = False):
         self.upstream = urlsplit(upstream)
         self.refuse_marker = refuse_marker
+        # Cloud Storage answers 412 to an upload with ifGenerationMatch=0 over an existing object;
+        # fake-gcs-server writes it anyway on a media upload: this makes it answer as Cloud Storage does.
+        self.create_only = create_only
         self.delay_s = delay_s  # every request waits this long first: a slow network
         self.refused = 0
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
@@ -38,6 +41,14 @@ class GcsFaultProxy:
                 proxy.requests.append((self.command, self.path))
                 if proxy.delay_s:
                     time.sleep(proxy.delay_s)
+                if proxy.create_only and self.command == "POST" and self._exists_for_create_only():
+                    reply = json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode()
+                    self.send_response(412)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
                 if self.command in ("POST", "PUT") and proxy.refuse_marker and proxy.refuse_marker in body:
                     proxy.refused += 1
                     reply = json.dumps({"error": {"code": 403, "message": "upload refused by the test"}}).encode()
@@ -65,6 +76,24 @@ class GcsFaultProxy:
                 self.end_headers()
                 if not head:
                     self.wfile.write(data)
+
+            def _exists_for_create_only(self) -> bool:
+                """A media upload asking ifGenerationMatch=0 of an object the emulator holds."""
+                from urllib.parse import parse_qs, quote
+
+                url = urlsplit(self.path)
+                q = parse_qs(url.query)
+                if not url.path.startswith("/upload/") or q.get("ifGenerationMatch") != ["0"] or "name" not in q:
+                    return False
+                bucket = url.path.split("/b/", 1)[1].split("/", 1)[0]
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                try:
+                    conn.request("GET", f"/storage/v1/b/{bucket}/o/{quote(q['name'][0], safe='')}")
+                    resp = conn.getresponse()
+                    resp.read()
+                    return resp.status == 200
+                finally:
+                    conn.close()
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _relay
 

@@ -265,7 +265,7 @@ BAD_RECORDS = [
     (rec(0, 1000.0, ended=float("inf")), "ended: not a time between 1970 and 2099"),
     (rec(0, 1000.0, flush_s=-5), "flush_s: not a number of seconds in [0, 1e+07]"),
     (rec(0, 1000.0, why={"a": 1}), "why: not text"),
-    ({"job": "x" * 100, "attempt": 0, "started": 1000.0}, "job: not a job id"),
+    ({"job": "x" * 300, "attempt": 0, "started": 1000.0}, "job: not a job id"),
     (rec(True, 1000.0), "attempt: not a whole number in [0, 1000000]"),
     ([[[]]], "not a JSON object"),
 ]

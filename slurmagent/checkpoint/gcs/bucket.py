@@ -298,6 +298,26 @@ class BucketObjects:
         blob = self.bucket.blob(self.blob_name(content_id))
         return self.call(lambda t: blob.exists(timeout=t, retry=None), dl, "checking a blob")
 
+    def blob_state(self, name: str, dl: Deadline) -> tuple[bool, int]:
+        """(does ``name`` exist, its generation when it carries a retention mark else 0). A marked
+        object (``customTime``: the bucket's lifecycle rule will delete it) must not be named by a
+        commit as it is: its bytes are written again over that generation, unmarked."""
+        def once(timeout: float) -> tuple[bool, int]:
+            try:
+                blob = self.bucket.get_blob(name, timeout=timeout, retry=None)
+            except Exception as exc:  # noqa: BLE001 - gone between the two calls
+                if is_not_found(exc):
+                    return False, 0
+                raise
+            if blob is None:
+                return False, 0
+            return True, (int(blob.generation) if blob.custom_time is not None else 0)
+        return self.call(once, dl, "checking a blob")
+
+    def marked_generation(self, name: str, dl: Deadline) -> int:
+        """The generation of ``name`` when it exists with a retention mark, else 0."""
+        return self.blob_state(name, dl)[1]
+
     def delete_quietly(self, name: str, dl: Deadline, generation: Any = None) -> None:
         try:
             blob = self.bucket.blob(name)

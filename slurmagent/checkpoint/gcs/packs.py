@@ -67,8 +67,10 @@ def upload_pack(run: SyncRun, members: list[tuple[LocalFile, FileDigest, str, by
         name = run.objects.blob_name(f"pack:{pack}")
         crc = base64.b64encode(google_crc32c.Checksum(data).digest()).decode("ascii")
 
+        over = 0  # 0: create only; a marked pack's generation: written over, unmarked
+
         def once(timeout: float) -> None:
-            obj = run.objects.post_media(name, data, len(data), timeout)
+            obj = run.objects.post_media(name, data, len(data), timeout, over)
             if obj.get("crc32c") != crc or int(obj.get("size", -1)) != len(data):
                 run.objects.delete_quietly(name, run.dl, obj.get("generation"))
                 raise TransferCorrupt(f"{name}: the server stored other bytes than were sent")
@@ -78,6 +80,13 @@ def upload_pack(run: SyncRun, members: list[tuple[LocalFile, FileDigest, str, by
         except Exception as exc:
             if not is_precondition_failed(exc):
                 raise
+            over = run.objects.marked_generation(name, run.dl) or 0  # there means done, unless marked
+            if over:
+                try:
+                    run.objects.call(once, run.dl, f"uploading {len(members)} small files over their marked pack")
+                except Exception as again:
+                    if not is_precondition_failed(again):
+                        raise
     finally:
         run.pack_slots.release()
     offset = 0

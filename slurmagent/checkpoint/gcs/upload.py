@@ -103,7 +103,7 @@ def sync_file(run: SyncRun, f: LocalFile, lane: str = "io") -> None:
 def upload_claimed(run: SyncRun, f: LocalFile, d: FileDigest, cid: str, data: bytes | None = None) -> None:
     """Put content ``cid`` (this sync's claim on it) on the remote: already there, packed, in parts or whole."""
     dl = run.dl
-    if cid in run.in_manifest or (cid in run.known and run.objects.blob_exists(cid, dl)):
+    if cid in run.in_manifest or (cid in run.known and run.objects.blob_state(run.objects.blob_name(cid), dl) == (True, 0)):
         with run.lock:
             run.confirmed.add(cid)
             run.done.add(f.relpath)
@@ -174,18 +174,20 @@ def upload_whole(run: SyncRun, f: LocalFile, d: FileDigest, cid: str, data: byte
     objects, dl = run.objects, run.dl
     name = objects.blob_name(cid)
 
+    over = 0  # the generation written over: 0 = none (create only); a marked object's, to unmark it
+
     def once(timeout: float) -> tuple[dict, str]:
         if d.size == 0:  # a multipart request: some servers drop an empty media upload
             blob = objects.bucket.blob(name)
-            blob.upload_from_string(b"", if_generation_match=0, timeout=timeout, retry=None, checksum=None)
+            blob.upload_from_string(b"", if_generation_match=over, timeout=timeout, retry=None, checksum=None)
             return {"crc32c": blob.crc32c, "size": blob.size, "generation": blob.generation}, d.crc32c
         if data is not None:
-            obj, sent_crc = objects.post_media(name, data, d.size, timeout), d.crc32c
+            obj, sent_crc = objects.post_media(name, data, d.size, timeout, over), d.crc32c
         else:
             fd = open_nofollow(f.path)
             try:
                 body = FileRange(fd, 0, d.size, dl)
-                obj = objects.post_media(name, body, d.size, timeout)
+                obj = objects.post_media(name, body, d.size, timeout, over)
             finally:
                 os.close(fd)
             sent_crc = body.crc32c()
@@ -197,11 +199,19 @@ def upload_whole(run: SyncRun, f: LocalFile, d: FileDigest, cid: str, data: byte
     try:
         obj, _ = objects.call(once, dl, f"uploading {f.relpath}")
     except Exception as exc:
-        if is_precondition_failed(exc):
-            return False  # content-addressed: already there means done
-        if is_not_found(exc):
-            raise StorageUnavailableError(f"uploading {f.relpath} to {objects.url} failed: {one_line(exc)}") from None
-        raise
+        if not is_precondition_failed(exc):
+            if is_not_found(exc):
+                raise StorageUnavailableError(f"uploading {f.relpath} to {objects.url} failed: {one_line(exc)}") from None
+            raise
+        over = objects.marked_generation(name, dl) or 0  # content-addressed: there means done, unless marked
+        if not over:
+            return False
+        try:
+            obj, _ = objects.call(once, dl, f"uploading {f.relpath} over its marked copy")
+        except Exception as again:
+            if is_precondition_failed(again):
+                return False  # written again meanwhile: by another sync, unmarked
+            raise
     check_stored(objects, obj, name, f, d, dl)
     return True
 

@@ -58,7 +58,7 @@ def existing(objects: BucketObjects, ids: Iterable[str], dl: Deadline, workers: 
 
     def check(i: str) -> None:
         try:
-            there = objects.blob_exists(i, dl)
+            there = objects.blob_state(objects.blob_name(i), dl) == (True, 0)  # marked for deletion: as gone
         except Exception as exc:
             if not is_not_found(exc):
                 raise
@@ -71,14 +71,16 @@ def existing(objects: BucketObjects, ids: Iterable[str], dl: Deadline, workers: 
 
 
 def list_blob_names(objects: BucketObjects, dl: Deadline) -> set[str]:
-    """Every object name under ``blobs/`` (pages of 1,000; the whole listing retried on a transient error)."""
+    """Every object name under ``blobs/`` not marked for the lifecycle rule (pages of 1,000; the whole
+    listing retried on a transient error)."""
     prefix = objects.key("blobs/")
 
     def once(timeout: float) -> set[str]:
         it = objects.client.list_blobs(
-            objects.bucket_name, prefix=prefix, fields="items(name),nextPageToken", timeout=timeout, retry=None
+            objects.bucket_name, prefix=prefix, fields="items(name,customTime),nextPageToken", timeout=timeout,
+            retry=None,
         )
-        return {b.name for b in it}
+        return {b.name for b in it if b.custom_time is None}  # a marked one is as good as gone (retention.py)
 
     return objects.call(once, dl, "listing the checkpoint's blobs")
 
@@ -108,8 +110,9 @@ def verify_current(run: SyncRun, seen: set[str]) -> set[str]:
     names = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
     run.notices.say_once(
         "missing:" + ",".join(sorted(missing)),
-        f"{len(missing)} object(s) the committed checkpoint references are missing from {run.objects.url} "
-        f"(deleted: a lifecycle rule on blobs/?): uploading {names} again from the local files; "
+        f"{len(missing)} object(s) the committed checkpoint references are missing from {run.objects.url} or "
+        f"marked for its lifecycle rule (deleted by a rule on blobs/, or marked by a clean-up while a commit "
+        f"was in flight): uploading {names} again from the local files; "
         "a file with no local copy is left out of the next commit",
     )
     return missing
