@@ -435,7 +435,10 @@ def test_past_its_connection_limit_a_uid_is_told_busy_and_its_wrapper_asks_again
     for s in held:
         s.connect(str(server.path))
     time.sleep(0.3)  # both accepted
-    assert raw_ask(server.path, b"{}\n")["why"].startswith("busy:")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as third:  # told at once, before it says anything
+        third.settimeout(5)
+        third.connect(str(server.path))
+        assert json.loads(third.makefile().readline())["why"].startswith("busy:")
     for s in held:  # the limit frees as connections end: the retrying wrapper gets its answer
         s.close()
     assert ask_root(server.path, jreq(add={"slurmagent_bytes_synced_total": 3}), deadline_s=5)["ok"] is True
