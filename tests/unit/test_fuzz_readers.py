@@ -168,3 +168,32 @@ def test_deep_nesting_is_each_readers_own_error(raw):
         Manifest.from_json(raw)
     with socket_with(raw + b"\n") as s, pytest.raises(PeerFailed):
         read_json_line(s)
+
+
+TIMES = st.text(max_size=40) | st.sampled_from(["2026-12-05T10:00:00Z", "2026-12-05T10:00:00.123-08:00", "9999-12-31T23:59:59Z",
+                                               "0001-01-01T00:00:00Z", "2026-13-45T99:99:99Z", "NaN", ""])
+
+
+@given(st.fixed_dictionaries({}, optional={
+    "scheduling": st.fixed_dictionaries({}, optional={
+        "provisioning_model": st.text(max_size=12), "instance_termination_action": st.text(max_size=12),
+        "termination_time": TIMES, "on_host_maintenance": st.text(max_size=12),
+        "max_run_duration": st.fixed_dictionaries({"seconds": st.integers(-2**40, 2**40)})}),
+    "resource_status": st.fixed_dictionaries({}, optional={
+        "scheduling": st.fixed_dictionaries({"termination_timestamp": TIMES}),
+        "upcoming_maintenance": st.fixed_dictionaries({}, optional={"window_start_time": TIMES,
+                                                                    "can_reschedule": st.booleans()})}),
+    "last_start_timestamp": TIMES, "machine_type": st.text(max_size=60)}))
+def test_compute_instance_answers(doc):
+    """instances.get as the Compute API answers it (any field, any time text): scheduling facts or
+    ExpiryError naming the field, never another exception (an out-of-range year included)."""
+    from google.cloud import compute_v1
+
+    from slurmagent.errors import ExpiryError
+    from slurmagent.gcp.compute import scheduling_from_instance
+
+    inst = compute_v1.Instance(doc)
+    try:
+        timed(lambda: scheduling_from_instance(inst))
+    except ExpiryError:
+        pass
