@@ -127,7 +127,10 @@ def test_a_single_node_job_whose_disk_cannot_take_the_checkpoint_is_requeued_wit
 def test_a_multi_node_job_whose_agent_cannot_restore_on_one_node_is_requeued_without_that_node(cl, emu, tmp_path):
     job, first, end = run_onto_a_small_disk(cl, tmp_path, emu, 2, "n1")
     out = (tmp_path / "out").read_text()
-    assert end["JobState"] == "COMPLETED" and end["Restarts"] == "2", out
+    # 2: the flush's requeue, then the one without n1. Slurm itself may requeue once more when the
+    # loaded CI machine's agent step times out and a node stops answering (seen once in the forky lane).
+    assert end["JobState"] == "COMPLETED" and end["Restarts"] in ("2", "3"), out
+    assert "will not run on n1 again (ExcNodeList=n1)" in out, out
     assert end["ExcNodeList"] == "n1", end
     assert "restore failed on n1" in out and "No space left on device" in out, out
     for rank in (0, 1):
