@@ -94,9 +94,12 @@ class LedgerBucket:
             if dl.remaining() <= 0:
                 return None, "late"
             try:
-                return self._read(item[0], dl)
+                rec, err = self._read(item[0], dl)
             except CheckpointError as exc:
-                return (None, "late") if dl.remaining() < 1.0 else (None, str(exc))
+                rec, err = None, str(exc)
+            if err and dl.remaining() < 1.0:  # cut by the deadline: not read, not a bad record
+                return None, "late"
+            return rec, err
 
         with ThreadPoolExecutor(READERS, thread_name_prefix="ledger-read") as pool:
             for (name, prefix), (rec, err) in zip(todo, pool.map(one, todo)):
