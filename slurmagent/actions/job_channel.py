@@ -436,6 +436,3 @@ class ChannelServer:
                 self.ran_here = {j: v for j, v in self.ran_here.items() if now - v[0] <= RAN_HERE_S}
             self.owners[job] = (now, owner)
         return owner
-
-
-from .channel_client import ASK_TIMEOUT_S, ChannelMetrics, ask_root, probe  # noqa: E402,F401 - the wrapper's side

@@ -158,11 +158,6 @@ def clean_record(record: Any) -> tuple[dict | None, str]:
     return out, ""
 
 
-def valid(record: Any) -> bool:
-    """A record the report can use (`clean_record` takes it)."""
-    return clean_record(record)[0] is not None
-
-
 def attempt_parts(rec: dict, next_start: float | None) -> dict[str, Any]:
     """One attempt's seconds by part (see the module docstring); `end` the time it counts to."""
     s = float(rec["started"])

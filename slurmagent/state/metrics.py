@@ -115,8 +115,10 @@ class Metrics:
         except OSError as exc:
             print(f"slurmagent: cannot write metrics in {self.state_dir}: {exc.strerror}", file=sys.stderr)
 
-    def record_check(self, report, drained_rule: str | None = None, requeued: bool = False) -> None:
-        """Gauges from a health report; a drain and a requeue count once each."""
+    def record_check(self, report, drained_rule: str | None = None, requeued: bool = False,
+                     drop: tuple[str, ...] = ()) -> None:
+        """Gauges from a health report; a drain and a requeue count once each; series starting with
+        a `drop` prefix go (an ended job's), in the same write."""
         bad = {f.gpu for f in report.findings if f.severity.name == "DRAIN" and f.gpu is not None}
         ids = report.gpu_ids or {i: (None, None) for i in range(report.gpus_seen)}
         gauges = {("slurmagent_gpu_healthy", gpu_labels(i, *ids[i])): 0.0 if i in bad else 1.0 for i in sorted(ids)}
@@ -127,7 +129,7 @@ class Metrics:
             add[("slurmagent_drains_total", (("rule", drained_rule),))] = 1
         if requeued:
             add[("slurmagent_requeues_total", ())] = 1
-        self.update(set_=gauges, add=add, replace_prefix="slurmagent_gpu_healthy{")
+        self.update(set_=gauges, add=add, replace_prefix=("slurmagent_gpu_healthy{", *drop))
 
 
 def gpu_labels(index: int, uuid: str | None, pci_bus_id: str | None) -> tuple[tuple[str, str], ...]:

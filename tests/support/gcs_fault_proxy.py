@@ -42,22 +42,10 @@ class GcsFaultProxy:
                 if proxy.delay_s:
                     time.sleep(proxy.delay_s)
                 if proxy.create_only and self.command == "POST" and self._exists_for_create_only():
-                    reply = json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode()
-                    self.send_response(412)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(reply)))
-                    self.end_headers()
-                    self.wfile.write(reply)
-                    return
+                    return self._error(412, "conditionNotMet")
                 if self.command in ("POST", "PUT") and proxy.refuse_marker and proxy.refuse_marker in body:
                     proxy.refused += 1
-                    reply = json.dumps({"error": {"code": 403, "message": "upload refused by the test"}}).encode()
-                    self.send_response(403)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(reply)))
-                    self.end_headers()
-                    self.wfile.write(reply)
-                    return
+                    return self._error(403, "upload refused by the test")
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
@@ -76,6 +64,15 @@ class GcsFaultProxy:
                 self.end_headers()
                 if not head:
                     self.wfile.write(data)
+
+            def _error(self, code: int, message: str) -> None:
+                """Answer as Cloud Storage answers a request it refuses."""
+                reply = json.dumps({"error": {"code": code, "message": message}}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
 
             def _exists_for_create_only(self) -> bool:
                 """A media upload asking ifGenerationMatch=0 of an object the emulator holds."""

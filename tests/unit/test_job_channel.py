@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from support.fakes.slurm import FakeSlurm
-from slurmagent.actions.job_channel import ChannelMetrics, ChannelServer, ask_root
+from slurmagent.actions.channel_client import ChannelMetrics, ask_root
+from slurmagent.actions.job_channel import ChannelServer
 from slurmagent.policy import job_requests
 from slurmagent.policy.job_requests import RequestError, judge, parse_request
 from slurmagent.slurm.commands import Slurm
@@ -466,7 +467,7 @@ def test_wrappers_side_by_side_each_get_their_answer_and_every_add_counts(served
 
 def test_doctor_and_status_ask_the_channel_a_no_op_and_say_when_it_does_not_answer(served, tmp_path):
     """Before: a channel whose thread had died looked like one serving to every command."""
-    from slurmagent.actions.job_channel import probe
+    from slurmagent.actions.channel_client import probe
     from slurmagent.commands.status import format_status, status_problems
 
     server, sc, _ = served

@@ -294,10 +294,6 @@ class BucketObjects:
             raise
         self._bucket_checked = True
 
-    def blob_exists(self, content_id: str, dl: Deadline) -> bool:
-        blob = self.bucket.blob(self.blob_name(content_id))
-        return self.call(lambda t: blob.exists(timeout=t, retry=None), dl, "checking a blob")
-
     def blob_state(self, name: str, dl: Deadline) -> tuple[bool, int]:
         """(does ``name`` exist, its generation when it carries a retention mark else 0). A marked
         object (``customTime``: the bucket's lifecycle rule will delete it) must not be named by a

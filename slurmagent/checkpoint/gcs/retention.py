@@ -320,21 +320,29 @@ def collect(
     return result
 
 
+def at_listed_generation(objects: BucketObjects, o: StoredObject, act: Callable[[float, dict], None], dl: Deadline,
+                         what: str) -> bool:
+    """``act(timeout, precondition)`` on ``o`` only at its listed generation; False when it is gone or
+    written again since the listing (left alone: never an error)."""
+    kw = {"if_generation_match": o.generation} if o.generation else {}
+    try:
+        objects.call(lambda t: act(t, kw), dl, what)
+    except Exception as exc:
+        if is_not_found(exc) or is_precondition_failed(exc):
+            return False
+        raise
+    return True
+
+
 def mark_objects(objects: BucketObjects, marks: list[tuple[StoredObject, float]], dl: Deadline) -> list[str]:
-    """Set ``customTime`` on each object (only at its listed generation); the names marked. One that is
-    gone or written again since the listing is left alone."""
+    """Set ``customTime`` on each object (only at its listed generation); the names marked."""
     done = []
     for o, when in marks:
         blob = objects.bucket.blob(o.name)
         blob.custom_time = datetime.fromtimestamp(when, tz=timezone.utc)
-        kw = {"if_generation_match": o.generation} if o.generation else {}
-        try:
-            objects.call(lambda t: blob.patch(timeout=t, retry=None, **kw), dl, "marking an object for the lifecycle rule")
-        except Exception as exc:
-            if is_not_found(exc) or is_precondition_failed(exc):
-                continue
-            raise
-        done.append(o.name)
+        if at_listed_generation(objects, o, lambda t, kw: blob.patch(timeout=t, retry=None, **kw), dl,
+                                "marking an object for the lifecycle rule"):
+            done.append(o.name)
     return done
 
 
@@ -348,20 +356,14 @@ def revive_objects(objects: BucketObjects, stale: list[StoredObject], dl: Deadli
         # A non-empty body is the new generation's metadata (an empty one copies the source's,
         # customTime included): content type only, no customTime.
         dst.content_type = "application/octet-stream"
-        kw = {"if_generation_match": o.generation} if o.generation else {}
 
-        def once(timeout: float) -> None:
+        def rewrite(timeout: float, kw: dict) -> None:
             token, _, _ = dst.rewrite(src, timeout=timeout, retry=None, **kw)
             while token is not None:
                 token, _, _ = dst.rewrite(src, token=token, timeout=timeout, retry=None, **kw)
 
-        try:
-            objects.call(once, dl, "reviving a marked object a commit references")
-        except Exception as exc:
-            if is_not_found(exc) or is_precondition_failed(exc):
-                continue
-            raise
-        done.append(o.name)
+        if at_listed_generation(objects, o, rewrite, dl, "reviving a marked object a commit references"):
+            done.append(o.name)
     return done
 
 
@@ -374,14 +376,9 @@ def delete_objects(objects: BucketObjects, batch: list[StoredObject], dl: Deadli
 
     def one(o: StoredObject) -> None:
         blob = objects.bucket.blob(o.name)
-        kw = {"if_generation_match": o.generation} if o.generation else {}
-        try:
-            objects.call(lambda t: blob.delete(timeout=t, retry=None, **kw), dl, "deleting an unreferenced object")
-        except Exception as exc:
-            if is_not_found(exc) or is_precondition_failed(exc):  # gone already, or written again: keep it
-                return
-            raise
-        gone.append(o)
+        if at_listed_generation(objects, o, lambda t, kw: blob.delete(timeout=t, retry=None, **kw), dl,
+                                "deleting an unreferenced object"):  # else gone already, or written again: kept
+            gone.append(o)
 
     pool.run_each(one, batch)
     return sorted(gone, key=lambda o: o.name)
