@@ -261,6 +261,10 @@ class ChannelServer:
             self._count("failed")
             self._drop(sel, open_conns, c)
             return
+        if not chunk and not c.data:  # connected and hung up without a word: nothing to answer or log
+            self._count("idle")
+            self._drop(sel, open_conns, c)
+            return
         c.data += chunk
         if chunk and b"\n" not in c.data and len(c.data) <= job_requests.MAX_REQUEST_BYTES:
             return  # more to come
