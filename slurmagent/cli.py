@@ -233,7 +233,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 
 
 @cli.command("node-agent", hidden=True)
-@click.argument("action", type=click.Choice(["restore", "sync", "evidence", "writers"]))
+@click.argument("action", type=click.Choice(["restore", "sync", "evidence", "drain", "writers"]))
 @click.option("--ckpt-dir", required=True)
 @click.option("--remote", default="")
 @click.option("--state-file", default=None)
@@ -251,10 +251,10 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 @click.option("--private-dir", "private", multiple=True)
 @click.option("--fresh", is_flag=True)
 @click.option("--keep-uncommitted", type=click.IntRange(1), default=3)
+@click.option("--ask", default="")
 def node_agent(action, deadline, **options) -> None:
-    """Internal: one node's part of a multi-node job's restore, sync, hang evidence or kill-time writers (the wrapper runs it via srun)."""
+    """Internal: one node's part of a multi-node job's restore, sync, hang evidence or drain, or kill-time writers (the wrapper runs it via srun)."""
     from .run.node_agent import node_agent_main  # start-up speed: only this hidden command needs it
-
     sys.exit(node_agent_main(action, deadline_s=deadline, env=os.environ, **options))
 
 

@@ -43,6 +43,11 @@ def ask_root(path: str | Path, request: dict[str, Any], timeout_s: float = ASK_T
         pause = min(pause * 2, 0.5)
 
 
+def answer_line(answer: dict[str, Any]) -> str:
+    """Root's answer as the wrapper says it: "granted: why" or "refused: why"."""
+    return ("granted: " if answer.get("ok") else "refused: ") + str(answer.get("why") or "")[:200]
+
+
 def _ask_once(path: str | Path, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
         s.settimeout(timeout_s)

@@ -10,14 +10,18 @@ JSON answer (`{"ok": bool, "why": str}`). The caller's uid comes from the kernel
 (SO_PEERCRED); the job's owner, state and nodes from Slurm (squeue, numeric fields only),
 read afresh for every drain, count and report, cached `OWNER_TTL_S` for metrics only; the
 request's own words are judged, never believed (policy/job_requests.py). Granted metrics go
-into the node's textfile; a granted drain goes through the journal and the breaker like any
-other fault drain, at most once per job on a node; a hang counted against every node of a job
-goes into this node's repair state (the lemon count's other input, `state/repair_state.record_hangs`).
+into the node's textfile; a drain is made only on root's own evidence (actions/root_evidence.py:
+the named rank stopped or a zombie in /proc, or this node's GPU check failing), then through the
+journal and the breaker like any other fault drain, at most once per job on a node; a hang
+counted against every node of a job (an attempt that ran `[watch] hang_count_min_run_s`) goes
+into this node's repair state (the lemon count's other input, `state/repair_state.record_hangs`).
+Root counts `slurmagent_hangs_total` itself, from the drains and counts it grants.
 
 Any local user may connect, so the server holds against all of them: one selector thread reads
 every open connection side by side (an idle one costs a slot, dropped after
 `CONNECTION_TIMEOUT_S`; at most `MAX_CONNECTIONS`, `MAX_PER_UID` of one uid), `WORKERS`
-threads judge and answer whole requests (the shared state under one lock), any exception in a
+threads judge and answer whole requests (the shared state under one lock; waiting requests
+bounded in all, per uid and per (uid, job): each job has its own budget), any exception in a
 request is caught, counted and answered, and a refusal is logged once per uid and minute with
 its count (`RefusalLog`), so no flood grows root's log. If the serving thread itself dies,
 `alive()` says so and `watch` exits non-zero for systemd to restart it.
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .executor import JournalExecutor
+from .root_evidence import drain_evidence, node_gpu_fault
 from ..errors import SlurmagentError
 from ..policy import job_requests
 from ..slurm.commands import Slurm
@@ -54,7 +59,8 @@ MAX_CONNECTIONS = 256  # open at once; past it a new one is closed at once
 MAX_PER_UID = 64  # open at once from one uid (root's own wrappers included)
 WORKERS = 4  # requests judged side by side (each may read Slurm)
 MAX_QUEUED = 64  # whole requests waiting for a worker; past it: "busy", answered at once
-MAX_QUEUED_PER_UID = 16  # of them from one uid: one user's flood never takes every slot
+MAX_QUEUED_PER_UID = 48  # of them from one uid: one user's flood never takes every slot
+MAX_QUEUED_PER_JOB = 4  # of them for one (uid, job): one user's 48 jobs on a node are 48 budgets, one job's flood is one
 ACCEPTS_PER_PASS = 64  # new connections taken per selector pass: reads are never starved by a connect flood
 UNKNOWN_TTL_S = 5.0  # "Slurm does not know this job": reused this long (a flood of made-up ids costs no squeue)
 REFUSAL_WINDOW_S = 60.0
@@ -121,8 +127,9 @@ class _Conn:
 
 class ChannelServer:
     def __init__(self, cfg: Config, node: str, slurm: Slurm, log: DecisionLog, *,
-                 clock: Callable[[], float] = time.monotonic, say: Callable[[str], None] = print):
-        self.cfg = cfg
+                 clock: Callable[[], float] = time.monotonic, say: Callable[[str], None] = print,
+                 proc: str = "/proc", gpu_fault: Callable[[], str] = node_gpu_fault):
+        self.cfg, self.proc, self.gpu_fault = cfg, proc, gpu_fault  # root's own look (actions/root_evidence.py)
         self.node = node
         self.slurm = slurm
         self.log = log
@@ -144,7 +151,7 @@ class ChannelServer:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._pool: ThreadPoolExecutor | None = None
-        self._queued: dict[int, int] = {}  # uid -> its requests waiting for or in a worker
+        self._queued: dict[Any, int] = {}  # uid, and (uid, job) -> its requests waiting for or in a worker
         self._queue_lock = threading.Lock()
         self._inflight: dict[tuple[int, str], threading.Event] = {}  # (uid, request id) being judged now
 
@@ -271,15 +278,18 @@ class ChannelServer:
         sel.unregister(c.sock)
         open_conns.pop(c.sock.fileno(), None)
         raw = c.data.split(b"\n", 1)[0]
+        keys = (c.uid, (c.uid, job_requests.job_of(raw)))  # the job as the request names it: a budget, not trust
         with self._queue_lock:
-            busy = sum(self._queued.values()) >= MAX_QUEUED or self._queued.get(c.uid, 0) >= MAX_QUEUED_PER_UID
+            busy = self._queued.get("all", 0) >= MAX_QUEUED or self._queued.get(keys[0], 0) >= MAX_QUEUED_PER_UID \
+                or self._queued.get(keys[1], 0) >= MAX_QUEUED_PER_JOB
             if not busy:
-                self._queued[c.uid] = self._queued.get(c.uid, 0) + 1
+                for key in ("all", *keys):
+                    self._queued[key] = self._queued.get(key, 0) + 1
         if busy:
             self._count("busy")
             self._answer(c, json.loads(BUSY))
             return
-        self._pool.submit(self._work, c, raw)
+        self._pool.submit(self._work, c, raw, keys)
 
     def _drop(self, sel: selectors.BaseSelector, open_conns: dict[int, _Conn], c: _Conn) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -287,14 +297,15 @@ class ChannelServer:
         open_conns.pop(c.sock.fileno(), None)
         c.sock.close()
 
-    def _work(self, c: _Conn, raw: bytes) -> None:
+    def _work(self, c: _Conn, raw: bytes, keys: tuple) -> None:
         try:
             self._answer(c, self.handle(c.uid, raw))
         finally:
             with self._queue_lock:
-                self._queued[c.uid] -= 1
-                if not self._queued[c.uid]:
-                    del self._queued[c.uid]
+                for key in ("all", *keys):
+                    self._queued[key] -= 1
+                    if not self._queued[key]:
+                        del self._queued[key]
 
     def _answer(self, c: _Conn, answer: dict[str, Any]) -> None:
         try:
@@ -364,12 +375,23 @@ class ChannelServer:
             answer, drain = self._judged(uid, req, owner)
         if drain is None:
             return answer
-        # the drain itself outside the lock: it may wait on the journal and scontrol for seconds
+        # root's own evidence, then the drain itself, outside the lock: a GPU check, the journal and
+        # scontrol may take seconds. The job's one drain ask from this node is spent either way.
+        seen, evidence = drain_evidence(req, owner, self.node, self.cfg, proc=self.proc, gpu_fault=self.gpu_fault)
+        if not seen:
+            with self.lock:
+                self.counts["refused"] += 1
+                self.counts["granted"] -= 1
+                self.refusals.refused(uid, req.job, req.op, evidence)
+            return {"ok": False, "why": evidence}
         reason = job_requests.drain_reason(req)
         outcome = JournalExecutor(self.cfg, self.slurm, self.node).drain_fault(
             reason, node=req.node, source=f"job {req.job} ({req.rule})", job=req.job)
         self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="drain", verdict="granted",
-                       reason=reason, action=outcome.action, drained=req.node)
+                       reason=reason, action=outcome.action, drained=req.node, evidence=evidence)
+        if req.rule == "hang":  # a node total from root's own observation (policy/job_requests.ROOT_COUNTED)
+            with self.lock:
+                metrics.for_node(self.cfg, self.node).update(add={("slurmagent_hangs_total", ()): 1})
         self.say(f"job {req.job} (uid {uid}) asked to drain {req.node} ({req.rule}): {outcome.action}")
         return {"ok": True, "why": outcome.action}
 
@@ -385,6 +407,10 @@ class ChannelServer:
             why = f"job {req.job} already asked for a drain from {self.node}"
         if not why and req.op == "count" and req.job in self.counted_for:
             why = f"job {req.job} already counted a hang from {self.node}"
+        least = self.cfg.watch.hang_count_min_run_s
+        if not why and req.op == "count" and (owner.run_s is None or owner.run_s < least):
+            ran = "an unknown time" if owner.run_s is None else f"{owner.run_s:.0f} s"
+            why = f"job {req.job} has run {ran}, less than hang_count_min_run_s ({least:g} s): no hang counted"
         if not why and req.op == "report" and self.reports.get(req.job, 0) >= job_requests.MAX_REPORTS_PER_JOB:
             why = f"job {req.job} already sent {job_requests.MAX_REPORTS_PER_JOB} reports to {self.node}"
         if why:
@@ -407,6 +433,7 @@ class ChannelServer:
             self.counted_for.add(req.job)
             nodes = sorted(owner.nodes)
             record_hangs(self.cfg.state_path(self.node), nodes, time.time())
+            metrics.for_node(self.cfg, self.node).update(add={("slurmagent_hangs_total", ()): 1})
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="count", verdict="granted",
                            rule=req.rule, detail=req.detail, nodes=nodes)
             return {"ok": True, "why": f"counted against {', '.join(nodes)}"}, None

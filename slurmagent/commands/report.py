@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, TextIO
@@ -60,14 +61,44 @@ def run_report(cfg: Config, out: TextIO, *, remote: str | None = None, job: str 
     return 0
 
 
-def read_ledger(remote: str) -> tuple[list, list]:
-    """Every record under `remote` (its own ledger and each job prefix's); unreachable: exit 2."""
+class TerminalProgress:
+    """`reading the ledger: 1200/3000 records` on one line of a terminal, redrawn at most every
+    `every_s` and cleared at the end; nothing where the stream is not a terminal (a pipe, a file, cron)."""
+
+    def __init__(self, stream: TextIO, every_s: float = 0.2, clock: Callable[[], float] = time.monotonic):
+        self.stream, self.every_s, self.clock = stream, every_s, clock
+        self.on = bool(getattr(stream, "isatty", lambda: False)())
+        self.drawn_at = -every_s
+        self.width = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if not self.on or done < total and now - self.drawn_at < self.every_s:
+            return
+        self.drawn_at = now
+        line = f"reading the ledger: {done}/{total} records"
+        self.stream.write("\r" + line.ljust(self.width))
+        self.width = len(line)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.on and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+def read_ledger(remote: str, err: TextIO | None = None) -> tuple[list, list]:
+    """Every record under `remote` (its own ledger and each job prefix's), a progress line on a
+    terminal's stderr meanwhile; unreachable: exit 2."""
     from ..checkpoint.gcs.ledger import LedgerBucket  # start-up speed: google only here
 
+    bar = TerminalProgress(sys.stderr if err is None else err)
     try:
-        return LedgerBucket(remote).read_all(deadline_s=READ_DEADLINE_S)
+        return LedgerBucket(remote).read_all(deadline_s=READ_DEADLINE_S, progress=bar)
     except SlurmagentError as exc:
         raise ReportError(f"report: cannot read the ledger under {remote}: {exc}") from None
+    finally:
+        bar.close()
 
 
 def add_root_side(cfg: Config, report: dict, now: float, state_dir: str | None, decision_logs: tuple[str, ...]) -> None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..policy.stall import RANK_SIGNALS, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
+from ..policy.stall import RANK_SIGNALS, STOPPED_STATES, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from ..state import progress as progress_files
 from . import evidence
 from .remote import RemoteEvidence, RemoteRanks
@@ -77,7 +77,7 @@ class CountingStream:
 
 class HangMonitor:
     def __init__(self, rule: StallRule, *, progress_dir: Path, ckpt_dir: Path, node: str, job: str, attempt: int,
-                 say: Callable[[str], None], ask_drain: Callable[[str, str], str] | None = None,
+                 say: Callable[[str], None], ask_drain: Callable[[str, str, int], str] | None = None,
                  ask_count: Callable[[str], str] | None = None, remote: RemoteRanks | None = None,
                  straggler: StragglerRule | None = None, straggler_report: Callable[[int, str, str], None] | None = None,
                  poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
@@ -87,7 +87,7 @@ class HangMonitor:
         self.node, self.job, self.attempt, self.say = node, job, attempt, say
         self.ask_drain, self.poll_s, self.clock, self.out_fds, self.proc = ask_drain, poll_s, clock, out_fds, proc
         self.gpu_state, self.py_spy, self.own_stream = gpu_state, py_spy, own_stream
-        self.ask_count, self.remote = ask_count, remote  # ask_drain(node, detail); ask_count(detail): every node
+        self.ask_count, self.remote = ask_count, remote  # ask_drain(node, detail, pid); ask_count(detail): every node
         self.output_mark = -1  # the job's output bytes (ours taken off) at their highest: only growth past it counts
         self.stragglers = StragglerWatch(straggler) if straggler is not None else None
         self.straggler_report = straggler_report
@@ -220,14 +220,22 @@ class HangMonitor:
             or "no rank reported progress"
 
     def _act(self, node: str, detail: str, ranks: list) -> str:
-        """Ask root for the suspect's drain (any node of the job: the batch node's root judges it),
-        or, when nothing points at one node, count the hang against every node of the job."""
-        if node and self.ask_drain is not None and self.node:
-            return f"drain of {node} asked: {self.ask_drain(node, detail)}"
-        if node:
-            return f"suspect {node}: not drained from here (no root channel)"
+        """Ask the suspect node's root for its drain, naming the stopped rank's process there (that
+        root drains only on what it sees itself: run/main.py routes another node's ask through the
+        job's agent there); when root sees no fault, or nothing points at one node, count the hang
+        against every node of the job."""
         if not self.node:
             return "not a Slurm job: no node to drain"
+        said = ""
+        if node and self.ask_drain is not None:
+            pid = next((r.pid for r in sorted(ranks, key=lambda r: r.rank)
+                        if r.node == node and r.state in STOPPED_STATES and r.state != "gone"), 0)
+            answer = self.ask_drain(node, detail, pid)
+            if not answer.startswith("refused"):
+                return f"drain of {node} asked: {answer}"
+            said = f"drain of {node} asked: {answer}; "
+        elif node:
+            return f"suspect {node}: not drained from here (no root channel)"
         if self.ask_count is not None:
-            return f"no node drained; the hang counted against every node of the job: {self.ask_count(detail)}"
-        return "none drained"
+            return f"{said}no node drained; the hang counted against every node of the job: {self.ask_count(detail)}"
+        return f"{said}none drained"

@@ -20,6 +20,9 @@ process) tell it, two ways:
   states of its last sync report, marked as old; the batch step names the suspect among all
   of the job's nodes.
 
+- on a hang that points at one of them, a drain asked by that node's agent of that node's own
+  root (`node-agent drain`), which drains only on what it sees there (actions/root_evidence.py).
+
 Pure but for `node_ranks`/`node_evidence` (this node's files and processes).
 """
 
@@ -37,6 +40,7 @@ from ..state import progress as progress_files
 from . import evidence
 
 BATCH_NODE_ENV = "SLURMAGENT_HANG_BATCH_NODE"  # in the agents' environment: that node's agent skips the evidence
+ASK_THERE_DEADLINE_S = 60.0  # an agent step's start, then root's own look there (a GPU check: 20 s)
 EVIDENCE_DEADLINE_S = 25.0  # py-spy (10 s) and the GPU check (20 s) run side by side on each node
 MAX_GPU_TEXT = 64 * 1024
 
@@ -118,6 +122,21 @@ class RemoteRanks:
     def progress(self) -> dict[int, tuple[int | None, float | None]]:
         """rank -> (step, its time) on the other nodes: a change is progress (HangMonitor.poll)."""
         return {rank: (r.step, r.last_at) for rank, r in self.ranks.items()}
+
+    def ask_root_there(self, node: str, request: dict[str, Any], deadline_s: float = ASK_THERE_DEADLINE_S) -> str:
+        """`request` (a drain of `node`, with the socket of that node's root) asked by the job's agent
+        on `node`, whose root sees that node's processes (`node-agent drain`); its answer line."""
+        if self.ask is None:
+            return f"no agent on {node} to ask its root"
+        args = ["drain", "--ckpt-dir", self.ckpt_dir, "--ask", json.dumps(request), "--deadline", f"{deadline_s:g}"]
+        for payload in self.ask(args, deadline_s).values():
+            try:
+                doc = json.loads(payload)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and doc.get("node") == node and isinstance(doc.get("answer"), str):
+                return doc["answer"][:300]
+        return f"no answer from the job's agent on {node} within {deadline_s:g} s"
 
     def evidence(self, deadline_s: float = EVIDENCE_DEADLINE_S) -> RemoteEvidence:
         """Every other node's ranks, py-spy stacks and GPU state now, from one evidence round."""

@@ -13,8 +13,11 @@ Four operations:
 
 - `metrics`: per-job checkpoint figures folded into the node's textfile. Only the names in
   `JOB_METRICS`, each with the one label `job` that root sets itself from the judged job id.
-- `drain`: a node of the job out, for a rule in `JOB_DRAIN_RULES` (a hang or a straggler the
-  wrapper saw), with a cleaned detail; root still decides through the breaker and the journal.
+- `drain`: this node out, for a rule in `JOB_DRAIN_RULES` (a hang or a straggler the wrapper
+  saw), with a cleaned detail and, for a hang, the `pid` of the rank it found stopped; root
+  drains only on what it sees itself (that pid a process of the job here, stopped or a zombie,
+  or this node's GPU check failing: actions/job_channel.py), then through the breaker and the
+  journal. A multi-node job asks the named node's root through its agent there.
 - `count`: a hang that points at no node, counted against every node of the job (as Slurm
   lists them, not as the request does) for lemon tracking (policy/lemon.py); once per job.
 - `report`: the same rule and detail, written to root's decision log only (a straggler the
@@ -50,6 +53,9 @@ JOB_METRICS = {
     "slurmagent_hangs_total": "add",
     **{f"slurmagent_job_seconds_total/{part}": "add" for part in JOB_PARTS},
 }
+# Node totals root counts from what it sees itself (a hang drain or count it granted), never
+# from a job's word: still accepted from a wrapper of an earlier version, and dropped.
+ROOT_COUNTED = ("slurmagent_hangs_total",)
 PER_JOB = ("slurmagent_checkpoint_lag_seconds", "slurmagent_checkpoint_age_seconds")  # labelled {job}; the others are node totals
 JOB_DRAIN_RULES = ("hang", "straggler")
 OPS = ("metrics", "drain", "report", "count", "ping")  # ping: is the channel serving (doctor, status)
@@ -69,6 +75,7 @@ MAX_ADD = {
     **{f"slurmagent_job_seconds_total/{part}": 366 * 86400 for part in JOB_PARTS},
 }
 MAX_SET = 366 * 86400  # a lag, an age (a restored checkpoint may be old), a flush: a year at most
+MAX_PID = 4194304  # the kernel's pid_max ceiling (PID_MAX_LIMIT)
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,9})?$")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -88,6 +95,7 @@ class JobRequest:
     detail: str = ""
     clear: bool = False  # metrics: the job's own per-job series go (the job ends)
     rid: str = ""  # the asker's id of this request: a retry of it gets the first answer
+    pid: int = 0  # drain: the rank's process on this node the asker found stopped (root looks itself)
 
 
 def nesting(raw: bytes) -> int:
@@ -145,7 +153,18 @@ def parse_request(raw: bytes) -> JobRequest:
         raise RequestError(f"{op} rule must be one of {', '.join(rules)}")
     if not isinstance(detail, str):
         raise RequestError("detail must be text")
-    return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150], rid=rid)
+    pid = doc.get("pid", 0) if op == "drain" else 0
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid <= MAX_PID:
+        raise RequestError(f"pid must be a process id (0..{MAX_PID})")
+    return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150], rid=rid, pid=pid)
+
+
+def job_of(raw: bytes) -> str:
+    """The job a request names ("" when it is malformed): whose budget it spends, never trusted."""
+    try:
+        return parse_request(raw).job
+    except RequestError:
+        return ""
 
 
 def _values(doc: Any, kind: str) -> dict[str, float]:
@@ -194,7 +213,8 @@ def metric_update(req: JobRequest) -> tuple[dict, dict, tuple[str, ...] | None]:
         return (name, (("job", req.job),)) if name in PER_JOB else (name, ())
 
     clear = tuple(f'{name}{{job="{req.job}"}}' for name in PER_JOB) if req.clear else None
-    return {key(n): v for n, v in req.set_.items()}, {key(n): v for n, v in req.add.items()}, clear
+    add = {key(n): v for n, v in req.add.items() if n not in ROOT_COUNTED}
+    return {key(n): v for n, v in req.set_.items()}, add, clear
 
 
 def drain_reason(req: JobRequest) -> str:

@@ -210,17 +210,20 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     node = slurm_env.slurmd_node(env) or ""
     socket_path = cfg.node_path(cfg.watch.channel_socket, node) if ident.platform == "slurm" and node else ""
 
-    def ask(rule_name: str, detail: str, op: str = "drain", about: str = "") -> str:
+    def ask(rule_name: str, detail: str, op: str = "drain", about: str = "", pid: int = 0) -> str:
         if not socket_path:
             return "no root channel (not a Slurm job, or [watch] channel_socket empty)"
-        from ..actions.channel_client import ask_root  # start-up speed: only on a hang or a straggler
+        request = {"op": op, "job": ident.job_id, "node": about or node, "rule": rule_name, "detail": detail,
+                   **({"pid": pid} if pid else {})}
+        if about and about != node and op == "drain" and rule_name == "hang" and remote is not None:
+            # only that node's root sees its processes: asked there by the job's agent (node-agent drain)
+            return remote.ask_root_there(about, {**request, "socket": cfg.node_path(cfg.watch.channel_socket, about)})
+        from ..actions.channel_client import answer_line, ask_root  # start-up speed: only on a hang or a straggler
 
         try:
-            answer = ask_root(socket_path, {"op": op, "job": ident.job_id, "node": about or node, "rule": rule_name,
-                                            "detail": detail})
+            return answer_line(ask_root(socket_path, request))
         except (OSError, ValueError) as exc:
             return f"no answer from root at {socket_path} ({exc})"
-        return ("granted: " if answer.get("ok") else "refused: ") + str(answer.get("why") or "")[:200]
 
     def straggler(rank: int, detail: str, where: str) -> None:  # `where`: the rank's node, any of the job's
         if rc.straggler_action == "drain":
@@ -239,7 +242,7 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
         whole_job.on_reports = remote.take
     return HangMonitor(rule, progress_dir=progress_dir, ckpt_dir=options.ckpt_dir, node=node,
                        job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,
-                       say=say, ask_drain=lambda about, detail: ask("hang", detail, about=about),
+                       say=say, ask_drain=lambda about, detail, pid: ask("hang", detail, about=about, pid=pid),
                        ask_count=lambda detail: ask("hang", detail, op="count"), remote=remote,
                        straggler=StragglerRule(rc.straggler_window_s, rc.straggler_factor, rc.straggler_windows),
                        straggler_report=straggler, own_stream=own)
@@ -273,15 +276,13 @@ def attempt_ledger(env, ident: JobIdentity, options: RunOptions, store, started:
 
 
 def _record_goodput(m, record: dict) -> None:
-    """The attempt's seconds by part into the node's counters (goodput = progress / all), and a hang."""
+    """The attempt's seconds by part into the node's counters (goodput = progress / all)."""
     from ..core.goodput import attempt_parts  # start-up speed
 
     try:
         parts = attempt_parts(record, None)["parts"]
-        add = {("slurmagent_job_seconds_total", (("part", p),)): parts[p] for p in JOB_PARTS}
-        if record.get("end") == "hang":
-            add[("slurmagent_hangs_total", ())] = 1
-        m.update(add=add)
+        m.update(add={("slurmagent_job_seconds_total", (("part", p),)): parts[p] for p in JOB_PARTS})
+        # a hang is root's to count, from the drain or count it grants (actions/job_channel.py)
     except Exception:  # noqa: BLE001 - metrics never fail the job
         pass
 

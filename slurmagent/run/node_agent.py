@@ -11,6 +11,7 @@ one commit. The launcher runs it with `python -P` in `/`, so a module in the job
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -141,13 +142,29 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
     return report
 
 
+def ask_root_here(raw: str, node: str, index: int) -> bytes:
+    """The agent's part of `hang/remote.RemoteRanks.ask_root_there`: the request, asked of this node's root when
+    it names this node (the other agents answer nothing); the answer as the report payload."""
+    from ..actions.channel_client import answer_line, ask_root  # start-up speed: only on a hang
+
+    try:
+        request = json.loads(raw)
+        if not isinstance(request, dict) or request.get("node") != node:
+            return b"{}"
+        socket_path = str(request.pop("socket"))
+        answer = answer_line(ask_root(socket_path, request))
+    except (OSError, ValueError, KeyError) as exc:
+        answer = f"no answer from root on {node} ({exc})"
+    return json.dumps({"index": index, "node": node, "answer": answer}).encode()
+
+
 def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str | None, attempt: int,
                     generation: int, scope: str, deadline_s: float, env: Mapping[str, str],
                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, transfers: int = 16,
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
                     fresh: bool = False, cache_gib: float = -1.0, cache_copies: int = 2, cache_dir: str = "",
-                    peers: str = "", keep_uncommitted: int = KEEP_SETS) -> int:
-    """`slurmagent node-agent restore|sync|evidence|writers`: one task of the agent step; one framed report."""
+                    peers: str = "", keep_uncommitted: int = KEEP_SETS, ask: str = "") -> int:
+    """`slurmagent node-agent restore|sync|evidence|drain|writers`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
     progress_dir = env.get(PROGRESS_ENV, "")  # the hang watch's, in the agents' environment (run/main.py)
@@ -156,6 +173,9 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
 
         # the batch node's wrapper reads its own at the same time (two py-spy on one rank: one is refused)
         write_frames(out, index, b"{}" if node == env.get(BATCH_NODE_ENV) else node_evidence(progress_dir, node, index))
+        return 0
+    if action == "drain":  # a hang on this node: its root asked here, where it sees the ranks (hang/remote.py)
+        write_frames(out, index, ask_root_here(ask, node, index))
         return 0
     if action == "writers":  # the trainer is about to be killed: what this node's ranks hold open is torn
         report = NodeReport(index=index, node=node, ok=True)

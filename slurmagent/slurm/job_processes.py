@@ -55,6 +55,35 @@ def proc_stat(pid: int, proc: str = "/proc") -> tuple[str, int] | None:
         return None
 
 
+def proc_parent(pid: int, proc: str = "/proc") -> int | None:
+    """The parent pid of a process (a zombie's is the one that has not reaped it); None when gone."""
+    try:
+        return int(Path(proc, str(pid), "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def job_process_state(pid: int, job_id: str, uid: int, proc: str = "/proc") -> str | None:
+    """The state letter of ``pid`` when it is a process of ``uid`` in job ``job_id`` on this node,
+    else None (gone, another user's, another job's). A zombie has no environment left: it is the
+    job's when its parent is. Root's own look at a rank a job's wrapper names (actions/root_evidence.py)."""
+    st = proc_stat(pid, proc)
+    if st is None or pid <= 1:
+        return None
+    try:
+        if os.stat(Path(proc, str(pid))).st_uid != uid:
+            return None
+    except OSError:
+        return None
+    job = JobProcesses(job_id, uid=uid, proc=proc, me=-1)
+    if job._belongs(pid, st[1]):
+        return st[0]
+    parent = proc_parent(pid, proc) if st[0] == "Z" else None
+    if parent is not None and parent > 1 and proc_stat(parent, proc) is not None and job._belongs(parent, -1):
+        return st[0]
+    return None
+
+
 class JobProcesses:
     """This node's processes of a job (see module doc). `proc`: the /proc to read (tests)."""
 

@@ -365,16 +365,29 @@ class JobOwner:
     uid: int
     state: str
     nodes: tuple[str, ...]
+    run_s: float | None = None  # how long this attempt has run (squeue %M); None when not said
+
+
+def elapsed_seconds(text: str) -> float | None:
+    """squeue's `%M` ("SS", "M:SS", "H:MM:SS", "D-HH:MM:SS") in seconds; None when it is not one."""
+    days, _, clock = text.strip().rpartition("-")
+    fields = clock.split(":")
+    if not days.isdigit() and days or not 1 <= len(fields) <= 3 or not all(f.isdigit() and len(f) <= 9 for f in fields):
+        return None
+    seconds = 0
+    for f in fields:
+        seconds = seconds * 60 + int(f)
+    return float(seconds + 86400 * int(days or 0))
 
 
 def owner_from_squeue(line: str) -> JobOwner | None:
-    """One `squeue -h -o %i|%U|%T|%N` line (numeric uid, state, node list: no job text)."""
+    """One `squeue -h -o %i|%U|%T|%N|%M` line (numeric uid, state, node list, time used: no job text)."""
     parts = line.strip().split("|")
-    if len(parts) != 4 or not parts[1].isdigit():
+    if len(parts) not in (4, 5) or not parts[1].isdigit():
         return None
-    job, uid, state, nodes = parts
+    job, uid, state, nodes = parts[:4]
     try:
         names = tuple(hostlist.expand(nodes)) if nodes and nodes != "(null)" else ()
     except ValueError:
         names = ()
-    return JobOwner(job, int(uid), state, names)
+    return JobOwner(job, int(uid), state, names, elapsed_seconds(parts[4]) if len(parts) == 5 else None)

@@ -260,6 +260,10 @@ class WatchConfig:
         "/run/slurmagent/%n/channel.sock",
         "where `watch` listens for its node's wrapped jobs (per-job metrics, hang/straggler drains; judged by the "
         "caller's uid and the job as Slurm shows it; `%n` = node name); empty = no channel")
+    hang_count_min_run_s: float = _key(
+        120.0, "a job's hang that names no node is counted against its nodes (the lemon count) only when the job's "
+        "attempt has run this long as Slurm says (squeue's time used): short jobs cannot make a node a lemon",
+        low=0, high=86400)
 
 
 @dataclass(frozen=True)

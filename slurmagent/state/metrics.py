@@ -50,7 +50,8 @@ HELP = {
         "counter", "wrapped jobs' attempts that ended on this node (the batch step's), seconds by part: progress "
         "(first progress -> last commit), startup, restore, recompute (after the last commit), flush; goodput = "
         "progress / all"),
-    "slurmagent_hangs_total": ("counter", "wrapped jobs' attempts ended by the hang watch on this node"),
+    "slurmagent_hangs_total": ("counter", "hangs of wrapped jobs that root on this node drained it for or counted "
+                               "(root's own evidence and checks; a job's word alone is not counted)"),
     "slurmagent_stragglers_total": ("counter", "straggling ranks that wrapped jobs reported (or had drained) "
                                     "through this node's root channel, by the node the straggler ran on"),
     "slurmagent_breaker_open": ("gauge", "1 while the drain circuit breaker suppresses drains"),

@@ -26,7 +26,7 @@ from slurmagent.actions.job_channel import ChannelServer
 from slurmagent.devtools.localcluster import free_ports
 from slurmagent.slurm.commands import Slurm
 from slurmagent.state.config import load
-from slurmagent.state.decisionlog import DecisionLog
+from slurmagent.state.decisionlog import DecisionLog, read_records
 from test_fault_slurm import land_on, restarts
 from test_multinode import committed, committed_file, ledger, nodes_of, starts, steps, submit, wait_end
 
@@ -58,7 +58,7 @@ def served_env(cl, tmp_path, middle: str):
                               stdin=subprocess.DEVNULL)
 
     servers = [ChannelServer(cfg, n, Slurm(runner=runner), DecisionLog(env.state_dir(n) / "hooks.log"),
-                             say=lambda line: None) for n in cl.nodes]
+                             say=lambda line: None, gpu_fault=lambda: "") for n in cl.nodes]
     for s in servers:
         s.start()
     yield env
@@ -115,6 +115,11 @@ def test_a_rank_stopped_on_the_second_node_drains_that_node_and_the_job_resumes_
     assert "DRAIN" in node["State"] and node["Reason"].startswith("slurmagent: hang: "), node
     assert f"rank 1 stopped at step {reported}" in node["Reason"], node
     assert "DRAIN" not in cl.node(batch)["State"]  # the batch node's rank only waited for the stopped one
+    # asked by the job's agent on that node of that node's root, which looked at the rank itself
+    [granted] = [r for r in read_records(env.state_dir(other) / "hooks.log") if r.get("op") == "drain"]
+    assert granted["verdict"] == "granted" and granted["evidence"].startswith("root saw pid ")
+    assert granted["evidence"].endswith(f" of job {job} stopped (T)"), granted
+    assert not [r for r in read_records(env.state_dir(batch) / "hooks.log") if r.get("op") == "drain"]
 
     folder = tmp_path / "out.hang-0"
     ranks = {r["rank"]: r for r in json.loads((folder / "ranks.json").read_text())}

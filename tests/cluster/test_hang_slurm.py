@@ -28,7 +28,7 @@ from slurmagent.checkpoint.gcs.ledger import LedgerBucket
 from slurmagent.slurm.commands import Slurm
 from slurmagent.state.config import load
 from slurmagent.state import repair_state
-from slurmagent.state.decisionlog import DecisionLog
+from slurmagent.state.decisionlog import DecisionLog, read_records
 from test_wrapper_slurm import TOY, ledger_steps
 
 HANG_TIMEOUT_S = 10
@@ -48,7 +48,7 @@ def hang_setup(slurm, emu, tmp_path):
         return subprocess.run(argv, env=c.env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
     servers = [ChannelServer(cfg, node, Slurm(runner=runner), DecisionLog(slurm.state_dir(node) / "hooks.log"),
-                             say=lambda line: None) for node in c.nodes]
+                             say=lambda line: None, gpu_fault=lambda: "") for node in c.nodes]
     for s in servers:
         s.start()
     env = dict(c.env, SLURMAGENT_CONFIG=str(config), PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emu.url)
@@ -100,6 +100,9 @@ def test_a_stopped_trainer_is_found_its_node_drained_and_the_job_resumes_elsewhe
     node = c.node(first_node)
     assert "DRAIN" in node["State"] and node["Reason"].startswith("slurmagent: hang: "), node
     assert f"rank 0 stopped at step {reported}" in node["Reason"], node
+    # drained on root's own look at the rank the wrapper named, not on the wrapper's word
+    [granted] = [r for r in read_records(slurm.state_dir(first_node) / "hooks.log") if r.get("op") == "drain"]
+    assert granted["verdict"] == "granted" and granted["evidence"] == f"root saw pid {pid} of job {job_id} stopped (T)"
 
     folder = tmp_path / "out.hang-0"
     ranks = json.loads((folder / "ranks.json").read_text())

@@ -62,8 +62,11 @@ def test_three_thousand_records_behind_a_slow_network_give_a_partial_report_with
                       range(3000)))
     with GcsFaultProxy(emu.url, delay_s=0.04) as proxy:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-        records, errors = LedgerBucket("gs://ckpt/many").read_all(deadline_s=4)
+        seen: list[tuple[int, int]] = []  # what a terminal's progress line is drawn from
+        records, errors = LedgerBucket("gs://ckpt/many").read_all(deadline_s=4, progress=lambda d, t: seen.append((d, t)))
     assert 0 < len(records) < 3000
+    assert {t for _, t in seen} == {3000} and [d for d, _ in seen] == list(range(1, len(seen) + 1))
+    assert len(records) <= len(seen) < 3000
     assert len(errors) == 1 and "the report is partial" in errors[0], errors
     report = build_report(records, now=3000.0, errors=errors)
     assert report["totals"]["attempts"] == len(records)

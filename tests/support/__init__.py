@@ -247,7 +247,7 @@ def cluster_config_text(root: Path, **health: object) -> str:
             "timeout_s": 5, **health}
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if v is not None)
     return (f'state_dir = "{root}/state/%n"\n[health]\n{lines}[hooks]\nsyslog = false\n'
-            f'[watch]\nchannel_socket = "{root}/run/%n/channel.sock"\n')
+            f'[watch]\nchannel_socket = "{root}/run/%n/channel.sock"\nhang_count_min_run_s = 5.0\n')
 
 
 def uncommitted_sets(ckpt_dir: Path) -> list[dict[str, str]]:

@@ -282,3 +282,34 @@ def test_a_bad_record_is_skipped_with_its_reason_and_the_good_ones_reported(bad,
     json.dumps(report, allow_nan=False)  # standard JSON: no Infinity, no NaN
     assert f"warning: 1 unreadable record(s) skipped (1 x {why})" in format_text(report)
     (tmp_path / "r.html").write_text(render_html({**report, "remote": "gs://b/p"}))
+
+
+def test_reading_a_large_ledger_shows_its_progress_on_a_terminal_and_nothing_in_a_pipe():
+    """`report` over thousands of records takes a while: a terminal sees how far it got, redrawn on
+    one line and cleared at the end; a pipe or a file (cron, `| jq`) gets no such line."""
+    import io
+    import pty
+
+    from slurmagent.commands.report import TerminalProgress
+
+    master, slave = pty.openpty()
+    tty = open(slave, "w")
+    clock = [0.0]
+    bar = TerminalProgress(tty, every_s=0.2, clock=lambda: clock[0])
+    for done in range(1, 3001):
+        clock[0] = done * 0.001  # 3 s in all: a redraw every 0.2 s, and the last one
+        bar(done, 3000)
+    bar.close()
+    tty.close()
+    shown = os.read(master, 65536).decode()
+    os.close(master)
+    draws = [d for d in shown.split("\r") if d.strip()]
+    assert 10 <= len(draws) <= 20, draws  # throttled: not 3000 writes to the terminal
+    assert draws[0].startswith("reading the ledger: 1/3000 records") and draws[-1].strip() == "reading the ledger: 3000/3000 records"
+    assert shown.endswith("\r" + " " * len("reading the ledger: 3000/3000 records") + "\r")  # cleared: the report starts clean
+    piped = io.StringIO()
+    bar = TerminalProgress(piped)
+    bar(1, 2)
+    bar(2, 2)
+    bar.close()
+    assert piped.getvalue() == ""

@@ -279,7 +279,7 @@ def test_a_hung_child_is_stopped_with_evidence_its_node_asked_to_drain_and_reque
     # on a loaded machine where a running trainer may wait a second or two for a CPU
     sup.hang = HangMonitor(StallRule(timeout_s=5, first_progress_s=30), progress_dir=tmp_path / "progress",
                            ckpt_dir=tmp_path / "ck", node="n1", job="77", attempt=2, say=sup.say,
-                           ask_drain=lambda n, d: drains.append(d) or "granted", poll_s=0.2, out_fds=(),
+                           ask_drain=lambda n, d, pid: drains.append(d) or "granted", poll_s=0.2, out_fds=(),
                            gpu_state=lambda: ('{"node": "n1"}', ""))
     outcome = sup.run()
     text = err.getvalue()

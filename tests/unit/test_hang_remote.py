@@ -98,7 +98,7 @@ def test_a_rank_stopped_on_another_node_is_that_nodes_drain_asked_from_the_batch
     far = remote.node_evidence(tmp_path / "p", "n2", 1, proc=str(tmp_path / "proc"),
                                py_spy=lambda pids: {p: f"n2's stack of pid {p}" for p in pids}, gpu_state=lambda: ("{}", ""))
     rr = remote.RemoteRanks("n1", tmp_path / "p", tmp_path / "ck", clock=lambda: now[0], ask=lambda a, d: {1: far})
-    mon = monitor(tmp_path, now, rr, say=said.append, ask_drain=lambda node, d: drains.append((node, d)) or "granted",
+    mon = monitor(tmp_path, now, rr, say=said.append, ask_drain=lambda node, d, pid: drains.append((node, d, pid)) or "granted",
                   ask_count=lambda d: counts.append(d) or "counted")
     assert mon.poll(Child) == ""
     for t in range(1, 30):  # only node 2's rank moves (its sync reports, until 20 s): progress, on our clock
@@ -110,7 +110,7 @@ def test_a_rank_stopped_on_another_node_is_that_nodes_drain_asked_from_the_batch
     cause = mon.poll(Child)
     assert cause.startswith("hang: no progress for 10 s (limit 10 s; last: progress on other nodes)"), cause
     mon.stop(Child)
-    assert drains == [("n2", "rank 1 stopped at step 99 (process stopped (T), pid 501)")] and counts == []
+    assert drains == [("n2", "rank 1 stopped at step 99 (process stopped (T), pid 501)", 501)] and counts == []
     assert mon.suspect_node == "n2"
     folder = tmp_path / "slurmagent-7.hang-0"
     ranks = json.loads((folder / "ranks.json").read_text())
@@ -131,7 +131,7 @@ def test_a_hang_that_points_at_no_node_is_counted_against_every_node_and_none_is
     far = remote.node_evidence(tmp_path / "p", "n2", 1, proc=str(tmp_path / "proc"), py_spy=lambda pids: {},
                                gpu_state=lambda: ("{}", ""))
     rr = remote.RemoteRanks("n1", tmp_path / "p", tmp_path / "ck", clock=lambda: now[0], ask=lambda a, d: {1: far})
-    mon = monitor(tmp_path, now, rr, say=said.append, ask_drain=lambda node, d: drains.append(node) or "granted",
+    mon = monitor(tmp_path, now, rr, say=said.append, ask_drain=lambda node, d, pid: drains.append(node) or "granted",
                   ask_count=lambda d: counts.append(d) or "granted: counted against n1, n2")
     mon.poll(Child)
     now[0] = 31.0
@@ -175,3 +175,26 @@ def test_another_nodes_flight_recorder_is_asked_by_its_agent_and_said_in_the_evi
     rr = remote.RemoteRanks("n1", tmp_path / "p", tmp_path / "ck", clock=lambda: 200.0,
                             ask=lambda args, deadline: {1: payload})
     assert f"rank 1: dump asked through {stem}1.pipe" in rr.evidence().flight["n2"]
+
+
+def test_a_drain_root_refuses_for_want_of_its_own_evidence_becomes_a_count_of_the_hang(tmp_path, monkeypatch):
+    """Root drains only on what it sees itself (actions/root_evidence.py): a rank the wrapper saw
+    stopped that root finds running again, say. Then the hang still counts against every node."""
+    monkeypatch.chdir(tmp_path)
+    now, said, drains, counts = [0.0], [], [], []
+    fake_proc(tmp_path / "proc", {300: "S", 501: "T"})
+    rank_file(tmp_path / "p", 0, 40, 90.0, 300, "n1")
+    rank_file(tmp_path / "p", 1, 99, 90.0, 501, "n2")
+    far = remote.node_evidence(tmp_path / "p", "n2", 1, proc=str(tmp_path / "proc"), py_spy=lambda pids: {},
+                               gpu_state=lambda: ("{}", ""))
+    rr = remote.RemoteRanks("n1", tmp_path / "p", tmp_path / "ck", clock=lambda: now[0], ask=lambda a, d: {1: far})
+    refused = "refused: root sees no fault on n2 (pid 501 is running (S), no GPU fault): a job's word alone drains nothing"
+    mon = monitor(tmp_path, now, rr, say=said.append, ask_drain=lambda node, d, pid: drains.append(pid) or refused,
+                  ask_count=lambda d: counts.append(d) or "granted: counted against n1, n2")
+    mon.poll(Child)
+    now[0] = 31.0
+    assert mon.poll(Child)
+    mon.stop(Child)
+    assert drains == [501] and len(counts) == 1
+    assert (f"drain of n2 asked: {refused}; no node drained; the hang counted against every node of the job: "
+            "granted: counted against n1, n2") in said[0]

@@ -11,7 +11,9 @@ import io
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 import contextlib
@@ -105,7 +107,7 @@ def served(tmp_path):
                  "repair": {"max_drained_fraction": 0.5}})
     err = io.StringIO()
     server = ChannelServer(cfg, "n1", Slurm(runner=sc), DecisionLog(tmp_path / "state" / "n1" / "hooks.log"),
-                           say=lambda line: err.write(line + "\n"))
+                           say=lambda line: err.write(line + "\n"), gpu_fault=lambda: "")  # a GPU check: healthy
     old = os.umask(0o027)  # the watch unit's
     try:
         server.start()
@@ -135,6 +137,30 @@ def as_uid(uid: int, path, request: dict) -> dict:
     os.close(r)
     os.waitpid(pid, 0)
     return json.loads(data)
+
+
+@contextlib.contextmanager
+def rank_process(job: str, uid: int = 0, stopped: bool = False):
+    """A rank of `job` on this node (its environment names the job, as under proctrack/linuxproc),
+    running as `uid`, SIGSTOPped or not; its pid."""
+    def become():  # pragma: no cover - in the child
+        if uid:
+            os.setgid(uid)
+            os.setuid(uid)
+
+    proc = subprocess.Popen(["sleep", "60"], env={"SLURM_JOB_ID": job, "PATH": os.environ["PATH"]},
+                            preexec_fn=become)
+    try:
+        if stopped:
+            os.kill(proc.pid, signal.SIGSTOP)
+            give_up = time.monotonic() + 5
+            while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < give_up, "the rank did not stop"
+                time.sleep(0.01)
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def prom(tmp_path) -> str:
@@ -171,32 +197,104 @@ def test_a_job_of_its_own_user_gets_its_metrics_into_the_node_textfile_another_u
 def test_a_hang_drain_goes_through_the_breaker_once_per_job(served):
     server, sc, tmp_path = served
     sc.add_job("7", node="n[1-2]", Uid="0")
-    ask = {"op": "drain", "job": "7", "node": "n1", "rule": "hang", "detail": "rank 1 stopped at step 40"}
-    answer = ask_root(server.path, ask)
-    assert answer["ok"] is True, answer
-    assert sc.nodes["n1"]["Reason"] == "slurmagent: hang: job 7: rank 1 stopped at step 40"
-    assert "DRAIN" in sc.nodes["n1"]["State"]
-    again = ask_root(server.path, ask)
+    with rank_process("7", stopped=True) as pid:
+        ask = {"op": "drain", "job": "7", "node": "n1", "rule": "hang", "detail": "rank 1 stopped at step 40", "pid": pid}
+        answer = ask_root(server.path, ask)
+        assert answer["ok"] is True, answer
+        assert sc.nodes["n1"]["Reason"] == "slurmagent: hang: job 7: rank 1 stopped at step 40"
+        assert "DRAIN" in sc.nodes["n1"]["State"]
+        again = ask_root(server.path, ask)
     assert again == {"ok": False, "why": "job 7 already asked for a drain from n1"}
     assert len(sc.of("scontrol", "update")) == 1
+    [granted] = [r for r in read_records(tmp_path / "state" / "n1" / "hooks.log")
+                 if r.get("op") == "drain" and r["verdict"] == "granted"]
+    assert granted["evidence"] == f"root saw pid {pid} of job 7 stopped (T)"
+    assert "slurmagent_hangs_total 1\n" in prom(tmp_path)  # root's own count of the hang it drained for
 
 
-def test_the_batch_nodes_root_drains_the_node_the_evidence_names_and_counts_a_blameless_hang_once(served):
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to ask as another uid")
+def test_a_users_word_drains_nothing_root_drains_on_what_it_sees_itself(served):
+    """Before: any job's wrapper got a `drain` of its own node granted on its word alone (and the
+    repair loop then recreated the VM, ending other jobs there)."""
+    server, sc, tmp_path = served
+    for job in ("7", "8", "9", "10"):
+        sc.add_job(job, node="n[1-2]", Uid=str(NOBODY))
+
+    def drain(job: str, pid: int) -> dict:
+        return as_uid(NOBODY, server.path, {"op": "drain", "job": job, "node": "n1", "rule": "hang",
+                                            "detail": "rank 0 stopped at step 9", "pid": pid})
+
+    with rank_process("7", uid=NOBODY) as pid:  # a healthy rank, running (sleeping) as it should
+        assert drain("7", pid) == {"ok": False, "why": f"root sees no fault on n1 (pid {pid} is running (S), no GPU "
+                                                       "fault): a job's word alone drains nothing"}
+    assert drain("8", 999999) == {"ok": False, "why": "root sees no fault on n1 (pid 999999 is not a process of job 8 "
+                                                      "here, no GPU fault): a job's word alone drains nothing"}
+    with rank_process("9", stopped=True) as pid:  # stopped, but root's own process: not nobody's rank
+        assert drain("9", pid)["why"].startswith(f"root sees no fault on n1 (pid {pid} is not a process of job 9 here")
+    assert "DRAIN" not in sc.nodes["n1"].get("State", "") and not sc.of("scontrol", "update")
+    with rank_process("10", uid=NOBODY, stopped=True) as pid:  # the job's own rank, stopped
+        assert drain("10", pid)["ok"] is True
+    assert "DRAIN" in sc.nodes["n1"]["State"] and sc.nodes["n1"]["Reason"] == "slurmagent: hang: job 10: rank 0 stopped at step 9"
+
+
+def test_a_zombie_rank_of_the_job_or_a_gpu_fault_root_sees_is_evidence(served):
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    sc.add_job("8", node="n2", Uid="0")
+    # a rank that exited and was not reaped: a zombie has no environment left, its parent names the job
+    parent = subprocess.Popen(["sh", "-c", "sleep 0 & echo $!; exec sleep 60"], stdout=subprocess.PIPE,
+                              env={"SLURM_JOB_ID": "7", "PATH": os.environ["PATH"]}, text=True)
+    try:
+        zombie = int(parent.stdout.readline())
+        give_up = time.monotonic() + 5
+        while open(f"/proc/{zombie}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < give_up
+            time.sleep(0.01)
+        answer = ask_root(server.path, {"op": "drain", "job": "7", "node": "n1", "rule": "hang", "pid": zombie})
+    finally:
+        parent.kill()
+        parent.wait()
+    assert answer["ok"] is True, answer
+    server.gpu_fault = lambda: "GPU 3: XID 79 (fallen off the bus)"  # root's own check, not the job's word
+    sc.add_job("9", node="n1", Uid="0")
+    sc.nodes["n1"]["State"] = "IDLE"
+    assert ask_root(server.path, {"op": "drain", "job": "9", "node": "n1", "rule": "hang"})["ok"] is True
+    [_, by_gpu] = [r for r in read_records(tmp_path / "state" / "n1" / "hooks.log") if r.get("op") == "drain"]
+    assert by_gpu["evidence"] == "root's GPU check: GPU 3: XID 79 (fallen off the bus)"
+
+
+def test_root_leaves_another_nodes_drain_to_that_nodes_root_and_counts_a_blameless_hang_once(served):
     from slurmagent.state import repair_state
 
     server, sc, tmp_path = served
     sc.add_job("7", node="n[1-2]", Uid="0")
     sc.add_job("8", node="n[1-3]", Uid="0")
-    drain = {"op": "drain", "job": "7", "node": "n2", "rule": "hang", "detail": "rank 1 stopped at step 40"}
-    assert ask_root(server.path, drain)["ok"] is True
-    assert sc.nodes["n2"]["Reason"] == "slurmagent: hang: job 7: rank 1 stopped at step 40"
-    assert "DRAIN" not in sc.nodes["n1"].get("State", "")
+    drain = {"op": "drain", "job": "7", "node": "n2", "rule": "hang", "detail": "rank 1 stopped at step 40", "pid": 4}
+    assert ask_root(server.path, drain) == {
+        "ok": False, "why": "root on n1 cannot see n2: that node's own root judges a drain of it"}
+    assert "DRAIN" not in sc.nodes["n2"].get("State", "") and "DRAIN" not in sc.nodes["n1"].get("State", "")
     count = {"op": "count", "job": "8", "node": "n1", "rule": "hang", "detail": "no rank stopped or gone"}
     assert ask_root(server.path, count) == {"ok": True, "why": "counted against n1, n2, n3"}  # Slurm's list, not ours
     assert ask_root(server.path, count) == {"ok": False, "why": "job 8 already counted a hang from n1"}
     hangs = repair_state.load_state(tmp_path / "state" / "n1")["hangs"]
     assert sorted(hangs) == ["n1", "n2", "n3"] and all(len(t) == 1 for t in hangs.values())
     assert "history" not in repair_state.load_state(tmp_path / "state" / "n1")  # not a repair: no repair budget spent
+    assert "slurmagent_hangs_total 1\n" in prom(tmp_path)
+
+
+def test_a_short_job_cannot_count_a_hang_against_its_nodes(served):
+    """Before: a count was granted once per job per node: five one-second jobs made n1 a lemon."""
+    from slurmagent.state import repair_state
+
+    server, sc, tmp_path = served
+    for job in ("1", "2", "3", "4", "5"):
+        sc.add_job(job, node="n1", Uid="0", RunTime="0:01")
+        answer = ask_root(server.path, {"op": "count", "job": job, "node": "n1", "rule": "hang"})
+        assert answer == {"ok": False, "why": f"job {job} has run 1 s, less than hang_count_min_run_s (120 s): "
+                                              "no hang counted"}
+    assert "hangs" not in repair_state.load_state(tmp_path / "state" / "n1")
+    sc.add_job("6", node="n1", Uid="0", RunTime="2:00")
+    assert ask_root(server.path, {"op": "count", "job": "6", "node": "n1", "rule": "hang"})["ok"] is True
 
 
 def test_a_flood_of_garbage_is_answered_and_the_server_still_serves(served):
@@ -259,7 +357,7 @@ def test_an_attempts_goodput_seconds_reach_the_node_by_part_and_a_made_up_part_d
     text = prom(tmp_path)
     for part, seconds in (("progress", 570), ("startup", 20), ("restore", 10), ("recompute", 95), ("flush", 5)):
         assert f'slurmagent_job_seconds_total{{part="{part}"}} {seconds}\n' in text, text
-    assert "slurmagent_hangs_total 1\n" in text
+    assert "slurmagent_hangs_total" not in text  # a hang is root's to count (its drain or count), not the job's word
     bad = {"op": "metrics", "job": "7", "node": "n1", "add": {"slurmagent_job_seconds_total/idle": 5}}
     assert ask_root(server.path, bad) == {
         "ok": False, "why": "'slurmagent_job_seconds_total/idle' is not a job metric one may add"}
@@ -498,14 +596,90 @@ def test_a_retried_request_gets_its_first_answer_and_is_acted_on_once(served):
     asked' (a drain) or counted twice (metrics); now it gets the first answer and nothing is done twice."""
     server, sc, tmp_path = served
     sc.add_job("7", node="n[1-2]", Uid="0")
-    drain = {**jreq(op="drain", rule="hang", detail="rank 1 stopped"), "id": "a1"}
-    first = ask_root(server.path, drain)
-    assert first["ok"] is True
-    assert ask_root(server.path, drain) == first  # the retry
-    assert ask_root(server.path, {**drain, "id": "a2"}) == {"ok": False, "why": "job 7 already asked for a drain from n1"}
+    with rank_process("7", stopped=True) as pid:
+        drain = {**jreq(op="drain", rule="hang", detail="rank 1 stopped"), "id": "a1", "pid": pid}
+        first = ask_root(server.path, drain)
+        assert first["ok"] is True
+        assert ask_root(server.path, drain) == first  # the retry
+        assert ask_root(server.path, {**drain, "id": "a2"}) == {
+            "ok": False, "why": "job 7 already asked for a drain from n1"}
     assert len(sc.of("scontrol", "update")) == 1
     add = {**jreq(add={"slurmagent_bytes_synced_total": 5}), "id": "m1"}
     assert ask_root(server.path, add)["ok"] and ask_root(server.path, add)["ok"]
     assert "slurmagent_bytes_synced_total 5\n" in prom(tmp_path)  # counted once
     assert raw_ask(server.path, json.dumps({**add, "id": "no spaces"}).encode() + b"\n") == {
         "ok": False, "why": "id must be up to 64 letters, digits, - or _"}
+
+
+def test_a_drain_of_another_node_is_asked_of_that_nodes_root_by_the_jobs_agent_there(served):
+    """The batch step (on n2 here) names n1: root on n2 cannot see n1's processes, so the job's agent
+    on n1 (`node-agent drain`) asks n1's root, which looks at the named rank itself."""
+    from slurmagent.hang.remote import RemoteRanks
+    from slurmagent.run.node_agent import ask_root_here
+
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid="0")
+    asked = []
+
+    def agents(args, deadline_s):  # the agent step: one task per node, each with its node name
+        asked.append(args[:1])
+        raw = args[args.index("--ask") + 1]
+        return {0: ask_root_here(raw, "n1", 0), 1: ask_root_here(raw, "n2", 1)}
+
+    batch = RemoteRanks("n2", tmp_path / "p", tmp_path / "ck", ask=agents)
+    with rank_process("7", stopped=True) as pid:
+        request = {"op": "drain", "job": "7", "node": "n1", "rule": "hang", "detail": "rank 1 stopped", "pid": pid,
+                   "socket": str(server.path)}
+        answer = batch.ask_root_there("n1", request)
+    assert answer.startswith("granted: ") and asked == [["drain"]], answer
+    assert "DRAIN" in sc.nodes["n1"]["State"] and sc.nodes["n1"]["Reason"] == "slurmagent: hang: job 7: rank 1 stopped"
+    assert batch.ask_root_there("n3", {**request, "node": "n3"}) == "no answer from the job's agent on n3 within 60 s"
+
+
+def test_a_straggler_drain_is_the_admins_choice_in_roots_own_config_not_the_jobs(served):
+    """Slowness is a measure root cannot repeat: it drains a straggler's node only where its own
+    config says `straggler_action = "drain"` (a job's config is its own to set)."""
+    import dataclasses
+
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n[1-2]", Uid="0")
+    sc.add_job("8", node="n[1-2]", Uid="0")
+    ask = {"op": "drain", "job": "7", "node": "n2", "rule": "straggler", "detail": "rank 3 straggles: 2.9x"}
+    assert ask_root(server.path, ask) == {"ok": False, "why": "this node's config says straggler_action = report: "
+                                                              "a straggler is reported, not drained"}
+    assert "DRAIN" not in sc.nodes["n2"].get("State", "")
+    server.cfg = dataclasses.replace(server.cfg, run=dataclasses.replace(server.cfg.run, straggler_action="drain"))
+    assert ask_root(server.path, {**ask, "job": "8"})["ok"] is True
+    assert sc.nodes["n2"]["Reason"] == "slurmagent: straggler: job 8: rank 3 straggles: 2.9x"
+
+
+def test_each_job_of_a_user_has_its_own_budget_one_jobs_flood_spends_only_its_own(served):
+    """Before: one budget per uid (16 requests waiting): a flood from one job of a user made the
+    same user's other jobs on the node wait behind it or be told busy."""
+    from slurmagent.actions import job_channel
+
+    server, sc, tmp_path = served
+    sc.add_job("7", node="n1", Uid="0")
+    sc.add_job("8", node="n1", Uid="0")
+    real = server.slurm.job_owner
+
+    def slow(job):  # Slurm slow to answer: each request of the flood holds its worker
+        time.sleep(0.3)
+        return real(job)
+
+    server.slurm.job_owner = slow
+    flood = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(20)]
+    try:
+        for n, s in enumerate(flood):
+            s.settimeout(10)
+            s.connect(str(server.path))
+            s.sendall(json.dumps({"op": "report", "job": "7", "node": "n1", "rule": "hang", "id": f"f{n}"}).encode() + b"\n")
+        other = raw_ask(server.path, json.dumps({"op": "report", "job": "8", "node": "n1", "rule": "hang"}).encode()
+                        + b"\n", timeout=10)
+        answers = [json.loads(s.makefile().readline()) for s in flood]
+    finally:
+        for s in flood:
+            s.close()
+    assert other == {"ok": True, "why": "reported"}
+    busy = [a for a in answers if a["why"].startswith("busy:")]
+    assert len(busy) == 20 - job_channel.MAX_QUEUED_PER_JOB, answers

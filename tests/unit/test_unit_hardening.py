@@ -125,6 +125,10 @@ def test_sandbox_keeps_what_the_command_needs(unit):
     assert under(str(cfg.state_path("n1") / "hooks.log"), rw)
     if unit == "slurmagent-watch.service":  # the wrapped jobs' channel lives there
         assert under(str(Path(cfg.node_path(cfg.watch.channel_socket, "n1")).parent), rw), rw
+        # root drains for a job only on what it sees in /proc itself (the named rank stopped, by its
+        # cgroup): `invisible`/`ptraceable` would hide every user's process from a root without
+        # CAP_SYS_PTRACE, and every hang drain would be refused
+        assert last(keys, "ProtectProc") in (None, "default"), last(keys, "ProtectProc")
     if unit == "slurmagent-expiry.service":
         assert under(str(Path(cfg.node_path(cfg.expiry.run_file, "n1")).parent), rw), rw
         assert last(keys, "UMask") == "0022"  # the run file is world-readable for the job's user

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from ...core.goodput import LEDGER_DIR, record_name
 from ..errors import CheckpointError
@@ -53,10 +53,11 @@ class LedgerBucket:
             return names, sorted(getattr(it, "prefixes", ()) or ())
         return self._call(once, dl, f"listing {prefix or 'the bucket'}")
 
-    def read_all(self, *, deadline_s: float = 120.0) -> tuple[list[dict], list[str]]:
+    def read_all(self, *, deadline_s: float = 120.0, progress: Callable[[int, int], None] | None = None
+                 ) -> tuple[list[dict], list[str]]:
         """Every record under the prefix: its own `ledger/` and each child prefix's (`<prefix>/<job>/ledger/`,
         the default per-job checkpoint prefix). Returns (records, one line per unreadable object); each
-        record gains `prefix`, the checkpoint prefix it sits under."""
+        record gains `prefix`, the checkpoint prefix it sits under. `progress(done, total)` after each read."""
         dl = Deadline(deadline_s)
         root = self.objects.key("")
         _, children = self._list(root, dl, "/")
@@ -83,9 +84,10 @@ class LedgerBucket:
         for d, names in zip(dirs, listed):
             todo += [(n, f"gs://{self.objects.bucket_name}/{d[:-len(LEDGER_DIR) - 2]}") for n in names or ()
                      if n.endswith(".json")]
-        return self._read_many(todo, dl, errors)
+        return self._read_many(todo, dl, errors, progress)
 
-    def _read_many(self, todo: list[tuple[str, str]], dl: Deadline, errors: list[str]) -> tuple[list[dict], list[str]]:
+    def _read_many(self, todo: list[tuple[str, str]], dl: Deadline, errors: list[str],
+                   progress: Callable[[int, int], None] | None = None) -> tuple[list[dict], list[str]]:
         """The records of `todo`, READERS at a time; past the deadline, what was read and a note."""
         records: list[dict] = []
         left = len(todo)
@@ -104,6 +106,8 @@ class LedgerBucket:
         with ThreadPoolExecutor(READERS, thread_name_prefix="ledger-read") as pool:
             for (name, prefix), (rec, err) in zip(todo, pool.map(one, todo)):
                 left -= 1
+                if progress is not None:
+                    progress(len(todo) - left, len(todo))
                 if err == "late":
                     late = left + 1
                     errors.append(f"out of time reading the ledger ({dl.total:g} s): {late} of {len(todo)} "

@@ -1,0 +1,55 @@
+"""What root sees itself before it drains a node that a job's wrapper asked it to drain.
+
+The wrapper runs as the job's user: what it says is a claim. Root drains a node for a job only
+on evidence it can read on this node itself (actions/job_channel.py calls this once per job):
+
+* a hang: the rank process the request names (`pid`) is a process of that job on this node,
+  of the job's user, and is stopped (T, t) or a zombie (Z) -- `/proc`, read by root; or this
+  node's own GPU check (`slurmagent check`) shows a fault now. A rank that is "gone" cannot
+  be told apart from a made-up pid, and a rank that "stopped first" is a timing: neither
+  drains (the wrapper then counts the hang against every node of the job instead);
+* a hang on another node: this root cannot see it; that node's root judges it (the job's
+  node agent there asks it);
+* a straggler: slowness is a measure root cannot repeat; it drains only where this node's
+  own config says `[run] straggler_action = "drain"` (the admin's choice to take the job's
+  measure), else it is refused (the job reports it instead).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..policy.job_requests import JobRequest
+from ..slurm.job_processes import job_process_state
+from ..slurm.model import JobOwner
+from ..state.config import Config
+
+STOPPED = {"T": "stopped (T)", "t": "stopped by a tracer (t)", "Z": "a zombie (Z)"}
+
+
+def node_gpu_fault() -> str:
+    """This node's GPU fault in one line, or "" (root runs its own `slurmagent check --json`)."""
+    from ..hang.evidence import gpu_state  # start-up speed: only for a drain a job asked
+
+    return gpu_state()[1]
+
+
+def drain_evidence(req: JobRequest, owner: JobOwner, node: str, cfg: Config, *, proc: str = "/proc",
+                   gpu_fault: Callable[[], str] = node_gpu_fault) -> tuple[bool, str]:
+    """(drain, what root saw): True with root's own evidence, False with why root will not."""
+    if req.rule == "straggler":
+        if cfg.run.straggler_action == "drain":
+            return True, "straggler_action = drain in this node's config"
+        return False, "this node's config says straggler_action = report: a straggler is reported, not drained"
+    if req.node != node:
+        return False, f"root on {node} cannot see {req.node}: that node's own root judges a drain of it"
+    seen = "named no rank process"
+    if req.pid:
+        state = job_process_state(req.pid, owner.job, owner.uid, proc)
+        if state in STOPPED:
+            return True, f"root saw pid {req.pid} of job {owner.job} {STOPPED[state]}"
+        seen = f"pid {req.pid} is {'not a process of job ' + owner.job + ' here' if state is None else f'running ({state})'}"
+    fault = gpu_fault()
+    if fault:
+        return True, f"root's GPU check: {fault}"
+    return False, f"root sees no fault on {node} ({seen}, no GPU fault): a job's word alone drains nothing"
