@@ -84,7 +84,8 @@ def idle(path: str, count: int, seconds: float) -> None:  # pragma: no cover - a
 
 
 def one_run(args, with_flood: bool) -> dict:
-    from slurmagent.actions.job_channel import ChannelMetrics, ChannelServer
+    from slurmagent.actions.channel_client import ChannelMetrics
+    from slurmagent.actions.job_channel import ChannelServer
     from slurmagent.slurm.commands import Slurm
     from slurmagent.state.config import parse
     from slurmagent.state.decisionlog import DecisionLog
