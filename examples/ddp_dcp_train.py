@@ -54,8 +54,9 @@ def latest(ckpt: Path) -> Path | None:
 
 def save(model, opt, ckpt: Path, step: int) -> None:
     model_sd, opt_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=ckpt / f"step_{step:07d}")
-    dist.barrier()  # every shard and the .metadata are in place
+    with trainer.phase("save"):  # a long save (or an evaluation) is a phase, not a hang
+        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=ckpt / f"step_{step:07d}")
+        dist.barrier()  # every shard and the .metadata are in place
     trainer.saved(ckpt / f"step_{step:07d}", step=step)  # this node's part of the step, whole
     for old in sorted(ckpt.glob("step_*"))[:-KEEP]:  # each rank cleans its own node
         shutil.rmtree(old, ignore_errors=True)
@@ -90,6 +91,7 @@ def main() -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         step += 1
+        trainer.progress(step)  # the hang watch sees the job advance (rate-limited: every step)
         log(f"step {step}")
         time.sleep(STEP_S)
         stop = torch.tensor([int(trainer.checkpoint_requested())])

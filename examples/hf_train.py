@@ -58,9 +58,14 @@ def main() -> int:
 
     # recipe: callback
     class CheckpointOnSignal(TrainerCallback):
-        """On the wrapper's signal, save at the end of this step and stop; say each save is whole."""
+        """On the wrapper's signal, save at the end of this step and stop; say each save is whole;
+        tell the hang watch each step and each evaluation batch (an evaluation is not a hang)."""
+
+        def on_prediction_step(self, targs, state, control, **kwargs):
+            trainer.progress(state.global_step)  # evaluating: still advancing
 
         def on_step_end(self, targs, state, control, **kwargs):
+            trainer.progress(state.global_step)
             if trainer.any_rank(trainer.checkpoint_requested()):  # every rank stops at the same step
                 control.should_save = True
                 control.should_training_stop = True

@@ -73,7 +73,11 @@ class CheckpointOnSignal(pl.Callback):
     def __init__(self, path: Path):
         self.path = path
 
+    def on_validation_batch_end(self, pl_trainer, *_args) -> None:
+        trainer.progress(pl_trainer.global_step)  # validating: still advancing, not a hang
+
     def on_train_batch_end(self, pl_trainer, *_args) -> None:
+        trainer.progress(pl_trainer.global_step)  # the hang watch sees the job advance
         if trainer.any_rank(trainer.checkpoint_requested()):
             tmp = self.path.with_name(self.path.name + ".tmp")
             pl_trainer.save_checkpoint(tmp)

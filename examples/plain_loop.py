@@ -17,9 +17,11 @@ with trainer.checkpoint_handler():  # SIGUSR1/SIGTERM only set a flag
     while step < TOTAL:
         time.sleep(STEP_S)  # one training step
         step += 1
+        trainer.progress(step)  # the hang watch sees the job advance (rate-limited: every step)
         stop = trainer.any_rank(trainer.checkpoint_requested())  # every rank stops at the same step
         if step % 100 == 0 or stop:
-            trainer.atomic_write(state_file, json.dumps({"step": step}))
+            with trainer.phase("save"):  # a long save (or an evaluation) is a phase, not a hang
+                trainer.atomic_write(state_file, json.dumps({"step": step}))
             trainer.saved(state_file, step=step)  # whole: the next sync round commits it
         if stop:
             print(f"checkpointed at step {step}, exiting for requeue", flush=True)

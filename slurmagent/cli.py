@@ -233,7 +233,7 @@ def run(state: State, ckpt_dir, remote, ckpt_signal, grace, max_requeues, sync_i
 
 
 @cli.command("node-agent", hidden=True)
-@click.argument("action", type=click.Choice(["restore", "sync", "evidence", "drain", "writers"]))
+@click.argument("action", type=click.Choice(["restore", "sync", "evidence", "samples", "drain", "writers"]))
 @click.option("--ckpt-dir", required=True)
 @click.option("--remote", default="")
 @click.option("--state-file", default=None)

@@ -8,6 +8,9 @@ this run resumes one. Stdlib only; torch is used only when the caller already im
         for step in range(state.step, total):
             train_step(state)
             trainer.progress(step)                  # the wrapper's hang watch sees the job advance
+            if step % 1000 == 0:
+                with trainer.phase("eval"):         # a long silent phase: not a hang
+                    evaluate(state)
             if trainer.any_rank(trainer.checkpoint_requested()):   # every rank stops together
                 trainer.atomic_write(trainer.ckpt_dir() / "state.json", dump(state))
                 trainer.saved("state.json", step=step)   # whole: the next sync round commits it
@@ -86,6 +89,36 @@ def progress(step: int) -> None:
         write(directory, _rank(), step, time.time(), slurmd_node(os.environ) or "")
     except (OSError, ValueError, TypeError):
         pass  # the directory is gone (the attempt ends) or another node's path: training goes on
+
+
+@contextmanager
+def phase(name: str, expected_s: float | None = None) -> Iterator[None]:
+    """Announce a long silent phase of this rank (evaluation, compilation, a save that writes
+    no file): inside it the wrapper's hang watch does not take this rank's silence, nor the
+    other ranks' wait for it, for a hang -- up to `expected_s` (default: the watch's ceiling,
+    30 minutes). Per rank; nest-free (an inner phase replaces the outer one until it ends).
+    Never raises, nothing outside `slurmagent run`.
+
+        with trainer.phase("eval"):
+            evaluate(model)
+    """
+    directory = os.environ.get("SLURMAGENT_PROGRESS_DIR")
+    if not directory:
+        yield
+        return
+    from .slurm.env import slurmd_node  # start-up speed: a trainer pays only when it reports
+    from .state.progress import end_phase, write_phase  # start-up speed: likewise
+
+    rank = _rank()
+    try:
+        write_phase(directory, rank, str(name), time.time(), float(expected_s or 0), slurmd_node(os.environ) or "")
+    except (OSError, ValueError, TypeError):
+        pass  # the directory is gone (the attempt ends): training goes on
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            end_phase(directory, rank)
 
 
 def saved(paths, step: int | None = None) -> None:

@@ -17,6 +17,8 @@ from ..state.config import Config
 
 ASK_TIMEOUT_S = 2.0
 ASK_DEADLINE_S = 5.0  # retries of a refused connection or a "busy" answer, within this
+# A drain: root looks itself first, its GPU check included (`slurmagent check`, 20 s at most)
+DRAIN_TIMEOUT_S, DRAIN_DEADLINE_S = 30.0, 45.0
 
 
 def ask_root(path: str | Path, request: dict[str, Any], timeout_s: float = ASK_TIMEOUT_S,

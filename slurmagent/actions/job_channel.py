@@ -59,8 +59,8 @@ MAX_CONNECTIONS = 256  # open at once; past it a new one is closed at once
 MAX_PER_UID = 64  # open at once from one uid (root's own wrappers included)
 WORKERS = 4  # requests judged side by side (each may read Slurm)
 MAX_QUEUED = 64  # whole requests waiting for a worker; past it: "busy", answered at once
-MAX_QUEUED_PER_UID = 48  # of them from one uid: one user's flood never takes every slot
-MAX_QUEUED_PER_JOB = 4  # of them for one (uid, job): one user's 48 jobs on a node are 48 budgets, one job's flood is one
+MAX_QUEUED_PER_UID = 32  # of them from one uid: one user (whatever job ids it names) takes at most half
+MAX_QUEUED_PER_JOB = 2  # of them for one (uid, job): each job its own budget, below WORKERS: one job never takes all
 ACCEPTS_PER_PASS = 64  # new connections taken per selector pass: reads are never starved by a connect flood
 UNKNOWN_TTL_S = 5.0  # "Slurm does not know this job": reused this long (a flood of made-up ids costs no squeue)
 REFUSAL_WINDOW_S = 60.0
@@ -341,16 +341,12 @@ class ChannelServer:
         if not req.rid:
             return self._decide(uid, req)
         key = (uid, req.rid)
-        while True:  # one judgement per (uid, id): a retry waits for the first and gets its answer
-            with self.lock:
-                if key in self.answered:
-                    return self.answered[key][1]
-                running = self._inflight.get(key)
-                if running is None:
-                    running = self._inflight[key] = threading.Event()
-                    break
-            if not running.wait(CONNECTION_TIMEOUT_S * 5):
+        with self.lock:  # one judgement per (uid, id): a retry gets the first's answer once there is one
+            if key in self.answered:
+                return self.answered[key][1]
+            if key in self._inflight:  # still being judged: "busy" at once (no worker parked), asked again
                 return json.loads(BUSY)
+            self._inflight[key] = threading.Event()
         try:
             answer = self._decide(uid, req)
             with self.lock:

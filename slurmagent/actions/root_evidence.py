@@ -4,7 +4,7 @@ The wrapper runs as the job's user: what it says is a claim. Root drains a node 
 on evidence it can read on this node itself (actions/job_channel.py calls this once per job):
 
 * a hang: the rank process the request names (`pid`) is a process of that job on this node,
-  of the job's user, and is stopped (T, t) or a zombie (Z) -- `/proc`, read by root; or this
+  of the job's user, and is stopped (T; never a tracer's `t`) or a zombie (Z) -- `/proc`, read by root; or this
   node's own GPU check (`slurmagent check`) shows a fault now. A rank that is "gone" cannot
   be told apart from a made-up pid, and a rank that "stopped first" is a timing: neither
   drains (the wrapper then counts the hang against every node of the job instead);
@@ -17,6 +17,8 @@ on evidence it can read on this node itself (actions/job_channel.py calls this o
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable
 
 from ..policy.job_requests import JobRequest
@@ -24,14 +26,25 @@ from ..slurm.job_processes import job_process_state
 from ..slurm.model import JobOwner
 from ..state.config import Config
 
-STOPPED = {"T": "stopped (T)", "t": "stopped by a tracer (t)", "Z": "a zombie (Z)"}
+STOPPED = {"T": "stopped (T)", "Z": "a zombie (Z)"}  # never `t`: a tracer's stop (py-spy, gdb) is for moments
+
+
+GPU_CHECK_REUSE_S = 60.0  # one check answers every drain asked meanwhile: many jobs' asks cost one check
+_gpu_lock = threading.Lock()
+_gpu_seen: list[tuple[float, str]] = []
 
 
 def node_gpu_fault() -> str:
-    """This node's GPU fault in one line, or "" (root runs its own `slurmagent check --json`)."""
+    """This node's GPU fault in one line, or "" (root runs its own `slurmagent check --json`, one
+    at a time, its answer reused `GPU_CHECK_REUSE_S`)."""
     from ..hang.evidence import gpu_state  # start-up speed: only for a drain a job asked
 
-    return gpu_state()[1]
+    with _gpu_lock:
+        if _gpu_seen and time.monotonic() - _gpu_seen[0][0] < GPU_CHECK_REUSE_S:
+            return _gpu_seen[0][1]
+        fault = gpu_state()[1]
+        _gpu_seen[:] = [(time.monotonic(), fault)]
+        return fault
 
 
 def drain_evidence(req: JobRequest, owner: JobOwner, node: str, cfg: Config, *, proc: str = "/proc",
@@ -45,7 +58,7 @@ def drain_evidence(req: JobRequest, owner: JobOwner, node: str, cfg: Config, *, 
         return False, f"root on {node} cannot see {req.node}: that node's own root judges a drain of it"
     seen = "named no rank process"
     if req.pid:
-        state = job_process_state(req.pid, owner.job, owner.uid, proc)
+        state = job_process_state(req.pid, owner.own_id or owner.job, owner.uid, proc)
         if state in STOPPED:
             return True, f"root saw pid {req.pid} of job {owner.job} {STOPPED[state]}"
         seen = f"pid {req.pid} is {'not a process of job ' + owner.job + ' here' if state is None else f'running ({state})'}"

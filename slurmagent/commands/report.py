@@ -77,14 +77,19 @@ class TerminalProgress:
             return
         self.drawn_at = now
         line = f"reading the ledger: {done}/{total} records"
-        self.stream.write("\r" + line.ljust(self.width))
+        self._write("\r" + line.ljust(self.width))
         self.width = len(line)
-        self.stream.flush()
 
     def close(self) -> None:
         if self.on and self.width:
-            self.stream.write("\r" + " " * self.width + "\r")
+            self._write("\r" + " " * self.width + "\r")
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
             self.stream.flush()
+        except (OSError, ValueError):  # the terminal went away (EIO, EPIPE, closed): no more line, the report goes on
+            self.on = False
 
 
 def read_ledger(remote: str, err: TextIO | None = None) -> tuple[list, list]:

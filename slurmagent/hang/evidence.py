@@ -86,12 +86,11 @@ def py_spy_dumps(pids: list[int], timeout_s: float = PY_SPY_TIMEOUT_S) -> dict[i
     out: dict[int, str] = {}
 
     def dump(pid: int) -> None:
-        # py-spy suspends a process to read it and cannot suspend one already stopped (`T`, a
-        # SIGSTOPped rank: "Failed to suspend process"); a stopped one is read as it stands.
-        st = proc_stat(pid)
-        still = ["--nonblocking"] if st is not None and st[0] in ("T", "t") else []
+        # Always --nonblocking: py-spy would otherwise ptrace-stop the rank while it reads it (a `t`
+        # in its stat that another sample or the stall rule could take for a stopped rank), and it
+        # cannot suspend one already stopped (`T`: "Failed to suspend process"). Read as it stands.
         try:
-            proc = subprocess.run([exe, "dump", *still, "--pid", str(pid)], capture_output=True, text=True,
+            proc = subprocess.run([exe, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
                                   timeout=timeout_s, check=False)
             text = proc.stdout + (f"\n(py-spy exit {proc.returncode}) {proc.stderr.strip()}" if proc.returncode else "")
             if proc.returncode and scope is not None and scope >= 1 and "ermission" in proc.stderr:

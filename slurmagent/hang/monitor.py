@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..policy.stall import RANK_SIGNALS, STOPPED_STATES, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
+from ..policy.stall import RANK_SIGNALS, STOPPED_STATES, Evidence, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from ..state import progress as progress_files
 from . import evidence
 from .remote import RemoteEvidence, RemoteRanks
+from .samples import StackSamples, main_frames
 
 HANG_CAUSE = "hang"  # a flush cause that starts with it is ours (run/supervisor.py, core/goodput.end_of)
 MAX_DIR_ENTRIES = 100_000
@@ -75,6 +76,17 @@ class CountingStream:
         return getattr(self.inner, name)
 
 
+def no_stacks() -> str:
+    """Why the ranks' stacks cannot be had on this node, "" when py-spy may read them (a denial
+    under ptrace_scope 1, for ranks that are not the wrapper's children, shows in the samples)."""
+    if evidence.py_spy_exe() is None:
+        return "py-spy is not installed (pip install 'slurmagent[hang]')"
+    scope = evidence.ptrace_scope()
+    if scope is not None and scope >= 2:
+        return f"kernel.yama.ptrace_scope = {scope} lets no job read its ranks' stacks"
+    return ""
+
+
 class HangMonitor:
     def __init__(self, rule: StallRule, *, progress_dir: Path, ckpt_dir: Path, node: str, job: str, attempt: int,
                  say: Callable[[str], None], ask_drain: Callable[[str, str, int], str] | None = None,
@@ -82,7 +94,8 @@ class HangMonitor:
                  straggler: StragglerRule | None = None, straggler_report: Callable[[int, str, str], None] | None = None,
                  poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
                  own_stream: CountingStream | None = None, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
-                 py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps):
+                 py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps,
+                 wall: Callable[[], float] = time.time, stacks: str = ""):
         self.rule, self.progress_dir, self.ckpt_dir = rule, Path(progress_dir), Path(ckpt_dir)
         self.node, self.job, self.attempt, self.say = node, job, attempt, say
         self.ask_drain, self.poll_s, self.clock, self.out_fds, self.proc = ask_drain, poll_s, clock, out_fds, proc
@@ -97,6 +110,14 @@ class HangMonitor:
         self.cause = ""
         self.folder: Path | None = None
         self.suspect_node = ""
+        self.wall = wall  # the phases' clock (their files hold wall times)
+        self.said_blind = False
+        # adaptive rule: the ranks' stacks through a silence, or why there are none ("" = sample them)
+        self.blind = stacks or ("" if not rule.adaptive else no_stacks())
+        self.stack_samples = StackSamples(self._take_stacks, clock) if rule.adaptive and not self.blind else None
+        if self.blind and rule.adaptive:
+            say(f"hang watch: {self.blind}: no stacks to show the ranks stuck, so a silence is a hang only after "
+                f"{max(rule.floor_s, rule.blind_floor_s):g} s at least (a stopped, gone or zombie rank sooner)")
 
     def owns(self, cause: str) -> bool:
         return bool(self.cause) and cause == self.cause
@@ -111,7 +132,46 @@ class HangMonitor:
                                   "output": output_bytes(self.out_fds) - ours}
         if self.remote is not None:
             out["progress on other nodes"] = self.remote.progress()
+        out["phases"] = {r: (p.name, p.started) for r, p in self._phases().items()}
         return out
+
+    def _phases(self) -> dict:
+        here = {r: p for r, p in progress_files.read_phases(self.progress_dir).items() if p.on(self.node)}
+        return {**(self.remote.phases if self.remote is not None else {}), **here}
+
+    def _take_stacks(self) -> dict[int, str | None]:
+        """Every rank's main-thread frames now: this node's by py-spy, the others' by their agents."""
+        ranks = self._local_ranks()
+        dumps = self.py_spy([p.pid for p in ranks.values()]) if ranks else {}
+        out = {r: main_frames(dumps.get(p.pid, "")) for r, p in ranks.items()}
+        return {**(self.remote.stacks() if self.remote is not None else {}), **out}
+
+    def what_ranks_show(self, now: float) -> Evidence | None:
+        """What the ranks show in this silence (adaptive rule): a live phase, a stopped rank, the
+        stacks' verdict; sampled from half the short limit on."""
+        w = self.watch
+        if w is None or not self.rule.adaptive or w.last is None:
+            return None
+        live = [p for p in self._phases().values() if p.live(self.wall(), self.rule.ceiling_s)]
+        if live:
+            return Evidence(phase=live[0].words(self.wall()))
+        limit = w.limit() or 0.0
+        if w.silence(now) < limit / 2 or not w.ranks_reported:
+            return Evidence()
+        states = evidence.rank_states(self._local_ranks(), self.node, self.proc)
+        states += list(self.remote.ranks.values()) if self.remote is not None else []
+        stopped = next((f"rank {r.rank} on {r.node or 'this node'} {STOPPED_STATES[r.state]} (pid {r.pid})"
+                        for r in sorted(states, key=lambda r: r.rank) if r.state in STOPPED_STATES), "")
+        if self.stack_samples is None:
+            return Evidence(stopped=stopped, stacks="blind", detail=self.blind)
+        verdict, detail = self.stack_samples.verdict({r.rank for r in states}, self.rule.samples)
+        if verdict == "blind" and not self.said_blind:
+            self.said_blind = True
+            self.say(f"hang watch: {detail} (py-spy denied? kernel.yama.ptrace_scope, docs/user/hangs.md): a silence "
+                     f"is a hang only after {max(self.rule.floor_s, self.rule.blind_floor_s):g} s at least")
+        if not verdict:  # `samples` of them from half the short limit to the limit
+            self.stack_samples.maybe(max(1.0, limit / (2 * max(1, self.rule.samples - 1))))
+        return Evidence(stopped=stopped, stacks=verdict, detail=detail)
 
     def _local_ranks(self) -> dict:
         """This node's ranks (a rank of another node on a path that is not node-local is its agent's)."""
@@ -132,10 +192,13 @@ class HangMonitor:
         moved = [k for k, v in current.items() if (grew if k == "output" else v != self.last.get(k))]
         self.last = current
         if moved:
-            self.watch.progressed(now, moved[0], ranks=any(k in RANK_SIGNALS for k in moved))
+            self.watch.progressed(now, moved[0], ranks=any(k in RANK_SIGNALS for k in moved),
+                                  learn=moved != ["phases"])
+            if self.stack_samples is not None:
+                self.stack_samples.reset()
         if self.stragglers is not None:
             self._stragglers(now, {**current.get("progress on other nodes", {}), **current["progress"]})
-        why = self.watch.stalled(now)
+        why = self.watch.stalled(now, self.what_ranks_show(now))
         if why:
             self.cause = f"{HANG_CAUSE}: {why}"
         return self.cause
@@ -231,9 +294,9 @@ class HangMonitor:
             pid = next((r.pid for r in sorted(ranks, key=lambda r: r.rank)
                         if r.node == node and r.state in STOPPED_STATES and r.state != "gone"), 0)
             answer = self.ask_drain(node, detail, pid)
-            if not answer.startswith("refused"):
+            if answer.startswith("granted"):
                 return f"drain of {node} asked: {answer}"
-            said = f"drain of {node} asked: {answer}; "
+            said = f"drain of {node} asked: {answer}; "  # refused, or no answer: the hang is counted instead
         elif node:
             return f"suspect {node}: not drained from here (no root channel)"
         if self.ask_count is not None:

@@ -29,6 +29,7 @@ Pure but for `node_ranks`/`node_evidence` (this node's files and processes).
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ from . import evidence
 
 BATCH_NODE_ENV = "SLURMAGENT_HANG_BATCH_NODE"  # in the agents' environment: that node's agent skips the evidence
 ASK_THERE_DEADLINE_S = 60.0  # an agent step's start, then root's own look there (a GPU check: 20 s)
-EVIDENCE_DEADLINE_S = 25.0  # py-spy (10 s) and the GPU check (20 s) run side by side on each node
+EVIDENCE_DEADLINE_S = 25.0
+SAMPLE_DEADLINE_S = 20.0  # one stack sample round of the agents (py-spy: 10 s at most)  # py-spy (10 s) and the GPU check (20 s) run side by side on each node
 MAX_GPU_TEXT = 64 * 1024
 
 
@@ -49,6 +51,22 @@ def node_ranks(progress_dir: str | Path, node: str, proc: str = "/proc") -> list
     """This node's ranks (their files name it, or no node) with their process state now."""
     mine = {r: p for r, p in progress_files.read_all(progress_dir).items() if p.on(node)}
     return [r.__dict__ for r in evidence.rank_states(mine, node, proc)]
+
+
+def node_phases(progress_dir: str | Path, node: str) -> list[dict[str, Any]]:
+    """This node's ranks' open phases (`trainer.phase`), for the sync report."""
+    return [p.__dict__ for p in progress_files.read_phases(progress_dir).values() if p.on(node)]
+
+
+def node_stacks(progress_dir: str | Path, node: str, index: int,
+                py_spy: Callable[[list[int]], dict[int, str]] = evidence.py_spy_dumps) -> bytes:
+    """One stack sample of this node's ranks (hang/samples.py): {rank: main-thread frames or null}."""
+    from .samples import main_frames  # start-up speed: only in a silence
+
+    mine = {r: p for r, p in progress_files.read_all(progress_dir).items() if p.on(node)}
+    dumps = py_spy([p.pid for p in mine.values()]) if mine else {}
+    frames = {str(r): main_frames(dumps.get(p.pid, "")) for r, p in mine.items()}
+    return json.dumps({"index": index, "node": node, "frames": frames}).encode()
 
 
 def node_evidence(progress_dir: str | Path, node: str, index: int, *, proc: str = "/proc",
@@ -67,6 +85,16 @@ def node_evidence(progress_dir: str | Path, node: str, index: int, *, proc: str 
     by_pid = {r["pid"]: r["rank"] for r in ranks}
     return json.dumps({"index": index, "node": node, "ranks": ranks, "gpu": text[:MAX_GPU_TEXT], "fault": fault,
                        "flight": flight[:MAX_GPU_TEXT], "dumps": {str(by_pid[p]): d for p, d in dumps.items() if p in by_pid}}).encode()
+
+
+def _phase(raw: Any, node: str) -> progress_files.Phase | None:
+    """A phase from an agent's report (the job's own processes wrote it: checked, never trusted further)."""
+    try:
+        p = progress_files.Phase(int(raw["rank"]), str(raw["name"])[:40], float(raw["started"]),
+                                 float(raw["expected_s"]), int(raw["pid"]), node)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return p if p.rank >= 0 and math.isfinite(p.started) and math.isfinite(p.expected_s) else None
 
 
 def _rank_state(raw: Any, node: str) -> RankState | None:
@@ -102,22 +130,46 @@ class RemoteRanks:
         self.ask, self.clock = ask, clock
         self.ranks: dict[int, RankState] = {}  # rank -> as its node's agent last saw it
         self.seen_at: dict[str, float] = {}  # node -> when its last report came (our clock)
+        self.phases: dict[int, progress_files.Phase] = {}  # rank -> its open phase, as its node last said
 
     def take(self, reports: Iterable[Any]) -> None:
         """The ranks in a sync round's node reports (run/agent_reports.NodeReport.ranks); called
         from the sync thread."""
         now = self.clock()
-        ranks, seen = dict(self.ranks), dict(self.seen_at)  # replaced whole: the main loop reads them meanwhile
+        ranks, seen, phases = dict(self.ranks), dict(self.seen_at), dict(self.phases)  # replaced whole: read meanwhile
         for report in reports:
             node = getattr(report, "node", "")
             if not getattr(report, "ok", False) or not node or node == self.node:
                 continue
             seen[node] = now
+            phases = {r: p for r, p in phases.items() if p.node != node}  # the node's report says all of its own
+            for raw in getattr(report, "phases", None) or []:
+                phase = _phase(raw, node) if isinstance(raw, dict) else None
+                if phase is not None:
+                    phases[phase.rank] = phase
             for raw in getattr(report, "ranks", None) or []:
                 r = _rank_state(raw, node) if isinstance(raw, dict) else None
                 if r is not None:
                     ranks[r.rank] = r
-        self.ranks, self.seen_at = ranks, seen
+        self.ranks, self.seen_at, self.phases = ranks, seen, phases
+
+    def stacks(self, deadline_s: float = SAMPLE_DEADLINE_S) -> dict[int, str | None]:
+        """One stack sample of the other nodes' ranks (`node-agent samples`): rank -> frames or None."""
+        out: dict[int, str | None] = {}
+        if self.ask is None:
+            return out
+        for payload in self.ask(["samples", "--ckpt-dir", self.ckpt_dir, "--deadline", f"{deadline_s:g}"],
+                                deadline_s).values():
+            try:
+                doc = json.loads(payload)
+            except ValueError:
+                continue
+            if not isinstance(doc, dict) or doc.get("node") == self.node or not isinstance(doc.get("frames"), dict):
+                continue
+            for rank, frames in doc["frames"].items():
+                if str(rank).isdigit() and (frames is None or isinstance(frames, str)):
+                    out[int(rank)] = None if frames is None else frames[:4096]
+        return out
 
     def progress(self) -> dict[int, tuple[int | None, float | None]]:
         """rank -> (step, its time) on the other nodes: a change is progress (HangMonitor.poll)."""

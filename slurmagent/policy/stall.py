@@ -6,15 +6,18 @@ the limit is a hang:
 
 - before the first progress after start: `first_progress_s` (a restore and a slow first step
   are not hangs);
-- then `timeout_s` when set (> 0); `0` turns the rule off; `-1` (default) is adaptive:
-  `factor` x the longest gap seen so far between two progresses, within [floor, ceiling], so
-  a job that writes a checkpoint for 10 minutes while its files change is never flagged, and
-  one whose ranks call `trainer.progress` every few seconds is caught in minutes. Adaptive
-  learns only from the ranks' own progress: a job that has sent none in this attempt (output
-  and checkpoint files are all it shows) gets the ceiling, because a trainer that logs at start
-  and then trains, compiles or evaluates in silence for minutes is healthy (a Lightning job
-  without a progress bar was killed at the 120 s floor). An explicit `timeout_s` applies to
-  every signal.
+- then `timeout_s` when set (> 0): silence alone is a hang (`0` turns the rule off);
+- `-1` (default): a hang is shown by evidence, and activity only extends the limit. The short
+  limit is `factor` x the longest gap seen between two progresses, within [floor, ceiling]
+  (learned only from the ranks' own `trainer.progress`: a job that sent none gets the ceiling).
+  Past it, the job is hung when the evidence says no rank can go on (`Evidence`): a rank
+  stopped (`T`, never a tracer's `t`), gone or a zombie; or every rank's stack unchanged
+  across the samples of the silence (`stacks_verdict`: waiting in a collective, a barrier,
+  a sleep). A rank whose stack moves is running (rank 0 evaluating while the others wait at
+  a barrier): the limit becomes the ceiling, never more. Without stacks (no py-spy, no ptrace
+  rights) the limit is never below `blind_floor_s` (10 minutes: PyTorch's own NCCL collective
+  timeout). A rank inside an announced phase (`trainer.phase`, until its expected time) keeps
+  the job from being silent. CPU time is no evidence either way.
 
 Pure: the caller passes the clock's readings.
 """
@@ -30,8 +33,9 @@ from typing import NamedTuple
 ADAPTIVE = -1.0
 OFF = 0.0
 RANK_SIGNALS = ("progress", "progress on other nodes")  # the ranks' own trainer.progress (hang/monitor.py)
-STOPPED_STATES = {"T": "process stopped (T)", "t": "process stopped by a tracer (t)", "Z": "process is a zombie (Z)",
-                  "gone": "process gone"}
+# A rank that cannot go on. Never `t` (stopped by a tracer): a stack sample (py-spy), a debugger
+# or strace stops a rank for moments, and sampling must never make the evidence it reads.
+STOPPED_STATES = {"T": "process stopped (T)", "Z": "process is a zombie (Z)", "gone": "process gone"}
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,52 @@ class StallRule:
     factor: float = 5.0
     floor_s: float = 120.0
     ceiling_s: float = 1800.0
+    blind_floor_s: float = 600.0  # adaptive, without stacks: never a hang sooner
+    samples: int = 3  # stack samples of a silence before "every rank still" is evidence
 
     @property
     def off(self) -> bool:
         return self.timeout_s == OFF
+
+    @property
+    def adaptive(self) -> bool:
+        return self.timeout_s < 0
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the hang watch saw of the ranks during the current silence (hang/monitor.py)."""
+    stopped: str = ""  # a rank that cannot go on (STOPPED_STATES), in words; "" none
+    stacks: str = ""  # stacks_verdict: "still" | "moving" | "blind" | "" (not sampled enough yet)
+    detail: str = ""  # what the stacks showed, in words
+    phase: str = ""  # a rank inside an announced phase within its expected time, in words; "" none
+
+
+def stacks_verdict(samples: list[dict[int, str | None]], ranks: set[int], needed: int) -> tuple[str, str]:
+    """(verdict, words) from stack samples of one silence, each {rank: its main thread's frames,
+    None when that rank's stack could not be read}. "moving": a rank's stack changed between two
+    samples; "still": every rank of `ranks` read in at least `needed` samples, none changed;
+    "blind": no rank's stack could be read at all; "" otherwise (not enough samples yet, or
+    some ranks unread: never "still" on part of the job)."""
+    seen: dict[int, list[str]] = {}
+    for sample in samples:
+        for rank, frames in sample.items():
+            if frames is not None:
+                seen.setdefault(rank, []).append(frames)
+    for rank, frames in sorted(seen.items()):
+        if len(set(frames)) > 1:
+            top = frames[-1].splitlines()[0] if frames[-1] else "?"
+            return "moving", f"rank {rank}'s stack moved across {len(frames)} samples (now in {top})"
+    if len(samples) >= needed and not seen:
+        return "blind", f"no rank's stack could be read in {len(samples)} samples"
+    if ranks and all(len(seen.get(r, ())) >= needed for r in ranks):
+        tops = sorted({f[0].splitlines()[0] if f[0] else "?" for f in seen.values()})
+        return "still", (f"every rank's stack unchanged across {min(len(f) for f in seen.values())} samples "
+                         f"(in {'; '.join(tops)[:200]})")
+    unread = sorted(r for r in ranks if len(seen.get(r, ())) < needed)
+    if len(samples) >= 2 * needed and unread:
+        return "blind", f"the stacks of rank(s) {', '.join(map(str, unread[:8]))} could not be read"
+    return "", ""
 
 
 class StallWatch:
@@ -58,17 +104,19 @@ class StallWatch:
         self.what = ""  # the signal that moved last
         self.ranks_reported = False  # a rank's own progress() seen: adaptive may learn from the gaps
 
-    def progressed(self, now: float, what: str = "", *, ranks: bool | None = None) -> None:
+    def progressed(self, now: float, what: str = "", *, ranks: bool | None = None, learn: bool = True) -> None:
         """A signal moved; `ranks` (default: `what` is one of RANK_SIGNALS) says a rank's own
-        progress was among the signals that moved."""
-        if self.last is not None:
+        progress was among the signals that moved; `learn=False`: the gap it ends is no pace
+        (a phase's start or end: its length is the phase's, not a step's)."""
+        if self.last is not None and learn:
             self.longest_gap = max(self.longest_gap, now - self.last)
         self.last = now
         self.what = what or self.what
         self.ranks_reported = self.ranks_reported or (what in RANK_SIGNALS if ranks is None else ranks)
 
     def limit(self) -> float | None:
-        """Seconds without progress that make a hang now; None when the rule is off."""
+        """The short limit: seconds without progress past which evidence (or, with an explicit
+        `timeout_s`, silence alone) makes a hang; None when the rule is off."""
         rule = self.rule
         if rule.off:
             return None
@@ -80,20 +128,37 @@ class StallWatch:
             return rule.ceiling_s
         return min(rule.ceiling_s, max(rule.floor_s, rule.factor * self.longest_gap))
 
-    def stalled(self, now: float) -> str:
-        """Why this is a hang ("" when it is not)."""
+    def silence(self, now: float) -> float:
+        return now - (self.started if self.last is None else self.last)
+
+    def stalled(self, now: float, evidence: Evidence | None = None) -> str:
+        """Why this is a hang ("" when it is not). `evidence`: what the ranks show now (adaptive
+        rule only; None: nothing known, as "not sampled enough yet")."""
         limit = self.limit()
         if limit is None:
             return ""
-        since = now - (self.started if self.last is None else self.last)
-        if since < limit:
+        ev = evidence or Evidence()
+        since = self.silence(now)
+        if ev.phase or since < limit:
             return ""
         if self.last is None:
             return f"no progress {since:.0f} s after start (first-progress limit {limit:g} s)"
-        how = ("" if self.rule.timeout_s > 0 else
-               f", adaptive: {self.rule.factor:g} x the longest gap {self.longest_gap:.0f} s" if self.ranks_reported else
-               ", adaptive: no trainer.progress from the ranks, so the ceiling")
-        return f"no progress for {since:.0f} s (limit {limit:g} s{how}; last: {self.what or 'progress'})"
+        rule = self.rule
+        if rule.timeout_s > 0:
+            return f"no progress for {since:.0f} s (limit {limit:g} s; last: {self.what or 'progress'})"
+        if not self.ranks_reported:
+            how = "adaptive: no trainer.progress from the ranks, so the ceiling"
+        elif ev.stopped or ev.stacks == "still":
+            how = f"adaptive: {rule.factor:g} x the longest gap {self.longest_gap:.0f} s; evidence: {ev.stopped or ev.detail}"
+        else:
+            blind = ev.stacks == "blind"
+            limit = max(limit, rule.blind_floor_s) if blind else rule.ceiling_s
+            if since < limit:
+                return ""
+            how = (f"adaptive, no stacks to show the ranks stuck ({ev.detail or 'none read'}): the "
+                   f"{rule.blind_floor_s:g} s floor" if blind and limit < rule.ceiling_s else
+                   f"adaptive: the ceiling{'; ' + ev.detail if ev.detail else ''}")
+        return f"no progress for {since:.0f} s (limit {limit:g} s, {how}; last: {self.what or 'progress'})"
 
 
 @dataclass(frozen=True)

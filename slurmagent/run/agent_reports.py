@@ -30,6 +30,7 @@ class NodeReport:
     messages: list[str] = field(default_factory=list)
     node_local: bool = False  # restore: failed because of this node's disk or path (another node would do)
     ranks: list[dict] = field(default_factory=list)  # sync: this node's ranks' progress and state (hang/remote.py)
+    phases: list[dict] = field(default_factory=list)  # sync: this node's ranks' announced phases (trainer.phase)
 
     def payload(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":")).encode()

@@ -198,7 +198,8 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
 
     rc = cfg.run
     rule = StallRule(timeout_s=rc.hang_timeout_s if timeout is None else timeout,
-                     first_progress_s=rc.hang_first_progress_s)
+                     first_progress_s=rc.hang_first_progress_s, floor_s=min(rc.hang_floor_s, rc.hang_ceiling_s),
+                     ceiling_s=rc.hang_ceiling_s, blind_floor_s=rc.hang_blind_floor_s)
     if rule.off:
         return None
     progress_dir = Path(tempfile.mkdtemp(prefix="slurmagent-progress-", dir=user_tmp_parent()))
@@ -218,9 +219,11 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
         if about and about != node and op == "drain" and rule_name == "hang" and remote is not None:
             # only that node's root sees its processes: asked there by the job's agent (node-agent drain)
             return remote.ask_root_there(about, {**request, "socket": cfg.node_path(cfg.watch.channel_socket, about)})
-        from ..actions.channel_client import answer_line, ask_root  # start-up speed: only on a hang or a straggler
+        from ..actions.channel_client import DRAIN_DEADLINE_S, DRAIN_TIMEOUT_S, answer_line, ask_root  # start-up speed
 
         try:
+            if op == "drain":  # root looks itself first (its GPU check may take 20 s)
+                return answer_line(ask_root(socket_path, request, timeout_s=DRAIN_TIMEOUT_S, deadline_s=DRAIN_DEADLINE_S))
             return answer_line(ask_root(socket_path, request))
         except (OSError, ValueError) as exc:
             return f"no answer from root at {socket_path} ({exc})"

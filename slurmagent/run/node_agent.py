@@ -145,14 +145,14 @@ def agent_sync(store: BlobStore, ckpt_dir: Path, *, index: int, node: str, attem
 def ask_root_here(raw: str, node: str, index: int) -> bytes:
     """The agent's part of `hang/remote.RemoteRanks.ask_root_there`: the request, asked of this node's root when
     it names this node (the other agents answer nothing); the answer as the report payload."""
-    from ..actions.channel_client import answer_line, ask_root  # start-up speed: only on a hang
+    from ..actions.channel_client import DRAIN_DEADLINE_S, DRAIN_TIMEOUT_S, answer_line, ask_root  # start-up speed
 
     try:
         request = json.loads(raw)
         if not isinstance(request, dict) or request.get("node") != node:
             return b"{}"
         socket_path = str(request.pop("socket"))
-        answer = answer_line(ask_root(socket_path, request))
+        answer = answer_line(ask_root(socket_path, request, timeout_s=DRAIN_TIMEOUT_S, deadline_s=DRAIN_DEADLINE_S))
     except (OSError, ValueError, KeyError) as exc:
         answer = f"no answer from root on {node} ({exc})"
     return json.dumps({"index": index, "node": node, "answer": answer}).encode()
@@ -164,7 +164,7 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                     parallel_upload_mib: int = 0, owner: str = "", private: Iterable[str] = (),
                     fresh: bool = False, cache_gib: float = -1.0, cache_copies: int = 2, cache_dir: str = "",
                     peers: str = "", keep_uncommitted: int = KEEP_SETS, ask: str = "") -> int:
-    """`slurmagent node-agent restore|sync|evidence|drain|writers`: one task of the agent step; one framed report."""
+    """`slurmagent node-agent restore|sync|evidence|samples|drain|writers`: one task of the agent step; one framed report."""
     index = slurm_env.node_index(env)
     node = node_name(None, env)
     progress_dir = env.get(PROGRESS_ENV, "")  # the hang watch's, in the agents' environment (run/main.py)
@@ -173,6 +173,11 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
 
         # the batch node's wrapper reads its own at the same time (two py-spy on one rank: one is refused)
         write_frames(out, index, b"{}" if node == env.get(BATCH_NODE_ENV) else node_evidence(progress_dir, node, index))
+        return 0
+    if action == "samples":  # a silence: one stack sample of this node's ranks (hang/samples.py)
+        from ..hang.remote import BATCH_NODE_ENV, node_stacks  # start-up speed: only in a silence
+
+        write_frames(out, index, b"{}" if node == env.get(BATCH_NODE_ENV) else node_stacks(progress_dir, node, index))
         return 0
     if action == "drain":  # a hang on this node: its root asked here, where it sees the ranks (hang/remote.py)
         write_frames(out, index, ask_root_here(ask, node, index))
@@ -213,9 +218,9 @@ def node_agent_main(action: str, *, ckpt_dir: str, remote: str, state_file: str 
                             state_file=state,
                             deadline_s=deadline_s, job_id=slurm_env.job_id(env) or "")
     if action == "sync" and progress_dir:  # the hang watch's view of this node's ranks
-        from ..hang.remote import node_ranks  # start-up speed: only for a job with a hang watch
+        from ..hang.remote import node_phases, node_ranks  # start-up speed: only for a job with a hang watch
 
-        report.ranks = node_ranks(progress_dir, node)
+        report.ranks, report.phases = node_ranks(progress_dir, node), node_phases(progress_dir, node)
     for message in report.messages:
         print(f"slurmagent node-agent {node}: {message}", file=err, flush=True)
     write_frames(out, index, report.payload())

@@ -207,11 +207,11 @@ class Slurm:
         return running_jobs_from_text(proc.stdout)
 
     def job_owner(self, job_id: str) -> JobOwner | None:
-        """Who runs the job, in what state, where, how long: `squeue -h -j JOB -o %i|%U|%T|%N|%M` (numeric uid;
+        """Who runs the job, in what state, where, how long: `squeue -h -j JOB -o %i|%U|%T|%N|%M|%A` (numeric uid;
         no field a job's own text could imitate). None when Slurm does not know the job."""
         from .model import owner_from_squeue  # off the healthy prolog: start-up speed
 
-        proc = self._call(self.squeue, ["-h", "-j", job_id, "-o", "%i|%U|%T|%N|%M"], check=False)
+        proc = self._call(self.squeue, ["-h", "-j", job_id, "-o", "%i|%U|%T|%N|%M|%A"], check=False)
         if proc.returncode != 0:
             if "Invalid job id" in (proc.stderr or ""):
                 return None

@@ -55,32 +55,66 @@ def proc_stat(pid: int, proc: str = "/proc") -> tuple[str, int] | None:
         return None
 
 
-def proc_parent(pid: int, proc: str = "/proc") -> int | None:
-    """The parent pid of a process (a zombie's is the one that has not reaped it); None when gone."""
+def _read_at(dirfd: int, name: str, limit: int = 1 << 20) -> bytes | None:
     try:
-        return int(Path(proc, str(pid), "stat").read_text().rsplit(")", 1)[1].split()[1])
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _process_facts(pid: int, proc: str) -> tuple[int, str, int, bytes, bytes] | None:
+    """(owner uid, state, parent pid, cgroup, environ) of one process, all read through one open
+    `/proc/<pid>` (a pid reused meanwhile reads as gone, never as a mix of two); None when gone."""
+    try:
+        dirfd = os.open(Path(proc, str(pid)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        owner = os.fstat(dirfd).st_uid
+        stat = _read_at(dirfd, "stat", 4096)
+        if not stat:
+            return None
+        fields = stat.rsplit(b")", 1)[1].split()
+        return owner, fields[0].decode("ascii", "replace"), int(fields[1]), \
+            _read_at(dirfd, "cgroup") or b"", _read_at(dirfd, "environ") or b""
     except (OSError, ValueError, IndexError):
         return None
+    finally:
+        os.close(dirfd)
+
+
+def _names_job(cgroup: bytes, environ: bytes, job_id: str) -> bool:
+    """The job's, by its cgroup path (`.../job_<id>/...`) or its environment (`SLURM_JOB_ID=<id>`)."""
+    mark = f"/job_{job_id}".encode()
+    if any(line.endswith(mark) or mark + b"/" in line for line in cgroup.splitlines()):
+        return True
+    return f"SLURM_JOB_ID={job_id}".encode() in environ.split(b"\0")
 
 
 def job_process_state(pid: int, job_id: str, uid: int, proc: str = "/proc") -> str | None:
     """The state letter of ``pid`` when it is a process of ``uid`` in job ``job_id`` on this node,
     else None (gone, another user's, another job's). A zombie has no environment left: it is the
-    job's when its parent is. Root's own look at a rank a job's wrapper names (actions/root_evidence.py)."""
-    st = proc_stat(pid, proc)
-    if st is None or pid <= 1:
+    job's when its parent is. Root's own look at a rank a job's wrapper names (actions/root_evidence.py).
+    Root in the watch unit has no CAP_SYS_PTRACE: another user's `environ` is closed to it, so there
+    the cgroup (`proctrack/cgroup`, `task/cgroup`: real nodes) is what names the job."""
+    if pid <= 1 or not job_id:
         return None
-    try:
-        if os.stat(Path(proc, str(pid))).st_uid != uid:
-            return None
-    except OSError:
+    facts = _process_facts(pid, proc)
+    if facts is None or facts[0] != uid:
         return None
-    job = JobProcesses(job_id, uid=uid, proc=proc, me=-1)
-    if job._belongs(pid, st[1]):
-        return st[0]
-    parent = proc_parent(pid, proc) if st[0] == "Z" else None
-    if parent is not None and parent > 1 and proc_stat(parent, proc) is not None and job._belongs(parent, -1):
-        return st[0]
+    _, state, parent, cgroup, environ = facts
+    if _names_job(cgroup, environ, job_id):
+        return state
+    if state == "Z" and parent > 1:
+        up = _process_facts(parent, proc)
+        if up is not None and up[0] == uid and _names_job(up[3], up[4], job_id):
+            return state
     return None
 
 

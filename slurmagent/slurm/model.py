@@ -366,6 +366,7 @@ class JobOwner:
     state: str
     nodes: tuple[str, ...]
     run_s: float | None = None  # how long this attempt has run (squeue %M); None when not said
+    own_id: str = ""  # its own numeric id (squeue %A): an array task's too, as its cgroup and SLURM_JOB_ID say
 
 
 def elapsed_seconds(text: str) -> float | None:
@@ -381,13 +382,15 @@ def elapsed_seconds(text: str) -> float | None:
 
 
 def owner_from_squeue(line: str) -> JobOwner | None:
-    """One `squeue -h -o %i|%U|%T|%N|%M` line (numeric uid, state, node list, time used: no job text)."""
+    """One `squeue -h -o %i|%U|%T|%N|%M|%A` line (numeric uid, state, node list, time used, own
+    numeric id: no job text)."""
     parts = line.strip().split("|")
-    if len(parts) not in (4, 5) or not parts[1].isdigit():
+    if len(parts) not in (4, 5, 6) or not parts[1].isdigit():
         return None
     job, uid, state, nodes = parts[:4]
     try:
         names = tuple(hostlist.expand(nodes)) if nodes and nodes != "(null)" else ()
     except ValueError:
         names = ()
-    return JobOwner(job, int(uid), state, names, elapsed_seconds(parts[4]) if len(parts) == 5 else None)
+    own = parts[5] if len(parts) == 6 and parts[5].isdigit() else ""
+    return JobOwner(job, int(uid), state, names, elapsed_seconds(parts[4]) if len(parts) >= 5 else None, own)

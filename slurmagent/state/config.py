@@ -271,11 +271,23 @@ class RunConfig:
     """[run]: the wrapper's hang and straggler watch (`slurmagent run`)."""
     hang_timeout_s: float = _key(
         -1.0, "no progress (the ranks' `trainer.progress`, the checkpoint directory, the job's output) for this long "
-        "after the first progress is a hang: evidence, the suspect node drained, the job requeued; -1 = adaptive "
-        "(5x the longest gap seen, within 120..1800 s), 0 = off", low=-1, high=604800)
+        "after the first progress is a hang (silence alone): evidence, the suspect node drained, the job requeued; "
+        "-1 = adaptive (a hang shown by evidence: see hang_floor_s, hang_ceiling_s, hang_blind_floor_s), 0 = off",
+        low=-1, high=604800)
     hang_first_progress_s: float = _key(
         1800.0, "the first progress after the trainer starts may take this long (a restore's load, a slow first step)",
         low=1, high=604800)
+    hang_floor_s: float = _key(
+        120.0, "adaptive rule: the short limit's least (5x the longest gap, at least this): past it a silence is a "
+        "hang only with evidence that no rank can go on (a rank stopped, gone or a zombie; every rank's stack "
+        "unchanged across the samples)", low=1, high=86400)
+    hang_ceiling_s: float = _key(
+        1800.0, "adaptive rule: the longest a silence may last, however the ranks' stacks move (a rank moving "
+        "through its own code extends the limit up to this; `trainer.phase(expected_s=)` may say longer)",
+        low=1, high=604800)
+    hang_blind_floor_s: float = _key(
+        600.0, "adaptive rule without stacks (py-spy not installed, ptrace denied): a silence is never a hang sooner "
+        "(PyTorch's own NCCL collective timeout is 10 minutes)", low=1, high=604800)
     straggler_window_s: float = _key(60.0, "per-rank seconds per step (ranks in lockstep: busy seconds per step, "
                                      "docs/user/hangs.md) are compared over windows this long", low=1,
                                      high=86400)

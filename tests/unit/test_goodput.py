@@ -5,6 +5,7 @@ with a fake bucket. The bucket and a real wrapped job: tests/cluster/test_ledger
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import signal
 
@@ -289,6 +290,7 @@ def test_reading_a_large_ledger_shows_its_progress_on_a_terminal_and_nothing_in_
     one line and cleared at the end; a pipe or a file (cron, `| jq`) gets no such line."""
     import io
     import pty
+    import select
 
     from slurmagent.commands.report import TerminalProgress
 
@@ -301,7 +303,9 @@ def test_reading_a_large_ledger_shows_its_progress_on_a_terminal_and_nothing_in_
         bar(done, 3000)
     bar.close()
     tty.close()
-    shown = os.read(master, 65536).decode()
+    shown = ""
+    while not shown.endswith("records\r" + " " * 37 + "\r") and select.select([master], [], [], 2)[0]:
+        shown += os.read(master, 65536).decode()  # a pty hands over what it holds, maybe in parts
     os.close(master)
     draws = [d for d in shown.split("\r") if d.strip()]
     assert 10 <= len(draws) <= 20, draws  # throttled: not 3000 writes to the terminal
@@ -313,3 +317,21 @@ def test_reading_a_large_ledger_shows_its_progress_on_a_terminal_and_nothing_in_
     bar(2, 2)
     bar.close()
     assert piped.getvalue() == ""
+
+
+def test_a_terminal_that_goes_away_ends_the_progress_line_not_the_report():
+    import pty
+
+    from slurmagent.commands.report import TerminalProgress
+
+    master, slave = pty.openpty()
+    tty = open(slave, "w")
+    bar = TerminalProgress(tty, every_s=0.0)
+    bar(1, 3)
+    os.close(master)  # the terminal is gone: writes fail with EIO
+    bar(2, 3)
+    bar(3, 3)
+    bar.close()  # no exception: the line is off, the report still comes (on stdout)
+    assert bar.on is False
+    with contextlib.suppress(OSError):
+        tty.close()

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from slurmagent.core.goodput import end_of
 from slurmagent.hang import evidence
 from slurmagent.hang.monitor import CountingStream, HangMonitor
 from slurmagent.run.child import kill_group
-from slurmagent.policy.stall import RankState, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
+from slurmagent.policy.stall import Evidence, RankState, StallRule, StallWatch, StragglerRule, StragglerWatch, suspect
 from slurmagent.run.job import JobIdentity, RunOptions
 from slurmagent.run.supervisor import EXIT_FLUSHED, Supervisor
 from slurmagent.state import progress
@@ -53,11 +54,62 @@ def test_adaptive_limit_is_bounded_multiple_of_the_longest_gap():
     for t in range(10, 200, 5):  # a progress() every 5 s: the floor (120 s) holds, not 25 s
         w.progressed(float(t), "progress")
     assert w.limit() == 120
-    assert not w.stalled(195 + 119) and w.stalled(195 + 120)
+    still = Evidence(stacks="still", detail="every rank's stack unchanged across 3 samples")
+    assert not w.stalled(195 + 119, still) and w.stalled(195 + 120, still)
     w.progressed(195 + 100.0, "checkpoint directory")  # one 100 s gap (a checkpoint save): 5 x 100 = 500 s
     assert w.limit() == 500
     w.progressed(295 + 1000.0)  # a gap longer than anything: the ceiling
     assert w.limit() == 1800
+
+
+def test_adaptive_a_hang_needs_evidence_and_activity_only_extends_the_limit():
+    """Before: 5 x the longest gap (at least 120 s) of silence alone was a hang: a job stepping
+    every 0.1 s, then evaluating for 200 s without progress(), was killed on every attempt."""
+    rule = StallRule(floor_s=120, ceiling_s=1800, blind_floor_s=600)
+    w = StallWatch(rule, started=0.0)
+    for t in range(10, 200, 5):
+        w.progressed(float(t), "progress")
+    at = 195.0
+    assert not w.stalled(at + 1000)  # silence, nothing sampled yet: only the ceiling
+    assert not w.stalled(at + 1000, Evidence(stacks="moving", detail="rank 0's stack moved"))  # an eval: running
+    assert "the ceiling; rank 0's stack moved" in w.stalled(at + 1800, Evidence(stacks="moving", detail="rank 0's stack moved"))
+    assert not w.stalled(at + 599, Evidence(stacks="blind", detail="py-spy is not installed"))
+    assert "no stacks to show the ranks stuck (py-spy is not installed): the 600 s floor" in w.stalled(
+        at + 600, Evidence(stacks="blind", detail="py-spy is not installed"))
+    stopped = Evidence(stopped="rank 1 on n2 process stopped (T) (pid 9)")
+    assert not w.stalled(at + 119, stopped)
+    assert "evidence: rank 1 on n2 process stopped (T) (pid 9)" in w.stalled(at + 120, stopped)
+    # an announced phase: no hang while it lasts, whatever the stacks say
+    assert not w.stalled(at + 5000, Evidence(phase="rank 0 in 'eval' for 4000 s", stacks="still"))
+    # an explicit timeout keeps its meaning: silence alone
+    explicit = StallWatch(StallRule(timeout_s=30), started=0.0)
+    explicit.progressed(1.0, "progress")
+    assert "limit 30 s" in explicit.stalled(31.0, Evidence(stacks="moving"))
+
+
+def test_the_stacks_verdict_moving_still_blind_or_not_yet():
+    from slurmagent.policy.stall import stacks_verdict
+
+    a, b = "all_reduce (torch/distributed/c10d.py:10)\nstep (train.py:5)", "evaluate (train.py:40)\nmain (train.py:60)"
+    assert stacks_verdict([{0: a, 1: b}, {0: a, 1: b.replace("40", "41")}], {0, 1}, 3)[0] == "moving"
+    assert stacks_verdict([{0: a, 1: a}] * 3, {0, 1}, 3) == (
+        "still", "every rank's stack unchanged across 3 samples (in all_reduce (torch/distributed/c10d.py:10))")
+    assert stacks_verdict([{0: a, 1: a}] * 2, {0, 1}, 3) == ("", "")  # not enough samples yet
+    assert stacks_verdict([{0: a}] * 3, {0, 1}, 3) == ("", "")  # rank 1 unread: never "still" on part of the job
+    assert stacks_verdict([{0: a, 1: None}] * 6, {0, 1}, 3)[0] == "blind"
+    assert stacks_verdict([{0: None, 1: None}] * 3, {0, 1}, 3)[0] == "blind"
+    assert stacks_verdict([{0: a, 1: None}, {0: a.replace("10", "11"), 1: None}], {0, 1}, 3)[0] == "moving"
+
+
+def test_a_py_spy_dump_gives_the_main_threads_frames():
+    from slurmagent.hang.samples import main_frames
+
+    dump = ('Process 9468: python train.py\nPython v3.11.7 (/usr/bin/python3.11)\n\n'
+            'Thread 9470 (idle): "Thread-1 (bg)"\n    bg (slp.py:3)\n    Thread.run (threading.py:982)\n'
+            'Thread 9468 (active): "MainThread"\n    f (slp.py:6)\n    <module> (slp.py:7)\n')
+    assert main_frames(dump) == "f (slp.py:6)\n<module> (slp.py:7)"
+    assert main_frames("py-spy is not installed (pip install 'slurmagent[hang]')") is None
+    assert main_frames("Error: Permission Denied (os error 13)\n(py-spy exit 1)") is None
 
 
 def test_adaptive_learns_no_pace_from_output_and_checkpoint_files_alone():
@@ -413,3 +465,113 @@ def test_no_flight_recorder_ask_without_the_jobs_settings():
     assert evidence.flight_recorder_dumps([0, 1], {}) == ""
     said = evidence.flight_recorder_dumps([0], {"TORCH_FR_DEBUG_INFO_PIPE_FILE": "/nonexistent/fr_"})
     assert said.startswith("NCCL flight recorder: TORCH_FR_DEBUG_INFO_PIPE_FILE is set but ") and "none asked" in said
+
+
+def _adaptive(tmp_path, now, dumps, **kw):
+    """A monitor under the default rule (a 10 s floor here), its ranks' stacks from `dumps()`."""
+    rule = StallRule(first_progress_s=30, floor_s=10, ceiling_s=100, blind_floor_s=60)
+    return HangMonitor(rule, progress_dir=tmp_path / "p", ckpt_dir=tmp_path / "ck", node="n1", job="5", attempt=0,
+                       poll_s=1, clock=lambda: now[0], out_fds=(), wall=lambda: 1000.0 + now[0],
+                       py_spy=lambda pids: {p: dumps() for p in pids}, **kw)
+
+
+def _silence(mon, now, child, until: float) -> str:
+    """Poll every second to `until`, letting each stack sample the monitor starts finish."""
+    while now[0] < until:
+        now[0] += 1.0
+        cause = mon.poll(child)
+        if cause:
+            return cause
+        deadline = time.monotonic() + 5
+        while mon.stack_samples is not None and mon.stack_samples._running and time.monotonic() < deadline:
+            time.sleep(0.005)
+    return ""
+
+
+def _stepping(tmp_path, now, mon, child) -> None:
+    (tmp_path / "p").mkdir(exist_ok=True)
+    for t in range(0, 10):  # ranks 0 and 1 (this process: alive, not stopped) step every second
+        now[0] = float(t)
+        for rank in (0, 1):
+            progress.write(tmp_path / "p", rank, t, 1000.0 + t)
+        assert mon.poll(child) == ""
+
+
+def test_a_silent_eval_whose_stack_moves_is_not_a_hang_until_the_ceiling(tmp_path):
+    now, child, said = [0.0], type("C", (), {"pid": 1})(), []
+    line = [0]
+
+    def moving():  # rank stacks in the evaluation loop, a new line each sample
+        line[0] += 1
+        return f'Thread 1 (active): "MainThread"\n    evaluate (train.py:{line[0]})\n    main (train.py:90)\n'
+
+    mon = _adaptive(tmp_path, now, moving, say=said.append)
+    _stepping(tmp_path, now, mon, child)
+    assert _silence(mon, now, child, 9 + 99) == ""  # far past the 10 s short limit: running
+    cause = _silence(mon, now, child, 9 + 101)
+    assert "(limit 100 s, adaptive: the ceiling; rank 0's stack moved across" in cause, cause
+    assert not said  # py-spy is there: nothing said at start
+
+
+def test_every_rank_stuck_at_one_frame_is_a_hang_at_the_short_limit(tmp_path):
+    now, child = [0.0], type("C", (), {"pid": 1})()
+    stuck = 'Thread 1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:2501)\n    step (train.py:12)\n'
+    mon = _adaptive(tmp_path, now, lambda: stuck, say=lambda s: None)
+    _stepping(tmp_path, now, mon, child)
+    cause = _silence(mon, now, child, 9 + 100)
+    assert cause.startswith("hang: no progress for 1") and "evidence: every rank's stack unchanged across 3 samples" in cause
+    assert int(cause.split("no progress for ")[1].split(" ")[0]) <= 10 + 2  # the short limit, the samples in it
+
+
+def test_a_rank_in_an_announced_phase_keeps_the_job_from_being_silent(tmp_path):
+    now, child = [0.0], type("C", (), {"pid": 1})()
+    stuck = 'Thread 1 (idle): "MainThread"\n    barrier (torch/distributed/distributed_c10d.py:4000)\n'
+    mon = _adaptive(tmp_path, now, lambda: stuck, say=lambda s: None)
+    _stepping(tmp_path, now, mon, child)
+    progress.write_phase(tmp_path / "p", 0, "eval", 1000.0 + 9, 50.0)  # rank 0 evaluates, rank 1 waits at a barrier
+    assert _silence(mon, now, child, 9 + 49) == ""  # within the phase's 50 s (and its start is no pace)
+    cause = _silence(mon, now, child, 9 + 100)  # past its expected time: silent again, stuck
+    assert "evidence: every rank's stack unchanged" in cause and "last: phases" in cause, cause
+    assert now[0] <= 9 + 50 + 10, now  # soon after the phase's end: the samples were taken meanwhile
+
+
+def test_without_stacks_the_limit_is_the_blind_floor_and_it_is_said_at_start(tmp_path):
+    now, child, said = [0.0], type("C", (), {"pid": 1})(), []
+    mon = _adaptive(tmp_path, now, lambda: "", say=said.append, stacks="py-spy is not installed")
+    assert said == ["hang watch: py-spy is not installed: no stacks to show the ranks stuck, so a silence is a hang "
+                    "only after 60 s at least (a stopped, gone or zombie rank sooner)"]
+    _stepping(tmp_path, now, mon, child)
+    assert _silence(mon, now, child, 9 + 59) == ""
+    assert "the 60 s floor" in _silence(mon, now, child, 9 + 61)
+
+
+def test_a_py_spy_sample_of_a_healthy_rank_never_reads_as_a_stopped_rank(tmp_path):
+    """py-spy without --nonblocking ptrace-stopped the rank it read (`t`), which the stall rule took
+    for a stopped rank. Now every dump is non-blocking and a tracer's `t` is no evidence."""
+    from slurmagent.policy.stall import STOPPED_STATES
+
+    assert "t" not in STOPPED_STATES
+    if evidence.py_spy_exe() is None:
+        pytest.skip("py-spy is not installed")
+    rank = subprocess.Popen([sys.executable, "-c", "while True: sum(range(1000))"])
+    try:
+        time.sleep(1.0)
+        seen = set()
+        done = threading.Event()
+
+        def watch_state():
+            while not done.is_set():
+                st = evidence.proc_stat(rank.pid)
+                if st:
+                    seen.add(st[0])
+
+        t = threading.Thread(target=watch_state)
+        t.start()
+        for _ in range(5):
+            dump = evidence.py_spy_dumps([rank.pid])[rank.pid]
+        done.set()
+        t.join()
+        assert "<module>" in dump and "t" not in seen and "T" not in seen, (seen, dump)
+    finally:
+        rank.kill()
+        rank.wait()

@@ -14,7 +14,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import contextlib
 from pathlib import Path
@@ -140,9 +142,9 @@ def as_uid(uid: int, path, request: dict) -> dict:
 
 
 @contextlib.contextmanager
-def rank_process(job: str, uid: int = 0, stopped: bool = False):
+def rank_process(job: str, uid: int = 0, stopped: bool = False, state: str = ""):
     """A rank of `job` on this node (its environment names the job, as under proctrack/linuxproc),
-    running as `uid`, SIGSTOPped or not; its pid."""
+    running as `uid`, SIGSTOPped or not (or in `state` once there); its pid."""
     def become():  # pragma: no cover - in the child
         if uid:
             os.setgid(uid)
@@ -153,10 +155,11 @@ def rank_process(job: str, uid: int = 0, stopped: bool = False):
     try:
         if stopped:
             os.kill(proc.pid, signal.SIGSTOP)
-            give_up = time.monotonic() + 5
-            while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-                assert time.monotonic() < give_up, "the rank did not stop"
-                time.sleep(0.01)
+        want = "T" if stopped else state
+        give_up = time.monotonic() + 5
+        while want and open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != want:
+            assert time.monotonic() < give_up, f"the rank did not reach {want}"
+            time.sleep(0.01)
         yield proc.pid
     finally:
         proc.kill()
@@ -224,7 +227,7 @@ def test_a_users_word_drains_nothing_root_drains_on_what_it_sees_itself(served):
         return as_uid(NOBODY, server.path, {"op": "drain", "job": job, "node": "n1", "rule": "hang",
                                             "detail": "rank 0 stopped at step 9", "pid": pid})
 
-    with rank_process("7", uid=NOBODY) as pid:  # a healthy rank, running (sleeping) as it should
+    with rank_process("7", uid=NOBODY, state="S") as pid:  # a healthy rank, running (sleeping) as it should
         assert drain("7", pid) == {"ok": False, "why": f"root sees no fault on n1 (pid {pid} is running (S), no GPU "
                                                        "fault): a job's word alone drains nothing"}
     assert drain("8", 999999) == {"ok": False, "why": "root sees no fault on n1 (pid 999999 is not a process of job 8 "
@@ -242,7 +245,8 @@ def test_a_zombie_rank_of_the_job_or_a_gpu_fault_root_sees_is_evidence(served):
     sc.add_job("7", node="n1", Uid="0")
     sc.add_job("8", node="n2", Uid="0")
     # a rank that exited and was not reaped: a zombie has no environment left, its parent names the job
-    parent = subprocess.Popen(["sh", "-c", "sleep 0 & echo $!; exec sleep 60"], stdout=subprocess.PIPE,
+    parent = subprocess.Popen([sys.executable, "-c", "import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+                               "print(pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE,
                               env={"SLURM_JOB_ID": "7", "PATH": os.environ["PATH"]}, text=True)
     try:
         zombie = int(parent.stdout.readline())
@@ -655,16 +659,18 @@ def test_a_straggler_drain_is_the_admins_choice_in_roots_own_config_not_the_jobs
 
 def test_each_job_of_a_user_has_its_own_budget_one_jobs_flood_spends_only_its_own(served):
     """Before: one budget per uid (16 requests waiting): a flood from one job of a user made the
-    same user's other jobs on the node wait behind it or be told busy."""
+    same user's other jobs on the node wait behind it (every worker held) or be told busy."""
     from slurmagent.actions import job_channel
 
     server, sc, tmp_path = served
     sc.add_job("7", node="n1", Uid="0")
     sc.add_job("8", node="n1", Uid="0")
     real = server.slurm.job_owner
+    slurm_answers = threading.Event()
 
-    def slow(job):  # Slurm slow to answer: each request of the flood holds its worker
-        time.sleep(0.3)
+    def slow(job):  # Slurm slow to answer job 7: each request of its flood holds a worker until released
+        if job == "7":
+            slurm_answers.wait(10)
         return real(job)
 
     server.slurm.job_owner = slow
@@ -676,10 +682,25 @@ def test_each_job_of_a_user_has_its_own_budget_one_jobs_flood_spends_only_its_ow
             s.sendall(json.dumps({"op": "report", "job": "7", "node": "n1", "rule": "hang", "id": f"f{n}"}).encode() + b"\n")
         other = raw_ask(server.path, json.dumps({"op": "report", "job": "8", "node": "n1", "rule": "hang"}).encode()
                         + b"\n", timeout=10)
+        slurm_answers.set()
         answers = [json.loads(s.makefile().readline()) for s in flood]
     finally:
+        slurm_answers.set()
         for s in flood:
             s.close()
-    assert other == {"ok": True, "why": "reported"}
+    assert other == {"ok": True, "why": "reported"}  # answered while job 7's flood held its own budget
     busy = [a for a in answers if a["why"].startswith("busy:")]
     assert len(busy) == 20 - job_channel.MAX_QUEUED_PER_JOB, answers
+
+
+def test_an_array_tasks_rank_is_known_by_the_tasks_own_id(served):
+    """An array task is `123_4` to squeue's %i, but its cgroup and SLURM_JOB_ID say its own id
+    (%A, 127 here): root matches the rank by that, or every array job's drain was refused."""
+    from slurmagent.slurm.model import owner_from_squeue
+
+    assert owner_from_squeue("123_4|0|RUNNING|n1|1:00:00|127").own_id == "127"
+    server, sc, tmp_path = served
+    sc.add_job("123_4", node="n1", Uid="0", JobIdRaw="127")
+    with rank_process("127", stopped=True) as pid:
+        answer = ask_root(server.path, {"op": "drain", "job": "123_4", "node": "n1", "rule": "hang", "pid": pid})
+    assert answer["ok"] is True, answer

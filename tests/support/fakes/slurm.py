@@ -163,13 +163,15 @@ class FakeSlurm:
         raise AssertionError(f"unexpected scontrol call {argv}")
 
     def _squeue(self, argv: list[str], args: list[str]) -> subprocess.CompletedProcess:
-        if "-j" in args:  # `-h -j JOB -o %i|%U|%T|%N|%M`: the job's owner (numeric uid: field `Uid`), state, nodes, run time
+        if "-j" in args:  # `-h -j JOB -o %i|%U|%T|%N|%M|%A`: the job's owner (numeric uid: field `Uid`), state, nodes, run time
             job = args[args.index("-j") + 1]
             f = self.jobs.get(job)
             if f is None:
                 return _answer(argv, 1, err="slurm_load_jobs error: Invalid job id specified")
             line = f"{job}|{f.get('Uid', '0')}|{f['JobState']}|{f['NodeList']}"
-            line += f"|{f.get('RunTime', '1:00:00')}" if args[args.index("-o") + 1].endswith("|%M") else ""
+            fmt = args[args.index("-o") + 1]
+            line += f"|{f.get('RunTime', '1:00:00')}" if "|%M" in fmt else ""
+            line += f"|{f.get('JobIdRaw', job.split('_')[0])}" if fmt.endswith("|%A") else ""
             return _answer(argv, 0, line + "\n")
         node = args[args.index("-w") + 1]
         states = args[args.index("-t") + 1].split(",")
