@@ -250,7 +250,8 @@ class HangMonitor:
         gpu_text, gpu_fault = gpu[0] if gpu else ("GPU state did not come in time", "")
         ranks = sorted(ranks + far_ev.ranks, key=lambda r: r.rank)
         faults = {self.node: gpu_fault, **{n: f for n, (_, f) in far_ev.gpu.items()}}
-        node, detail = suspect(ranks, faults)
+        seen = self.stack_samples.samples[-1] if self.stack_samples is not None and self.stack_samples.samples else {}
+        node, detail = suspect(ranks, faults, frames=seen)
         self.suspect_node = node
         summary = f"{self.cause}; {self._states(ranks)}; {detail}; {self._act(node, detail, ranks)}"
         if far_ev.notes:

@@ -172,13 +172,21 @@ class RankState:
     last_at: float | None = None  # its last progress (wall clock), None when it never reported
 
 
+def in_collective(frames: str | None) -> bool:
+    """A rank's main-thread frames (hang/samples.main_frames) inside torch.distributed: waiting in
+    a collective or a barrier."""
+    return bool(frames) and ("torch/distributed/" in frames or "distributed_c10d" in frames)
+
+
 def suspect(ranks: list[RankState], gpu_faults: dict[str, str] | None = None,
-            first_gap_s: float = 10.0) -> tuple[str, str]:
+            first_gap_s: float = 10.0, frames: dict[int, str | None] | None = None) -> tuple[str, str]:
     """(node, detail) of the node the evidence points at, ("", why none) when it names none.
 
     A rank stopped, a zombie or gone names its node; then a GPU fault on one node; then, when
-    the ranks span several nodes, the rank whose progress stopped first by more than
-    `first_gap_s` (on one node every rank is on it: that says nothing about the node)."""
+    the ranks span several nodes, the ranks stuck outside the collective every other rank waits
+    in (`frames`: their last stack sample), all on one node; then the rank whose progress
+    stopped first by more than `first_gap_s` (on one node every rank is on it: that says
+    nothing about the node)."""
     for r in sorted(ranks, key=lambda r: r.rank):
         if r.state in STOPPED_STATES:
             return r.node, f"rank {r.rank} stopped at step {_step(r)} ({STOPPED_STATES[r.state]}, pid {r.pid})"
@@ -186,6 +194,14 @@ def suspect(ranks: list[RankState], gpu_faults: dict[str, str] | None = None,
     if len(faults) == 1:
         node, fault = next(iter(faults.items()))
         return node, f"GPU fault under the hung job ({fault})"
+    if frames and len({r.node for r in ranks}) > 1:
+        waiting = [r for r in ranks if in_collective(frames.get(r.rank))]
+        outside = [r for r in ranks if frames.get(r.rank) and not in_collective(frames.get(r.rank))]
+        if waiting and outside and len(waiting) + len(outside) == len(ranks) and len({r.node for r in outside}) == 1:
+            r = min(outside, key=lambda r: r.rank)
+            top = (frames.get(r.rank) or "?").splitlines()[0]
+            return r.node, (f"rank {r.rank} stuck outside the collective the other ranks wait in "
+                            f"(at {top}, step {_step(r)})")[:150]
     timed = sorted((r for r in ranks if r.last_at is not None), key=lambda r: r.last_at)
     if len({r.node for r in ranks}) > 1 and len(timed) > 1 and timed[1].last_at - timed[0].last_at > first_gap_s:
         r = timed[0]

@@ -248,7 +248,8 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
                        say=say, ask_drain=lambda about, detail, pid: ask("hang", detail, about=about, pid=pid),
                        ask_count=lambda detail: ask("hang", detail, op="count"), remote=remote,
                        straggler=StragglerRule(rc.straggler_window_s, rc.straggler_factor, rc.straggler_windows),
-                       straggler_report=straggler, own_stream=own)
+                       straggler_report=straggler, own_stream=own,
+                       stacks="" if rc.hang_stack_samples else "stack samples are off ([run] hang_stack_samples)")
 
 
 def checkpoint_report(env, ident: JobIdentity, options: RunOptions, remote: bool) -> CheckpointReport | None:

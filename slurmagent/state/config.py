@@ -285,6 +285,9 @@ class RunConfig:
         1800.0, "adaptive rule: the longest a silence may last, however the ranks' stacks move (a rank moving "
         "through its own code extends the limit up to this; `trainer.phase(expected_s=)` may say longer)",
         low=1, high=604800)
+    hang_stack_samples: bool = _key(
+        True, "adaptive rule: read the ranks' Python stacks (py-spy --nonblocking) through a silence as evidence; "
+        "false: never (the hang_blind_floor_s floor then applies)")
     hang_blind_floor_s: float = _key(
         600.0, "adaptive rule without stacks (py-spy not installed, ptrace denied): a silence is never a hang sooner "
         "(PyTorch's own NCCL collective timeout is 10 minutes)", low=1, high=604800)

@@ -575,3 +575,15 @@ def test_a_py_spy_sample_of_a_healthy_rank_never_reads_as_a_stopped_rank(tmp_pat
     finally:
         rank.kill()
         rank.wait()
+
+
+def test_a_rank_stuck_outside_the_collective_the_others_wait_in_names_its_node():
+    from slurmagent.policy.stall import suspect
+
+    ranks = [RankState(0, "n1", 10, "S", 40, 100.0), RankState(1, "n2", 11, "S", 40, 100.0)]
+    frames = {0: "allreduce (torch/distributed/distributed_c10d.py:2501)\n<module> (toy.py:50)",
+              1: "<module> (toy.py:47)"}
+    assert suspect(ranks, frames=frames) == ("n2", "rank 1 stuck outside the collective the other ranks wait in "
+                                                   "(at <module> (toy.py:47), step 40)")
+    both_waiting = {0: frames[0], 1: frames[0]}
+    assert suspect(ranks, frames=both_waiting)[0] == ""  # every rank in the collective: no node to blame
