@@ -33,7 +33,7 @@ LEDGER_DIR = "ledger"
 ENDS = ("completed", "failed", "sigterm", "time-limit", "expiry", "maintenance", "preemption", "gpu-fault",
         "hang", "self-requeue", "restore-failed", "error", "lost", "running-or-lost", "other")
 NOT_INTERRUPTIONS = ("completed", "failed", "running-or-lost")
-CAUSES = ("startup", "restore", "recompute", "flush", "pending", "unrecorded")  # where lost time went
+CAUSES = ("startup", "restore", "recompute", "hang_detection", "flush", "pending", "unrecorded")  # where lost time went
 FAULT_SIGNAL = "SIGPWR"  # slurm/model.FAULT_FLUSH_SIGNAL by name: a GPU died under the job
 SELF_REQUEUE = "the job requeued itself"  # run/supervisor.SELF_REQUEUE_CAUSE
 EXPIRY_SOURCES = {"maintenance-event": "maintenance", "upcoming-maintenance": "maintenance",
@@ -102,7 +102,7 @@ def _num(value: Any) -> float | None:
 EPOCH_RANGE = (0.0, 4.1e9)  # up to 2099: a time outside (or not finite) is a lie or a bug
 MAX_SECONDS = 1e7  # a restore or a flush of ~115 days at most
 MAX_TEXT = 4096
-_TIMES = ("started", "ended", "first_progress", "last_commit")
+_TIMES = ("started", "first_rank_progress", "last_progress", "ended", "first_progress", "last_commit")
 _DURATIONS = ("restore_s", "flush_s")
 _COUNTS = ("gpus", "node_count")
 _TEXTS = ("end", "why", "nodes", "fault_node", "prefix")
@@ -173,6 +173,9 @@ def attempt_parts(rec: dict, next_start: float | None) -> dict[str, Any]:
     r = min(r, e - s)
     f = max(s + r, e - max(0.0, _num(rec.get("flush_s")) or 0.0))
     p, c = _num(rec.get("first_progress")), _num(rec.get("last_commit"))
+    ranks_first, last = _num(rec.get("first_rank_progress")), _num(rec.get("last_progress"))
+    if ranks_first is not None:  # the ranks' own trainer.progress: training began then, commit or not
+        p = ranks_first if p is None else min(p, ranks_first)
     parts["restore"], parts["flush"] = r, e - f
     if p is None:
         parts["startup"] = f - s - r
@@ -181,7 +184,11 @@ def attempt_parts(rec: dict, next_start: float | None) -> dict[str, Any]:
         parts["startup"] = p - s - r
         if c is not None and c > p:
             parts["progress"] = min(c, f) - p
-        parts["recompute"] = max(0.0, f - max(c if c is not None else p, p))
+        worked = f  # the work since the last commit, redone by the next attempt, ends here
+        if rec.get("end") == "hang" and last is not None:  # then the wait for the hang watch to see it
+            worked = min(max(last, p), f)
+            parts["hang_detection"] = f - worked
+        parts["recompute"] = max(0.0, worked - max(c if c is not None else p, p))
     return {"parts": parts, "end": e, "ended": True}
 
 
@@ -342,8 +349,8 @@ def format_text(report: dict[str, Any]) -> str:
             sec = a["seconds"]
             lines.append(f"  attempt {a['attempt']}: {utc(a['started'])} -> {utc(a['ended'])}  {a['end']}"
                          + (" (requeued)" if a["requeued"] else "") + f": {a['why']}")
-            lines.append("    " + "  ".join(f"{k} {hms(sec[k])}" for k in ("restore", "startup", "progress",
-                                                                           "recompute", "flush", "pending", "unrecorded")
+            lines.append("    " + "  ".join(f"{k} {hms(sec[k])}" for k in ("restore", "startup", "progress", "recompute",
+                                                                           "hang_detection", "flush", "pending", "unrecorded")
                                           if sec[k] or k == "progress"))
         lost = ", ".join(f"{c} {j['lost'][c]['gpu_hours']:.2f} GPU-h ({hms(j['lost'][c]['seconds'])})" if j["gpus"]
                          else f"{c} {hms(j['lost'][c]['seconds'])}" for c in CAUSES if j["lost"][c]["seconds"])

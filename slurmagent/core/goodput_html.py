@@ -17,8 +17,8 @@ from typing import Any
 from .goodput import CAUSES, format_event, hms, pct, utc
 
 COLOURS = {"progress": "#2e7d32", "restore": "#1565c0", "startup": "#8e24aa", "recompute": "#c62828",
-           "flush": "#ef6c00", "pending": "#9e9e9e", "unrecorded": "#5d4037"}
-ORDER = ("restore", "startup", "progress", "recompute", "flush", "unrecorded", "pending")  # within an attempt
+           "hang_detection": "#ad1457", "flush": "#ef6c00", "pending": "#9e9e9e", "unrecorded": "#5d4037"}
+ORDER = ("restore", "startup", "progress", "recompute", "hang_detection", "flush", "unrecorded", "pending")  # within an attempt
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px;color:#212121;background:#fff}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:24px 0 6px} .muted{color:#616161;font-size:13px}

@@ -112,12 +112,19 @@ class HangMonitor:
         self.suspect_node = ""
         self.wall = wall  # the phases' clock (their files hold wall times)
         self.said_blind = False
+        self.first_rank_wall: float | None = None  # when a rank's own progress first moved (wall)
+        self.last_moved_wall: float | None = None  # when any signal last moved (wall): the report's last progress
         # adaptive rule: the ranks' stacks through a silence, or why there are none ("" = sample them)
         self.blind = stacks or ("" if not rule.adaptive else no_stacks())
         self.stack_samples = StackSamples(self._take_stacks, clock) if rule.adaptive and not self.blind else None
         if self.blind and rule.adaptive:
             say(f"hang watch: {self.blind}: no stacks to show the ranks stuck, so a silence is a hang only after "
                 f"{max(rule.floor_s, rule.blind_floor_s):g} s at least (a stopped, gone or zombie rank sooner)")
+
+    def progress_times(self) -> tuple[float | None, float | None]:
+        """(first rank progress, last progress of any signal), wall clock, for the attempt's ledger record."""
+        return (None if self.first_rank_wall is None else round(self.first_rank_wall, 3),
+                None if self.last_moved_wall is None else round(self.last_moved_wall, 3))
 
     def owns(self, cause: str) -> bool:
         return bool(self.cause) and cause == self.cause
@@ -192,6 +199,9 @@ class HangMonitor:
         moved = [k for k, v in current.items() if (grew if k == "output" else v != self.last.get(k))]
         self.last = current
         if moved:
+            self.last_moved_wall = self.wall()
+            if self.first_rank_wall is None and any(k in RANK_SIGNALS for k in moved):
+                self.first_rank_wall = self.last_moved_wall
             self.watch.progressed(now, moved[0], ranks=any(k in RANK_SIGNALS for k in moved),
                                   learn=moved != ["phases"])
             if self.stack_samples is not None:

@@ -41,7 +41,7 @@ from ..slurm.model import JobOwner
 MAX_REQUEST_BYTES = 16 * 1024
 # An attempt's seconds by part (core/goodput.attempt_parts), summed per node: the goodput panel's
 # progress / all. Asked as "slurmagent_job_seconds_total/<part>"; root sets the `part` label.
-JOB_PARTS = ("progress", "startup", "restore", "recompute", "flush")
+JOB_PARTS = ("progress", "startup", "restore", "recompute", "hang_detection", "flush")
 # name -> "set" (a gauge) or "add" (a counter); the wrapper's own figures, nothing else
 JOB_METRICS = {
     "slurmagent_checkpoint_lag_seconds": "set",

@@ -141,7 +141,7 @@ class AttemptLedger:
                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
     def ended(self, outcome: Any, *, expiry_source: str = "", fault_node: str = "", fault: str = "",
-              error: str = "") -> dict[str, Any]:
+              error: str = "", progress: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
         """The full record, once, at the end of the attempt (waits for the "started" write first);
         returned for the node's goodput counters."""
         ended = self.clock()
@@ -161,6 +161,7 @@ class AttemptLedger:
                           child_code=None if outcome is None else outcome.child_code,
                           flush_s=None if flush_s is None else round(flush_s, 3),
                           requeued=bool(outcome is not None and outcome.requeued),
+                          first_rank_progress=progress[0], last_progress=progress[1],
                           resumed=bool(outcome is not None and outcome.resumed))
         self._write(rec, END_DEADLINE_S, "end")
         return rec

@@ -180,7 +180,7 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
     if report is not None:
         report.ended(outcome.summary)
     if ledger is not None:
-        record = end_ledger(ledger, outcome, options, env, slurm)
+        record = end_ledger(ledger, outcome, options, env, slurm, sup.hang)
         if metrics is not None:
             _record_goodput(metrics, record)
     sup.say(outcome.summary)
@@ -291,14 +291,16 @@ def _record_goodput(m, record: dict) -> None:
         pass
 
 
-def end_ledger(ledger, outcome, options: RunOptions, env, slurm) -> dict:
-    """Why the attempt ended, from what this node knows: the expiry state, a node drained for a fault."""
+def end_ledger(ledger, outcome, options: RunOptions, env, slurm, hang=None) -> dict:
+    """Why the attempt ended, from what this node knows: the expiry state, a node drained for a fault;
+    when the ranks' progress began and last moved (the hang watch: the report's hang detection)."""
     source = expiry_source(options.expiry_files, options.flush_lead_s + 300.0) \
         if outcome.flushed else ""
     node = fault = ""
     if is_fault(outcome.flush_cause) and slurm is not None:
         node, fault = faulty_node(slurm, env)
-    return ledger.ended(outcome, expiry_source=source, fault_node=node, fault=fault)
+    return ledger.ended(outcome, expiry_source=source, fault_node=node, fault=fault,
+                        progress=hang.progress_times() if hang is not None else (None, None))
 
 
 def _requeue_of(executor: JournalExecutor):

@@ -22,6 +22,8 @@ import time
 import pytest
 
 from support import SUPPORT, need_module, need_py_spy, wait_for
+from slurmagent.checkpoint.gcs.ledger import LedgerBucket
+from slurmagent.core.goodput import build_report
 from slurmagent.devtools.localcluster import free_ports
 from slurmagent.state import repair_state
 from test_fault_slurm import land_on, restarts
@@ -94,6 +96,14 @@ def test_a_rank_sleeping_before_the_collective_is_a_hang_soon_after_the_short_li
     assert f"rank 1 stuck outside the collective the other ranks wait in" in said and f"drain of {first}" in said, said
     assert took < FLOOR_S + 45, (took, said)  # the short limit, its samples, the evidence and the requeue
     print(f"asleep -> requeued: {took:.1f} s (short limit {FLOOR_S} s)")
+    # the report: the wait for the hang watch is its own cause, not recompute
+    records, _ = LedgerBucket(f"gs://ckpt/jobs/{job}").read_all(deadline_s=60)
+    [report] = build_report(records, now=time.time())["jobs"]
+    hung = next(a for a in report["attempts"] if a["attempt"] == 0)
+    since = float(re.search(r"no progress for (\d+) s", said).group(1))
+    evidence_s = float(re.search(r"evidence took ([\d.]+) s", said).group(1))
+    assert hung["end"] == "hang" and since - 2 <= hung["seconds"]["hang_detection"] <= (since + evidence_s) * 1.1 + 3, hung
+    assert hung["seconds"]["recompute"] < 10, hung  # 20 steps at most since the last commit, not the whole wait
 
 
 def test_without_stacks_the_same_hang_waits_out_the_floor(cl, emu, no_stacks, tmp_path):

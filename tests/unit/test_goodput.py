@@ -32,7 +32,7 @@ def test_one_attempt_splits_into_parts_that_add_up():
     parts = attempt_parts(rec(0, 1000.0, restore_s=20, first_progress=1100, last_commit=1900, ended=2000,
                               flush_s=10), None)["parts"]
     assert parts == {"progress": 800, "startup": 80, "restore": 20, "recompute": 90, "flush": 10, "pending": 0,
-                     "unrecorded": 0}
+                     "unrecorded": 0, "hang_detection": 0}
 
 
 def two_attempts():
@@ -55,10 +55,10 @@ def test_ettr_and_losses_of_an_interrupted_job():
     assert job["wall_s"] == 10000 and job["progress_s"] == 8370 and job["ettr"] == 0.837
     # restore 10+120=130, startup 90+180=270, recompute 540, flush 60+30=90, pending 600: 8370+1630 = 10000
     assert {c: v["seconds"] for c, v in job["lost"].items()} == {
-        "startup": 270, "restore": 130, "recompute": 540, "flush": 90, "pending": 600, "unrecorded": 0}
+        "startup": 270, "restore": 130, "recompute": 540, "flush": 90, "pending": 600, "unrecorded": 0, "hang_detection": 0}
     # GPU-hours at 16 GPUs: 130*16/3600=0.5778, 270*16/3600=1.2, 540*16/3600=2.4, 90*16/3600=0.4, 600*16/3600=2.6667
     assert {c: v["gpu_hours"] for c, v in job["lost"].items()} == {
-        "startup": 1.2, "restore": 0.5778, "recompute": 2.4, "flush": 0.4, "pending": 2.6667, "unrecorded": 0}
+        "startup": 1.2, "restore": 0.5778, "recompute": 2.4, "flush": 0.4, "pending": 2.6667, "unrecorded": 0, "hang_detection": 0}
     assert job["interruptions"] == [{"attempt": 0, "at": 3600.0, "cause": "sigterm", "why": "SIGTERM"}]
     assert report["totals"]["ettr"] == 0.837 and report["totals"]["interruptions"] == 1
 
@@ -335,3 +335,22 @@ def test_a_terminal_that_goes_away_ends_the_progress_line_not_the_report():
     assert bar.on is False
     with contextlib.suppress(OSError):
         tty.close()
+
+
+def test_a_hung_attempts_wait_for_the_hang_watch_is_its_own_cause_and_training_is_not_startup():
+    """Before: the ~120 s from a hang to its kill showed as recompute, and an attempt killed after
+    30 s of training without a commit showed all of it as startup."""
+    from slurmagent.core.goodput import attempt_parts
+
+    hung = {"started": 1000.0, "restore_s": 10.0, "first_progress": 1040.0, "first_rank_progress": 1020.0,
+            "last_commit": 1500.0, "last_progress": 1560.0, "ended": 1700.0, "flush_s": 5.0, "end": "hang"}
+    parts = attempt_parts(hung, None)["parts"]
+    assert parts["startup"] == 10.0 and parts["progress"] == 480.0  # training from the ranks' first progress
+    assert parts["recompute"] == 60.0  # the steps after the last commit, redone by the next attempt
+    assert parts["hang_detection"] == 135.0 and parts["flush"] == 5.0  # last progress -> the flush's start
+    killed = {"started": 1000.0, "restore_s": 10.0, "first_rank_progress": 1020.0, "last_progress": 1050.0,
+              "ended": 1080.0, "flush_s": 0.0, "end": "hang"}
+    parts = attempt_parts(killed, None)["parts"]
+    assert parts["startup"] == 10.0 and parts["recompute"] == 30.0 and parts["hang_detection"] == 30.0
+    requeued = dict(hung, end="requeue")  # not a hang: the time after the last commit is all recompute
+    assert attempt_parts(requeued, None)["parts"]["recompute"] == 195.0
