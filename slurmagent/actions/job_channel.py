@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .executor import JournalExecutor
-from .root_evidence import drain_evidence, node_gpu_fault
+from .root_evidence import count_evidence, drain_evidence, node_gpu_fault
 from ..errors import SlurmagentError
 from ..policy import job_requests
 from ..slurm.commands import Slurm
@@ -407,6 +407,8 @@ class ChannelServer:
         if not why and req.op == "count" and (owner.run_s is None or owner.run_s < least):
             ran = "an unknown time" if owner.run_s is None else f"{owner.run_s:.0f} s"
             why = f"job {req.job} has run {ran}, less than hang_count_min_run_s ({least:g} s): no hang counted"
+        if not why and req.op == "count":
+            why = count_evidence(req, owner, self.node, self.cfg.state_path(self.node), uid, self.proc)
         if not why and req.op == "report" and self.reports.get(req.job, 0) >= job_requests.MAX_REPORTS_PER_JOB:
             why = f"job {req.job} already sent {job_requests.MAX_REPORTS_PER_JOB} reports to {self.node}"
         if why:
@@ -425,10 +427,10 @@ class ChannelServer:
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="report", verdict="granted",
                            rule=req.rule, about=req.node, detail=req.detail)  # about: the node it names
             return {"ok": True, "why": "reported"}, None
-        if req.op == "count":  # a hang that names no node: every node of the job, as Slurm lists them
+        if req.op == "count":  # a hang whose evidence named this node, which root would not drain
             self.counted_for.add(req.job)
-            nodes = sorted(owner.nodes)
-            record_hangs(self.cfg.state_path(self.node), nodes, time.time())
+            nodes = [self.node]
+            record_hangs(self.cfg.state_path(self.node), nodes, time.time(), uid=owner.uid)
             metrics.for_node(self.cfg, self.node).update(add={("slurmagent_hangs_total", ()): 1})
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="count", verdict="granted",
                            rule=req.rule, detail=req.detail, nodes=nodes)

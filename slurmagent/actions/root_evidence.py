@@ -7,7 +7,7 @@ on evidence it can read on this node itself (actions/job_channel.py calls this o
   of the job's user, and is stopped (T; never a tracer's `t`) or a zombie (Z) -- `/proc`, read by root; or this
   node's own GPU check (`slurmagent check`) shows a fault now. A rank that is "gone" cannot
   be told apart from a made-up pid, and a rank that "stopped first" is a timing: neither
-  drains (the wrapper then counts the hang against every node of the job instead);
+  drains (the wrapper then asks that node's root to count the hang against it: `count_evidence`);
 * a hang on another node: this root cannot see it; that node's root judges it (the job's
   node agent there asks it);
 * a straggler: slowness is a measure root cannot repeat; it drains only where this node's
@@ -25,6 +25,7 @@ from ..policy.job_requests import JobRequest
 from ..slurm.job_processes import job_process_state
 from ..slurm.model import JobOwner
 from ..state.config import Config
+from ..state.repair_state import hang_counted_today
 
 STOPPED = {"T": "stopped (T)", "Z": "a zombie (Z)"}  # never `t`: a tracer's stop (py-spy, gdb) is for moments
 
@@ -45,6 +46,18 @@ def node_gpu_fault() -> str:
         fault = gpu_state()[1]
         _gpu_seen[:] = [(time.monotonic(), fault)]
         return fault
+
+
+def count_evidence(req: JobRequest, owner: JobOwner, node: str, state_dir, uid: int, proc: str = "/proc") -> str:
+    """Why root will not count this hang against this node ("" = it will): the rank the request
+    names must be a process of the job here (the evidence named this node through it), and the
+    job's user must not have counted one against this node in the last day (kept in root's state)."""
+    if not req.pid or job_process_state(req.pid, owner.own_id or owner.job, owner.uid, proc) is None:
+        return (f"no rank of job {owner.job} named on {node} (pid {req.pid or 'none'}): a hang counts only against "
+                "the node its evidence names")
+    if hang_counted_today(state_dir, node, owner.uid, time.time()):
+        return f"uid {owner.uid} already counted a hang against {node} in the last day"
+    return ""
 
 
 def drain_evidence(req: JobRequest, owner: JobOwner, node: str, cfg: Config, *, proc: str = "/proc",

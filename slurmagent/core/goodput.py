@@ -366,7 +366,7 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"nodes (repairs within {lem.get('window_s', 0) / 86400:g} days; a lemon from {lem.get('faults')}):"
                      + ("" if report["nodes"] else " none repaired"))
         lines.extend(f"  {n['node']}: {n['faults']} fault(s)"
-                     + (f" ({n['hangs']} of them hung jobs that named no node)" if n.get("hangs") else "")
+                     + (f" ({n['hangs']} of them hangs whose evidence named it)" if n.get("hangs") else "")
                      + f", last {utc(n['last_fault'])}" + ("  LEMON" if n["lemon"] else "") for n in report["nodes"])
     for err in report["errors"]:
         lines.append(f"warning: {err}")

@@ -90,7 +90,7 @@ def no_stacks() -> str:
 class HangMonitor:
     def __init__(self, rule: StallRule, *, progress_dir: Path, ckpt_dir: Path, node: str, job: str, attempt: int,
                  say: Callable[[str], None], ask_drain: Callable[[str, str, int], str] | None = None,
-                 ask_count: Callable[[str], str] | None = None, remote: RemoteRanks | None = None,
+                 ask_count: Callable[[str, str, int], str] | None = None, remote: RemoteRanks | None = None,
                  straggler: StragglerRule | None = None, straggler_report: Callable[[int, str, str], None] | None = None,
                  poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic, out_fds: tuple[int, ...] = (1, 2),
                  own_stream: CountingStream | None = None, proc: str = "/proc", gpu_state: Callable[[], tuple[str, str]] = evidence.gpu_state,
@@ -100,7 +100,7 @@ class HangMonitor:
         self.node, self.job, self.attempt, self.say = node, job, attempt, say
         self.ask_drain, self.poll_s, self.clock, self.out_fds, self.proc = ask_drain, poll_s, clock, out_fds, proc
         self.gpu_state, self.py_spy, self.own_stream = gpu_state, py_spy, own_stream
-        self.ask_count, self.remote = ask_count, remote  # ask_drain(node, detail, pid); ask_count(detail): every node
+        self.ask_count, self.remote = ask_count, remote  # ask_drain/ask_count(node, detail, pid)
         self.output_mark = -1  # the job's output bytes (ours taken off) at their highest: only growth past it counts
         self.stragglers = StragglerWatch(straggler) if straggler is not None else None
         self.straggler_report = straggler_report
@@ -294,22 +294,19 @@ class HangMonitor:
             or "no rank reported progress"
 
     def _act(self, node: str, detail: str, ranks: list) -> str:
-        """Ask the suspect node's root for its drain, naming the stopped rank's process there (that
-        root drains only on what it sees itself: run/main.py routes another node's ask through the
-        job's agent there); when root sees no fault, or nothing points at one node, count the hang
-        against every node of the job."""
+        """Ask the suspect node's root for its drain, naming the job's rank there (the stopped one
+        first); that root drains only on what it sees itself (run/main.py routes another node's ask
+        through the job's agent there). Not granted: the hang is counted against that node (the
+        lemon count), which its root checks too. A hang that names no node counts against none."""
         if not self.node:
             return "not a Slurm job: no node to drain"
-        said = ""
-        if node and self.ask_drain is not None:
-            pid = next((r.pid for r in sorted(ranks, key=lambda r: r.rank)
-                        if r.node == node and r.state in STOPPED_STATES and r.state != "gone"), 0)
-            answer = self.ask_drain(node, detail, pid)
-            if answer.startswith("granted"):
-                return f"drain of {node} asked: {answer}"
-            said = f"drain of {node} asked: {answer}; "  # refused, or no answer: the hang is counted instead
-        elif node:
+        if not node:
+            return "no node to blame: none drained, no hang counted"
+        if self.ask_drain is None:
             return f"suspect {node}: not drained from here (no root channel)"
-        if self.ask_count is not None:
-            return f"{said}no node drained; the hang counted against every node of the job: {self.ask_count(detail)}"
-        return f"{said}none drained"
+        there = sorted((r for r in ranks if r.node == node and r.state != "gone"), key=lambda r: r.rank)
+        pid = next((r.pid for r in there if r.state in STOPPED_STATES), there[0].pid if there else 0)
+        answer = self.ask_drain(node, detail, pid)
+        if answer.startswith("granted") or self.ask_count is None:
+            return f"drain of {node} asked: {answer}"
+        return f"drain of {node} asked: {answer}; the hang counted against {node} instead: {self.ask_count(node, detail, pid)}"

@@ -18,8 +18,10 @@ Four operations:
   drains only on what it sees itself (that pid a process of the job here, stopped or a zombie,
   or this node's GPU check failing: actions/job_channel.py), then through the breaker and the
   journal. A multi-node job asks the named node's root through its agent there.
-- `count`: a hang that points at no node, counted against every node of the job (as Slurm
-  lists them, not as the request does) for lemon tracking (policy/lemon.py); once per job.
+- `count`: a hang whose evidence named this node (the `pid` of the job's rank there) but that
+  root would not drain on what it saw itself, counted against this node for lemon tracking
+  (policy/lemon.py); once per job, once per user and node a day; a blameless hang is never
+  counted.
 - `report`: the same rule and detail, written to root's decision log only (a straggler the
   job's owner chose to report, not drain); at most `MAX_REPORTS_PER_JOB` per job on a node.
 - `ping`: nothing; the answer says the channel serves (`doctor`, `status`).
@@ -153,7 +155,7 @@ def parse_request(raw: bytes) -> JobRequest:
         raise RequestError(f"{op} rule must be one of {', '.join(rules)}")
     if not isinstance(detail, str):
         raise RequestError("detail must be text")
-    pid = doc.get("pid", 0) if op == "drain" else 0
+    pid = doc.get("pid", 0) if op in ("drain", "count") else 0
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid <= MAX_PID:
         raise RequestError(f"pid must be a process id (0..{MAX_PID})")
     return JobRequest(op, job, node, rule=rule, detail=reasons.clean_reason(detail)[:150], rid=rid, pid=pid)

@@ -1,8 +1,9 @@
 """Lemon nodes: a node whose repairs keep coming back (`[repair] lemon_faults` within
 `lemon_window_s`). The repair loop records every repair it asks for per node
-(state/repair_state.record_history); a hung job whose evidence pointed at no node is counted
-against every node of the job (`hangs`, state/repair_state.record_hangs, through the job's
-root channel): a node that keeps turning up under hangs nobody can pin becomes a lemon too.
+(state/repair_state.record_history); a hung job whose evidence named a node that its root
+would not drain is counted against that node (`hangs`, state/repair_state.record_hangs, through
+the job's root channel; once per user and node a day): a node that keeps turning up under hangs
+becomes a lemon too.
 This reads both. Pure: no clock, no files.
 
 A recreate puts the same VM name on whatever host the MIG picks, possibly the same bad one;

@@ -216,7 +216,7 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
             return "no root channel (not a Slurm job, or [watch] channel_socket empty)"
         request = {"op": op, "job": ident.job_id, "node": about or node, "rule": rule_name, "detail": detail,
                    **({"pid": pid} if pid else {})}
-        if about and about != node and op == "drain" and rule_name == "hang" and remote is not None:
+        if about and about != node and op in ("drain", "count") and rule_name == "hang" and remote is not None:
             # only that node's root sees its processes: asked there by the job's agent (node-agent drain)
             return remote.ask_root_there(about, {**request, "socket": cfg.node_path(cfg.watch.channel_socket, about)})
         from ..actions.channel_client import DRAIN_DEADLINE_S, DRAIN_TIMEOUT_S, answer_line, ask_root  # start-up speed
@@ -246,7 +246,8 @@ def hang_monitor(cfg: Config, env: dict, ident: JobIdentity, options: RunOptions
     return HangMonitor(rule, progress_dir=progress_dir, ckpt_dir=options.ckpt_dir, node=node,
                        job=ident.job_id if ident.platform == "slurm" else ident.name, attempt=ident.restart_count,
                        say=say, ask_drain=lambda about, detail, pid: ask("hang", detail, about=about, pid=pid),
-                       ask_count=lambda detail: ask("hang", detail, op="count"), remote=remote,
+                       ask_count=lambda about, detail, pid: ask("hang", detail, op="count", about=about, pid=pid),
+                       remote=remote,
                        straggler=StragglerRule(rc.straggler_window_s, rc.straggler_factor, rc.straggler_windows),
                        straggler_report=straggler, own_stream=own,
                        stacks="" if rc.hang_stack_samples else "stack samples are off ([run] hang_stack_samples)")

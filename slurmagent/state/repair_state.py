@@ -55,15 +55,33 @@ def record_history(state_dir: Path, nodes: list[str], now: float, keep_s: float 
     save_state(state_dir, data)
 
 
+HANG_PER_USER_S = 86400.0  # one user's hangs count against one node at most once a day
+
+
 def record_hangs(state_dir: Path, nodes: list[str], now: float, keep_s: float = HISTORY_KEEP_S,
-                 keep_n: int = HISTORY_KEEP_N) -> None:
-    """A hung job that pointed at no node, counted against each of its nodes: the lemon count
-    reads it beside the repairs (policy/lemon.py); `max_repairs_per_day` does not."""
+                 keep_n: int = HISTORY_KEEP_N, uid: int | None = None) -> None:
+    """A hung job whose evidence named a node root could not drain, counted against that node:
+    the lemon count reads it beside the repairs (policy/lemon.py); `max_repairs_per_day` does
+    not. `uid`: whose job it was (`hang_counted_today` reads it back, across restarts)."""
     data = load_state(state_dir)
     hangs = data.setdefault("hangs", {})
     for n in nodes:
         hangs[n] = [t for t in hangs.get(n, []) if isinstance(t, (int, float)) and now - t < keep_s][-keep_n:] + [now]
+    if uid is not None:
+        by_uid = data.setdefault("hang_uids", {})
+        for n in nodes:
+            seen = by_uid.get(n) if isinstance(by_uid.get(n), dict) else {}
+            seen = {u: t for u, t in seen.items() if isinstance(t, (int, float)) and now - t < HANG_PER_USER_S}
+            by_uid[n] = {**seen, str(uid): now}
     save_state(state_dir, data)
+
+
+def hang_counted_today(state_dir: Path, node: str, uid: int, now: float) -> bool:
+    """Did a job of `uid` count a hang against `node` in the last day (`HANG_PER_USER_S`)?"""
+    seen = load_state(state_dir).get("hang_uids", {})
+    seen = seen.get(node) if isinstance(seen, dict) else None
+    t = seen.get(str(uid)) if isinstance(seen, dict) else None
+    return isinstance(t, (int, float)) and 0 <= now - t < HANG_PER_USER_S
 
 
 def remember_drained_at(state_dir: Path, drained_at: dict[str, float]) -> None:

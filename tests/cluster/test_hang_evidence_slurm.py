@@ -94,6 +94,9 @@ def test_a_rank_sleeping_before_the_collective_is_a_hang_soon_after_the_short_li
     assert "evidence: every rank's stack unchanged across 3 samples" in said, said
     first = nodes_of_attempt(tmp_path, 1)
     assert f"rank 1 stuck outside the collective the other ranks wait in" in said and f"drain of {first}" in said, said
+    # root on that node sees rank 1 alive (asleep): no drain on a word, the hang counted against that node only
+    assert f"the hang counted against {first} instead: granted: counted against {first}" in said, said
+    assert list(repair_state.load_state(env.state_dir(first)).get("hangs", {})) == [first]
     assert took < FLOOR_S + 45, (took, said)  # the short limit, its samples, the evidence and the requeue
     print(f"asleep -> requeued: {took:.1f} s (short limit {FLOOR_S} s)")
     # the report: the wait for the hang watch is its own cause, not recompute

@@ -267,7 +267,7 @@ def test_a_zombie_rank_of_the_job_or_a_gpu_fault_root_sees_is_evidence(served):
     assert by_gpu["evidence"] == "root's GPU check: GPU 3: XID 79 (fallen off the bus)"
 
 
-def test_root_leaves_another_nodes_drain_to_that_nodes_root_and_counts_a_blameless_hang_once(served):
+def test_root_leaves_another_nodes_drain_to_that_nodes_root_and_counts_a_hang_against_its_own_node_once(served):
     from slurmagent.state import repair_state
 
     server, sc, tmp_path = served
@@ -277,11 +277,14 @@ def test_root_leaves_another_nodes_drain_to_that_nodes_root_and_counts_a_blamele
     assert ask_root(server.path, drain) == {
         "ok": False, "why": "root on n1 cannot see n2: that node's own root judges a drain of it"}
     assert "DRAIN" not in sc.nodes["n2"].get("State", "") and "DRAIN" not in sc.nodes["n1"].get("State", "")
-    count = {"op": "count", "job": "8", "node": "n1", "rule": "hang", "detail": "no rank stopped or gone"}
-    assert ask_root(server.path, count) == {"ok": True, "why": "counted against n1, n2, n3"}  # Slurm's list, not ours
-    assert ask_root(server.path, count) == {"ok": False, "why": "job 8 already counted a hang from n1"}
+    count = {"op": "count", "job": "8", "node": "n1", "rule": "hang", "detail": "rank 0 stuck outside the collective"}
+    assert ask_root(server.path, count) == {"ok": False, "why": "no rank of job 8 named on n1 (pid none): a hang "
+                                                                "counts only against the node its evidence names"}
+    with rank_process("8") as pid:  # the job's rank here, which the evidence named (root sees it alive)
+        assert ask_root(server.path, {**count, "pid": pid}) == {"ok": True, "why": "counted against n1"}
+        assert ask_root(server.path, {**count, "pid": pid}) == {"ok": False, "why": "job 8 already counted a hang from n1"}
     hangs = repair_state.load_state(tmp_path / "state" / "n1")["hangs"]
-    assert sorted(hangs) == ["n1", "n2", "n3"] and all(len(t) == 1 for t in hangs.values())
+    assert sorted(hangs) == ["n1"] and len(hangs["n1"]) == 1  # this node only, never the job's others
     assert "history" not in repair_state.load_state(tmp_path / "state" / "n1")  # not a repair: no repair budget spent
     assert "slurmagent_hangs_total 1\n" in prom(tmp_path)
 
@@ -293,12 +296,14 @@ def test_a_short_job_cannot_count_a_hang_against_its_nodes(served):
     server, sc, tmp_path = served
     for job in ("1", "2", "3", "4", "5"):
         sc.add_job(job, node="n1", Uid="0", RunTime="0:01")
-        answer = ask_root(server.path, {"op": "count", "job": job, "node": "n1", "rule": "hang"})
+        with rank_process(job) as pid:
+            answer = ask_root(server.path, {"op": "count", "job": job, "node": "n1", "rule": "hang", "pid": pid})
         assert answer == {"ok": False, "why": f"job {job} has run 1 s, less than hang_count_min_run_s (120 s): "
                                               "no hang counted"}
     assert "hangs" not in repair_state.load_state(tmp_path / "state" / "n1")
     sc.add_job("6", node="n1", Uid="0", RunTime="2:00")
-    assert ask_root(server.path, {"op": "count", "job": "6", "node": "n1", "rule": "hang"})["ok"] is True
+    with rank_process("6") as pid:
+        assert ask_root(server.path, {"op": "count", "job": "6", "node": "n1", "rule": "hang", "pid": pid})["ok"] is True
 
 
 def test_a_flood_of_garbage_is_answered_and_the_server_still_serves(served):
@@ -704,3 +709,26 @@ def test_an_array_tasks_rank_is_known_by_the_tasks_own_id(served):
     with rank_process("127", stopped=True) as pid:
         answer = ask_root(server.path, {"op": "drain", "job": "123_4", "node": "n1", "rule": "hang", "pid": pid})
     assert answer["ok"] is True, answer
+
+
+def test_one_users_hangs_count_against_a_node_once_a_day_and_a_restart_of_watch_keeps_it(served, tmp_path):
+    """Five hung jobs of one user on one bad day made a lemon of their node; now one count per
+    user and node a day, kept in root's state: a new `watch` (a restart) still knows it."""
+    from slurmagent.state import repair_state
+
+    server, sc, tmp_path = served
+    for job in ("11", "12"):
+        sc.add_job(job, node="n1", Uid="0")
+    with rank_process("11") as pid:
+        assert ask_root(server.path, {"op": "count", "job": "11", "node": "n1", "rule": "hang", "pid": pid})["ok"]
+    server.stop()  # watch restarts: a new server, the same state dir
+    again = ChannelServer(server.cfg, "n1", server.slurm, server.log, say=lambda line: None, gpu_fault=lambda: "")
+    again.start()
+    try:
+        with rank_process("12") as pid:
+            answer = ask_root(again.path, {"op": "count", "job": "12", "node": "n1", "rule": "hang", "pid": pid})
+        assert answer == {"ok": False, "why": "uid 0 already counted a hang against n1 in the last day"}
+    finally:
+        again.stop()
+        server.start()  # the fixture stops it at the end
+    assert len(repair_state.load_state(tmp_path / "state" / "n1")["hangs"]["n1"]) == 1
