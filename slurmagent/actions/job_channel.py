@@ -430,7 +430,8 @@ class ChannelServer:
         if req.op == "count":  # a hang whose evidence named this node, which root would not drain
             self.counted_for.add(req.job)
             nodes = [self.node]
-            record_hangs(self.cfg.state_path(self.node), nodes, time.time(), uid=owner.uid)
+            record_hangs(self.cfg.state_path(self.node), nodes, time.time(), uid=owner.uid,
+                         why=f"job {req.job}: {req.detail}" if req.detail else f"job {req.job}")
             metrics.for_node(self.cfg, self.node).update(add={("slurmagent_hangs_total", ()): 1})
             self.log.write("job-request", node=self.node, job=req.job, uid=uid, op="count", verdict="granted",
                            rule=req.rule, detail=req.detail, nodes=nodes)

@@ -118,7 +118,8 @@ def add_root_side(cfg: Config, report: dict, now: float, state_dir: str | None, 
         state = repair_state.load_state(sdir)
         keys = dict(faults=int(cfg.repair.lemon_faults), window_s=float(cfg.repair.lemon_window_s))
         report["lemon"] = keys
-        report["nodes"] = lemon.node_faults(state.get("history", {}), now, hangs=state.get("hangs"), **keys)
+        report["nodes"] = lemon.node_faults(state.get("history", {}), now, hangs=state.get("hangs"),
+                                            whys=state.get("hang_why"), **keys)
     logs = [Path(p) for p in decision_logs] or [p for p in [decisionlog.path_for(cfg, node_name())] if os.path.exists(p)]
     records: list = []
     for path in logs:

@@ -366,7 +366,9 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"nodes (repairs within {lem.get('window_s', 0) / 86400:g} days; a lemon from {lem.get('faults')}):"
                      + ("" if report["nodes"] else " none repaired"))
         lines.extend(f"  {n['node']}: {n['faults']} fault(s)"
-                     + (f" ({n['hangs']} of them hangs whose evidence named it)" if n.get("hangs") else "")
+                     + (f" ({n['hangs']} of them hangs whose evidence named it"
+                        + (f"; the last: {n['hang_evidence']}" if n.get("hang_evidence") else "") + ")"
+                        if n.get("hangs") else "")
                      + f", last {utc(n['last_fault'])}" + ("  LEMON" if n["lemon"] else "") for n in report["nodes"])
     for err in report["errors"]:
         lines.append(f"warning: {err}")

@@ -35,16 +35,21 @@ def merged(history: Any, hangs: Any = None) -> dict[str, list]:
     return out
 
 
-def node_faults(history: Any, now: float, *, faults: int, window_s: float, hangs: Any = None) -> list[dict[str, Any]]:
+def node_faults(history: Any, now: float, *, faults: int, window_s: float, hangs: Any = None,
+                whys: Any = None) -> list[dict[str, Any]]:
     """Per node with a repair or a counted hang in the window: faults seen (both), the hangs among
-    them, the last one, lemon or not (most faults first)."""
+    them and the evidence of the last one counted (`whys`: node -> [[time, words]]), the last
+    fault, lemon or not (most faults first)."""
     rows = []
     for node, times in merged(history, hangs).items():
         seen = recent(times, now, window_s)
         if seen:
             hung = len(recent(hangs.get(node) if isinstance(hangs, dict) else None, now, window_s))
+            said = whys.get(node) if isinstance(whys, dict) and isinstance(whys.get(node), list) else []
+            last = [w for w in said if isinstance(w, list) and len(w) == 2 and isinstance(w[1], str)
+                    and isinstance(w[0], (int, float)) and now - w[0] <= window_s]
             rows.append({"node": node, "faults": len(seen), "hangs": hung, "last_fault": seen[-1],
-                         "lemon": faults > 0 and len(seen) >= faults})
+                         "lemon": faults > 0 and len(seen) >= faults, "hang_evidence": last[-1][1] if last else ""})
     return sorted(rows, key=lambda r: (-r["faults"], r["node"]))
 
 

@@ -56,17 +56,24 @@ def record_history(state_dir: Path, nodes: list[str], now: float, keep_s: float 
 
 
 HANG_PER_USER_S = 86400.0  # one user's hangs count against one node at most once a day
+HANG_WHY_KEPT = 5  # the evidence of a node's last counted hangs
 
 
 def record_hangs(state_dir: Path, nodes: list[str], now: float, keep_s: float = HISTORY_KEEP_S,
-                 keep_n: int = HISTORY_KEEP_N, uid: int | None = None) -> None:
+                 keep_n: int = HISTORY_KEEP_N, uid: int | None = None, why: str = "") -> None:
     """A hung job whose evidence named a node root could not drain, counted against that node:
     the lemon count reads it beside the repairs (policy/lemon.py); `max_repairs_per_day` does
-    not. `uid`: whose job it was (`hang_counted_today` reads it back, across restarts)."""
+    not. `uid`: whose job it was (`hang_counted_today` reads it back, across restarts); `why`:
+    the evidence that named the node (`report --state-dir` shows the last ones)."""
     data = load_state(state_dir)
     hangs = data.setdefault("hangs", {})
     for n in nodes:
         hangs[n] = [t for t in hangs.get(n, []) if isinstance(t, (int, float)) and now - t < keep_s][-keep_n:] + [now]
+    if why:
+        whys = data.setdefault("hang_why", {})
+        for n in nodes:
+            old = [w for w in whys.get(n, []) if isinstance(w, list) and len(w) == 2][-(HANG_WHY_KEPT - 1):]
+            whys[n] = old + [[now, why[:200]]]
     if uid is not None:
         by_uid = data.setdefault("hang_uids", {})
         for n in nodes:

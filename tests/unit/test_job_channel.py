@@ -285,6 +285,8 @@ def test_root_leaves_another_nodes_drain_to_that_nodes_root_and_counts_a_hang_ag
         assert ask_root(server.path, {**count, "pid": pid}) == {"ok": False, "why": "job 8 already counted a hang from n1"}
     hangs = repair_state.load_state(tmp_path / "state" / "n1")["hangs"]
     assert sorted(hangs) == ["n1"] and len(hangs["n1"]) == 1  # this node only, never the job's others
+    [[_, why]] = repair_state.load_state(tmp_path / "state" / "n1")["hang_why"]["n1"]
+    assert why == "job 8: rank 0 stuck outside the collective"  # the evidence that counted, for `report`
     assert "history" not in repair_state.load_state(tmp_path / "state" / "n1")  # not a repair: no repair budget spent
     assert "slurmagent_hangs_total 1\n" in prom(tmp_path)
 

@@ -32,8 +32,8 @@ def test_a_node_is_a_lemon_from_the_nth_fault_within_the_window():
     history = {"n1": [NOW - 8 * DAY, NOW - 3 * DAY, NOW - 2 * DAY, NOW - 60], "n2": [NOW - DAY], "n3": [NOW - 9 * DAY],
                "n4": ["junk", True, None]}
     rows = lemon.node_faults(history, NOW, faults=3, window_s=7 * DAY)
-    assert rows == [{"node": "n1", "faults": 3, "hangs": 0, "last_fault": NOW - 60, "lemon": True},
-                    {"node": "n2", "faults": 1, "hangs": 0, "last_fault": NOW - DAY, "lemon": False}]  # n3: out of the window
+    assert rows == [{"node": "n1", "faults": 3, "hangs": 0, "last_fault": NOW - 60, "lemon": True, "hang_evidence": ""},
+                    {"node": "n2", "faults": 1, "hangs": 0, "last_fault": NOW - DAY, "lemon": False, "hang_evidence": ""}]  # n3: out of the window
     assert lemon.gauges(rows) == {("slurmagent_lemon_nodes", ()): 1.0, ("slurmagent_node_faults", (("node", "n1"),)): 3.0,
                                   ("slurmagent_node_faults", (("node", "n2"),)): 1.0}
     # the repair about to be asked counts: 2 past + this one = 3
@@ -43,12 +43,14 @@ def test_a_node_is_a_lemon_from_the_nth_fault_within_the_window():
     assert lemon.node_faults(history, NOW, faults=0, window_s=7 * DAY)[0]["lemon"] is False  # 0: never
 
 
-def test_hangs_that_named_no_node_count_toward_a_lemon_beside_its_repairs():
+def test_hangs_whose_evidence_named_the_node_count_toward_a_lemon_beside_its_repairs():
     history = {"n1": [NOW - 2 * DAY]}
     hangs = {"n1": [NOW - DAY, NOW - 60], "n2": [NOW - 60], "n3": [NOW - 30 * DAY]}
-    rows = lemon.node_faults(history, NOW, faults=3, window_s=7 * DAY, hangs=hangs)
-    assert rows == [{"node": "n1", "faults": 3, "hangs": 2, "last_fault": NOW - 60, "lemon": True},
-                    {"node": "n2", "faults": 1, "hangs": 1, "last_fault": NOW - 60, "lemon": False}]
+    whys = {"n1": [[NOW - DAY, "job 4: rank 1 stuck outside the collective"], [NOW - 60, "job 9: rank 3 stopped"]]}
+    rows = lemon.node_faults(history, NOW, faults=3, window_s=7 * DAY, hangs=hangs, whys=whys)
+    assert rows == [{"node": "n1", "faults": 3, "hangs": 2, "last_fault": NOW - 60, "lemon": True,
+                     "hang_evidence": "job 9: rank 3 stopped"},  # what counted, shown by `report --state-dir`
+                    {"node": "n2", "faults": 1, "hangs": 1, "last_fault": NOW - 60, "lemon": False, "hang_evidence": ""}]
     assert lemon.escalation("n2", {}, NOW, faults=2, window_s=7 * DAY, hangs=hangs).startswith("lemon: 2 faults")
     assert lemon.escalation("n2", {}, NOW, faults=2, window_s=7 * DAY) == ""
 
@@ -165,3 +167,15 @@ def test_an_unreadable_decision_log_is_a_warning_not_a_failure(tmp_path):
     assert "warning: cannot read the decision log" in out.getvalue() and "job 5" in out.getvalue()
     assert "nodes (" not in out.getvalue()  # no repair history on this node: no nodes section, no warning
     assert "repair history" not in out.getvalue()
+
+
+def test_report_says_the_evidence_of_the_last_hang_counted_against_a_node():
+    from slurmagent.core.goodput import build_report, format_text
+
+    report = build_report([], now=NOW)
+    report["lemon"] = {"faults": 3, "window_s": 7 * DAY}
+    report["nodes"] = lemon.node_faults({}, NOW, faults=3, window_s=7 * DAY, hangs={"n4": [NOW - 60]},
+                                        whys={"n4": [[NOW - 60, "job 9: rank 3 stuck outside the collective"]]})
+    text = format_text(report)
+    assert "n4: 1 fault(s) (1 of them hangs whose evidence named it; the last: job 9: rank 3 stuck outside the " \
+           "collective)" in text, text
