@@ -34,40 +34,57 @@ class RankProgress:
         return not self.node or not node or self.node == node
 
 
-def write(directory: str | os.PathLike[str], rank: int, step: int, at: float, node: str = "") -> None:
-    """Replace this rank's file (raises OSError: the caller ignores it, training goes on)."""
-    path = Path(directory) / f"rank-{rank}"
-    tmp = path.with_name(f".rank-{rank}.{os.getpid()}.tmp")
+def _replace(path: Path, line: str) -> None:
+    """Replace one rank's file with `line`, atomically (raises OSError: the caller ignores it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        where = f" {node}" if node and node.isprintable() and " " not in node else ""
-        os.write(fd, f"{int(step)} {at:.3f} {os.getpid()}{where}\n".encode())
+        os.write(fd, line.encode())
     finally:
         os.close(fd)
     os.replace(tmp, path)
 
 
-def read_all(directory: str | os.PathLike[str]) -> dict[int, RankProgress]:
-    """Every rank's last report, by rank; malformed files (the job's own to write) are skipped."""
-    out: dict[int, RankProgress] = {}
+def _node_field(node: str) -> str:
+    return f" {node}" if node and node.isprintable() and " " not in node else ""
+
+
+def _rank_files(directory: str | os.PathLike[str], prefix: str):
+    """(rank, the file's first fields) of each `<prefix><R>` file (the job's own to write: at most
+    MAX_RANK_FILES entries looked at, 400 bytes each; unreadable ones skipped)."""
     try:
         entries = os.scandir(directory)
     except OSError:
-        return out
+        return
     with entries:
         for n, entry in enumerate(entries):
             if n >= MAX_RANK_FILES:
                 break
-            if not entry.name.startswith("rank-"):
+            if not entry.name.startswith(prefix):
                 continue
             try:
-                rank = int(entry.name[5:])
+                rank = int(entry.name[len(prefix):])
                 with open(entry.path, "rb") as fh:
                     fields = fh.read(400).decode().split()
-                step, at, pid = fields[:3]
-                out[rank] = RankProgress(rank, int(step), float(at), int(pid), fields[3][:255] if len(fields) > 3 else "")
             except (OSError, ValueError, UnicodeDecodeError):
                 continue
+            yield rank, fields
+
+
+def write(directory: str | os.PathLike[str], rank: int, step: int, at: float, node: str = "") -> None:
+    """Replace this rank's file (raises OSError: the caller ignores it, training goes on)."""
+    _replace(Path(directory) / f"rank-{rank}", f"{int(step)} {at:.3f} {os.getpid()}{_node_field(node)}\n")
+
+
+def read_all(directory: str | os.PathLike[str]) -> dict[int, RankProgress]:
+    """Every rank's last report, by rank; malformed files (the job's own to write) are skipped."""
+    out: dict[int, RankProgress] = {}
+    for rank, fields in _rank_files(directory, "rank-"):
+        try:
+            step, at, pid = fields[:3]
+            out[rank] = RankProgress(rank, int(step), float(at), int(pid), fields[3][:255] if len(fields) > 3 else "")
+        except ValueError:
+            continue
     return dict(sorted(out.items()))  # by rank, whatever order the directory lists them in
 
 
@@ -100,15 +117,8 @@ def write_phase(directory: str | os.PathLike[str], rank: int, name: str, started
                 node: str = "") -> None:
     """This rank's phase file `phase-<R>` (raises OSError: the caller ignores it)."""
     clean = "".join(c for c in name if c.isprintable() and not c.isspace())[:40] or "phase"
-    where = f" {node}" if node and node.isprintable() and " " not in node else ""
-    path = Path(directory) / f"phase-{rank}"
-    tmp = path.with_name(f".phase-{rank}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, f"{clean} {started:.3f} {float(expected_s):g} {os.getpid()}{where}\n".encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    _replace(Path(directory) / f"phase-{rank}",
+             f"{clean} {started:.3f} {float(expected_s):g} {os.getpid()}{_node_field(node)}\n")
 
 
 def end_phase(directory: str | os.PathLike[str], rank: int) -> None:
@@ -119,25 +129,13 @@ def end_phase(directory: str | os.PathLike[str], rank: int) -> None:
 def read_phases(directory: str | os.PathLike[str]) -> dict[int, Phase]:
     """Every rank's open phase, by rank; malformed files (the job's own) are skipped."""
     out: dict[int, Phase] = {}
-    try:
-        entries = os.scandir(directory)
-    except OSError:
-        return out
-    with entries:
-        for n, entry in enumerate(entries):
-            if n >= MAX_RANK_FILES:
-                break
-            if not entry.name.startswith("phase-"):
-                continue
-            try:
-                rank = int(entry.name[6:])
-                with open(entry.path, "rb") as fh:
-                    fields = fh.read(400).decode().split()
-                name, started, expected, pid = fields[:4]
-                phase = Phase(rank, name[:40], float(started), float(expected), int(pid),
-                              fields[4][:255] if len(fields) > 4 else "")
-            except (OSError, ValueError, UnicodeDecodeError):
-                continue
-            if math.isfinite(phase.started) and math.isfinite(phase.expected_s):
-                out[rank] = phase
+    for rank, fields in _rank_files(directory, "phase-"):
+        try:
+            name, started, expected, pid = fields[:4]
+            phase = Phase(rank, name[:40], float(started), float(expected), int(pid),
+                          fields[4][:255] if len(fields) > 4 else "")
+        except ValueError:
+            continue
+        if math.isfinite(phase.started) and math.isfinite(phase.expected_s):
+            out[rank] = phase
     return dict(sorted(out.items()))
