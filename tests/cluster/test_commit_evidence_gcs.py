@@ -16,12 +16,10 @@ plain trainers that save the way people write them.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 from slurmagent.checkpoint.manifest import entry_content_id
-from support import wait_for
+from support import kill_process_tree, wait_for
 from test_torn_saves_gcs import start
 
 # Saves ckpt.pt atomically every argv[2] seconds (its content names the step and fills 200 kB),
@@ -95,8 +93,8 @@ def step_of(data: bytes) -> int:
 
 
 def stop(proc) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    """The wrapper and its trainer (in a session of its own) killed at once."""
+    kill_process_tree(proc.pid)
     proc.wait(10)
 
 

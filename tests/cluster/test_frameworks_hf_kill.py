@@ -2,7 +2,8 @@
 GPT-2 built from a config, random token ids): a single-node job saving `checkpoint-N/` every
 ~2 s (HF's own writer: the folder filled in place, file by file) under `slurmagent run
 --sync-interval 1`, its VM lost 10 times at random moments (SIGKILL to the wrapper's and the
-trainer's process groups at once). Every restore holds only whole `checkpoint-N/` folders, and
+trainer's process groups at once), 1-8 s after its first step, every other attempt only once it
+has committed a save of its own (so that the restores move on on a loaded machine too). Every restore holds only whole `checkpoint-N/` folders, and
 the next attempt's `Trainer.train(resume_from_checkpoint=...)` continues at the restored step."""
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, need_module, wait_for
+from support import REPO, kill_process_tree, need_module, wait_for
 
 need_module("torch")
 need_module("transformers")
@@ -36,25 +36,11 @@ def ledger(path: Path, word: str) -> list[str]:
     return [line.split(" ", 1)[1] for line in lines if line.startswith(word + " ")]
 
 
-def process_groups(pid: int) -> set[int]:
-    """The process groups of `pid` and all its descendants (the trainer runs in its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except (OSError, ValueError):
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    groups, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            groups.add(os.getpgid(p))
-        except ProcessLookupError:
-            continue
-        todo += children.get(p, [])
-    return groups
+def newest_committed(store) -> int:
+    """The highest checkpoint-N/ in the newest commit (0: none)."""
+    seen = store.latest_manifest(deadline_s=10)
+    names = seen.files if seen is not None else {}
+    return max((int(n.split("/")[0].split("-")[1]) for n in names if n.startswith("checkpoint-")), default=0)
 
 
 def steps_in(d: Path) -> list[int]:
@@ -112,8 +98,10 @@ def test_hf_trainer_killed_hard_at_ten_random_moments_restores_whole_folders_and
             resumed_steps.append(resume_at)
             if attempt == 10:
                 break
-            if attempt == 0:  # so that the first kills find a commit to restore
-                wait_for(lambda: store.latest_manifest() or proc.poll() is not None, 60, "a first commit")
+            if attempt % 2 == 0:  # every other attempt commits a save of its own first: commits go on
+                # however loaded the machine (a kill 1-8 s after a step can come before any upload)
+                wait_for(lambda: newest_committed(store) > resume_at or proc.poll() is not None, 120,
+                         "a commit past the restored step")
             kill_at = time.monotonic() + rng.uniform(1.0, 8.0)  # the VM is lost at a random moment
             while time.monotonic() < kill_at:
                 seen = store.latest_manifest(deadline_s=10)
@@ -121,12 +109,7 @@ def test_hf_trainer_killed_hard_at_ten_random_moments_restores_whole_folders_and
                     commits[frozenset((n, e["size"]) for n, e in seen.files.items())] = seen.files
                 time.sleep(max(0.0, min(0.2, kill_at - time.monotonic())))
         finally:
-            groups = process_groups(proc.pid)
-            for group in groups:  # every process at once
-                try:
-                    os.killpg(group, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            kill_process_tree(proc.pid)  # every process at once
             proc.wait(10)
         saved = [int(s) for s in ledger(log, "save")]
         expected = expected or ({p.name for p in (vm / f"checkpoint-{saved[-1]}").iterdir()} if saved else set())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,32 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL `pid`, its descendants and their process groups at once, as a lost VM would: a
+    wrapper's trainer runs in a session of its own, so killing the wrapper's group alone leaves
+    it running (writing, taking CPU) for the rest of the lane."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    groups, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            groups.add(os.getpgid(p))
+        except ProcessLookupError:
+            continue
+        todo += children.get(p, [])
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def manifest(prefix: str) -> dict | None:
