@@ -9,7 +9,9 @@ with slurmagent and without any agent, under the interruption mix of the Llama 3
    a wrapped toy trainer (tests/support/toy_trainer.py) lands on n1, an XID 79 line goes into
    n1's kernel log; timed: XID -> n1 DRAIN (detect + drain), and from the job's own ledger
    records (run/ledger.py): the flush, XID -> the wrapper done, PENDING until the next
-   attempt started, its restore and its startup (restore -> first progress). `--inputs FILE`
+   attempt started, its restore and its startup (restore -> first progress). Then a hang on
+   n2 and n3 (tests/support/toy_gloo_silent.py, `sleep-forever`, under the default rule):
+   silence -> the wrapper done, and PENDING until the next attempt. `--inputs FILE`
    reuses a JSON of such figures instead (what this script prints as "inputs").
 2. Simulate (deterministic, seeded): 16,384 GPUs in multi-node jobs (1 x 8192, 4 x 1024,
    16 x 128, 64 x 32 GPUs), each training for the whole month. Interruptions per job are
@@ -28,8 +30,11 @@ with slurmagent and without any agent, under the interruption mix of the Llama 3
                 after SlurmdTimeout (300 s), work since the     requeue (measured PENDING)
                 last commit lost
    host (other) as maintenance without an agent                  the same (no notice: nothing to flush)
-   network      hangs until the timeout (30 min), crash, a      the same (hang detection is not counted here)
-                person requeues it
+   network      hangs until the timeout (30 min), crash, a      the hang watch's default rule sees every rank
+                person requeues it                              still (measured: a 2-node gloo job whose rank 1
+                                                                sleeps before the all-reduce rank 0 waits in,
+                                                                silence -> the wrapper done), then its requeue
+                                                                (measured PENDING); work since the commit lost
    software     crashes at once, a person requeues it           the same
 
 Output: per policy a `slurmagent report --json`-shaped document (core/goodput.build_report
@@ -137,7 +142,8 @@ def measure() -> dict[str, float]:
                 "pending_s": round(float(second["started"]) - float(first["ended"]), 3),
                 "restore_s": round(float(second["restore_s"]), 3),
                 "startup_s": round(float(second["first_progress"]) - float(second["started"])
-                                   - float(second["restore_s"]), 3)}
+                                   - float(second["restore_s"]), 3),
+                **measure_hang(cluster, base, env)}
     finally:
         if watcher is not None:
             watcher.terminate()
@@ -145,6 +151,37 @@ def measure() -> dict[str, float]:
         cluster.stop()
         emu.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def measure_hang(cluster, base: Path, env: dict) -> dict[str, float]:
+    """A 2-node gloo job on n2 and n3 whose rank 1 sleeps before the all-reduce rank 0 waits in,
+    under the default rule (a 120 s short limit, stack samples): silence -> the wrapper done,
+    and PENDING until the next attempt started (a network fault hangs every rank the same way)."""
+    from slurmagent.checkpoint.gcs.ledger import LedgerBucket
+    from slurmagent.devtools.localcluster import free_ports
+
+    ranks = base / "ranks"
+    ranks.mkdir()
+    sub = subprocess.run(
+        [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-w", "n2,n3",
+         "-o", str(base / "hang.out"), "--", "--ckpt-dir", str(cluster.local_path / "ckpt"), "--", "srun",
+         sys.executable, str(REPO / "tests/support/toy_gloo_silent.py"), "60", str(ranks), "sleep-forever", "30", "0"],
+        env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), TMPDIR=str(base)),
+        capture_output=True, text=True, timeout=60)
+    if sub.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {sub.stderr.strip()}")
+    job = sub.stdout.strip().split(";")[0]
+    wait(lambda: int(cluster.job(job).get("Restarts", 0)) >= 1 and cluster.job(job).get("JobState") == "RUNNING",
+         900, "the hung job's next attempt", 0.5)
+    silent = min(float(p.read_text()) for p in ranks.glob("rank*.silent"))
+    wait(lambda: len(LedgerBucket(f"gs://ckpt/sim/{job}").read_all(deadline_s=30)[0]) >= 2, 60, "its ledger", 0.5)
+    records, _ = LedgerBucket(f"gs://ckpt/sim/{job}").read_all(deadline_s=60)
+    by = {r["attempt"]: r for r in records}
+    cluster.run(["scancel", job])
+    if by.get(0, {}).get("end") != "hang":
+        raise RuntimeError(f"the hung job did not end as a hang: {records}: {(base / 'hang.out').read_text()[-2000:]}")
+    return {"hang_to_wrapper_done_s": round(float(by[0]["ended"]) - silent, 3),
+            "hang_pending_s": round(float(by[1]["started"]) - float(by[0]["ended"]), 3)}
 
 
 # --- 2. simulate -----------------------------------------------------------------------------
@@ -168,8 +205,11 @@ def reaction(policy: str, cause: str, manual_s: float, m: dict[str, float]) -> t
     PENDING seconds until the next attempt, why)."""
     if cause == "software":
         return 0.0, 0.0, False, manual_s, "the trainer crashed (software); requeued by a person"
-    if cause == "network":
+    if cause == "network" and (policy == "no-agent" or "hang_to_wrapper_done_s" not in m):
         return FRAMEWORK_TIMEOUT_S, 0.0, False, manual_s, "network: hung until the framework's timeout; requeued by a person"
+    if cause == "network":
+        return (m["hang_to_wrapper_done_s"], 0.0, False, m["hang_pending_s"],
+                "network: hung; slurmagent's hang watch saw every rank still and requeued the job")
     if cause == "host" or (cause == "host-maintenance" and policy == "no-agent"):
         return 0.0, 0.0, False, SLURMD_TIMEOUT_S, f"{cause}: the VM went away; Slurm requeued after SlurmdTimeout"
     if cause == "host-maintenance":

@@ -10,7 +10,11 @@ Times are seconds since the epoch. For one attempt, with S `started`, R `restore
     restore   = R                      wrapper start -> trainer start (the restore)
     startup   = P - (S + R)            trainer start -> first progress (all of F - S - R without progress)
     progress  = min(C, F) - P          "making progress": first progress -> last commit of the attempt
-    recompute = F - max(C, P)          done after the last commit: lost, done again by the next attempt
+    recompute = F - max(C, P)          done after the last commit: lost, done again by the next attempt;
+                                       where the steps are known, the steps redone at the attempt's pace:
+                                       (`last_progress_step` - the step the next attempt restores:
+                                       this attempt's `committed_step`, else the last one before) x
+                                       `step_s`, and progress = F - P - recompute
     flush     = E - F                  the checkpoint at the end and the final sync
     pending   = next S - E             PENDING until the next attempt started
 
@@ -103,8 +107,10 @@ EPOCH_RANGE = (0.0, 4.1e9)  # up to 2099: a time outside (or not finite) is a li
 MAX_SECONDS = 1e7  # a restore or a flush of ~115 days at most
 MAX_TEXT = 4096
 _TIMES = ("started", "first_rank_progress", "last_progress", "ended", "first_progress", "last_commit")
-_DURATIONS = ("restore_s", "flush_s")
+_DURATIONS = ("restore_s", "flush_s", "step_s")
 _COUNTS = ("gpus", "node_count")
+_STEPS = ("last_progress_step", "committed_step")  # a trainer's step numbers
+MAX_STEP = 10**15
 _TEXTS = ("end", "why", "nodes", "fault_node", "prefix")
 
 
@@ -146,6 +152,13 @@ def clean_record(record: Any) -> tuple[dict | None, str]:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 100_000:
             return None, f"{key}: not a whole number in [0, 100000]"
         out[key] = v
+    for key in _STEPS:
+        v = record.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_STEP:
+            return None, f"{key}: not a whole number in [0, {MAX_STEP:g}]"
+        out[key] = v
     for key in _TEXTS:
         v = record.get(key)
         if v is None:
@@ -158,8 +171,10 @@ def clean_record(record: Any) -> tuple[dict | None, str]:
     return out, ""
 
 
-def attempt_parts(rec: dict, next_start: float | None) -> dict[str, Any]:
-    """One attempt's seconds by part (see the module docstring); `end` the time it counts to."""
+def attempt_parts(rec: dict, next_start: float | None, restored_step: int | None = None) -> dict[str, Any]:
+    """One attempt's seconds by part (see the module docstring); `end` the time it counts to.
+    `restored_step`: the step an earlier attempt's last commit held (what the next attempt
+    restores when this one committed nothing)."""
     s = float(rec["started"])
     r = max(0.0, _num(rec.get("restore_s")) or 0.0)
     e = _num(rec.get("ended"))
@@ -189,7 +204,20 @@ def attempt_parts(rec: dict, next_start: float | None) -> dict[str, Any]:
             worked = min(max(last, p), f)
             parts["hang_detection"] = f - worked
         parts["recompute"] = max(0.0, worked - max(c if c is not None else p, p))
+        redone = _redone_s(rec, restored_step)
+        if redone is not None:  # the steps redone at the job's pace: a commit lags its save
+            parts["recompute"] = min(redone, max(0.0, worked - p))
+            parts["progress"] = max(0.0, worked - p - parts["recompute"])
     return {"parts": parts, "end": e, "ended": True}
+
+
+def _redone_s(rec: dict, restored_step: int | None) -> float | None:
+    """The seconds the next attempt redoes, from the steps (None: not known)."""
+    last, pace = rec.get("last_progress_step"), _num(rec.get("step_s"))
+    base = rec["committed_step"] if rec.get("committed_step") is not None else restored_step
+    if not isinstance(last, int) or not isinstance(base, int) or pace is None or not math.isfinite(pace):
+        return None
+    return max(0, last - base) * pace
 
 
 def job_report(records: list[dict]) -> dict[str, Any]:
@@ -198,9 +226,11 @@ def job_report(records: list[dict]) -> dict[str, Any]:
     attempts, lost_s = [], dict.fromkeys(CAUSES, 0.0)
     lost_gpu_h = dict.fromkeys(CAUSES, 0.0)
     progress_s = progress_gpu_h = 0.0
+    restored: int | None = None  # the step the last commit so far holds
     for i, rec in enumerate(recs):
         nxt = float(recs[i + 1]["started"]) if i + 1 < len(recs) else None
-        folded = attempt_parts(rec, nxt)
+        folded = attempt_parts(rec, nxt, restored)
+        restored = rec["committed_step"] if rec.get("committed_step") is not None else restored
         parts, gpus = folded["parts"], int(rec.get("gpus") or 0)
         if nxt is not None:
             parts["pending"] = max(0.0, nxt - folded["end"])

@@ -114,6 +114,8 @@ class HangMonitor:
         self.said_blind = False
         self.first_rank_wall: float | None = None  # when a rank's own progress first moved (wall)
         self.last_moved_wall: float | None = None  # when any signal last moved (wall): the report's last progress
+        self.first_step: tuple[int, float] | None = None  # (step, its wall time): the attempt's first progress seen
+        self.last_step: tuple[int, float] | None = None  # the highest step seen, for the report's recompute
         # adaptive rule: the ranks' stacks through a silence, or why there are none ("" = sample them)
         self.blind = stacks or ("" if not rule.adaptive else no_stacks())
         self.stack_samples = StackSamples(self._take_stacks, clock) if rule.adaptive and not self.blind else None
@@ -125,6 +127,29 @@ class HangMonitor:
         """(first rank progress, last progress of any signal), wall clock, for the attempt's ledger record."""
         return (None if self.first_rank_wall is None else round(self.first_rank_wall, 3),
                 None if self.last_moved_wall is None else round(self.last_moved_wall, 3))
+
+    def progress_steps(self) -> tuple[int | None, int | None, float | None]:
+        """(first step, last step, seconds per step) the ranks' `trainer.progress` showed this
+        attempt, from their own times: the report's recompute is the steps redone at this pace."""
+        if self.first_step is None or self.last_step is None:
+            return None, None, None
+        (s0, t0), (s1, t1) = self.first_step, self.last_step
+        pace = round((t1 - t0) / (s1 - s0), 6) if s1 > s0 and t1 >= t0 else None
+        return s0, s1, pace
+
+    def current_step(self) -> int | None:
+        """The highest step a rank has shown so far (None: none yet)."""
+        last = self.last_step
+        return None if last is None else last[0]
+
+    def _note_steps(self, ranks: dict) -> None:
+        for step, at in ranks.values():
+            if not isinstance(step, int) or not isinstance(at, (int, float)):
+                continue
+            if self.first_step is None or step < self.first_step[0]:
+                self.first_step = (step, float(at))
+            if self.last_step is None or step > self.last_step[0]:
+                self.last_step = (step, float(at))
 
     def owns(self, cause: str) -> bool:
         return bool(self.cause) and cause == self.cause
@@ -191,6 +216,7 @@ class HangMonitor:
             return ""
         self.next_poll = now + self.poll_s
         current = self.sample()
+        self._note_steps({**current.get("progress on other nodes", {}), **current["progress"]})
         if self.watch is None:  # the first sample is the start (the trainer was just started)
             self.watch, self.last, self.output_mark = StallWatch(self.rule, now), current, current["output"]
             return ""

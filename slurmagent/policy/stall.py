@@ -15,8 +15,8 @@ the limit is a hang:
   across the samples of the silence (`stacks_verdict`: waiting in a collective, a barrier,
   a sleep). A rank whose stack moves is running (rank 0 evaluating while the others wait at
   a barrier): the limit becomes the ceiling, never more. Without stacks (no py-spy, no ptrace
-  rights) the limit is never below `blind_floor_s` (10 minutes: PyTorch's own NCCL collective
-  timeout). A rank inside an announced phase (`trainer.phase`, until its expected time) keeps
+  rights) the limit is never below `blind_floor_s` (15 minutes: past PyTorch's own NCCL collective
+  timeout of 10, so that fires first on a collective hang, and a 10-minute silent phase stays). A rank inside an announced phase (`trainer.phase`, until its expected time) keeps
   the job from being silent. CPU time is no evidence either way.
 
 Pure: the caller passes the clock's readings.
@@ -45,7 +45,7 @@ class StallRule:
     factor: float = 5.0
     floor_s: float = 120.0
     ceiling_s: float = 1800.0
-    blind_floor_s: float = 600.0  # adaptive, without stacks: never a hang sooner
+    blind_floor_s: float = 900.0  # adaptive, without stacks: never a hang sooner
     samples: int = 3  # stack samples of a silence before "every rank still" is evidence
 
     @property

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..checkpoint.saved import read_declarations
 from ..core.goodput import SCHEMA, end_of
 from ..core.hostlist import expand
 from ..core.reasons import fault_text, is_ours, is_planned
@@ -50,6 +51,8 @@ class AttemptLedger:
         self.baseline_ids: dict[str, str] = {}
         self.first_progress: float | None = None
         self.last_commit: float | None = None
+        self.committed_step: int | None = None  # the step the last commit of new content holds
+        self.step_now: Callable[[], int | None] = lambda: None  # the ranks' progress step now (the hang watch's)
         self.final_sync_s: float | None = None
         self.start_scan: dict[str, list[int]] | None = None  # the directory as the trainer found it
         self.start_thread: threading.Thread | None = None
@@ -98,6 +101,31 @@ class AttemptLedger:
             self.last_commit = now
             if self.first_progress is None:
                 self.first_progress = self._first_change(sig, now)
+        step = self._step_of(manifest)
+        with self.lock:
+            self.committed_step = step
+
+    def _step_of(self, manifest: Any) -> int | None:
+        """The step a commit holds: the newest `trainer.saved(step=)` whose files it holds as they
+        were declared (their size, and on disk still the declared file), else the ranks' last
+        progress before the commit."""
+        try:
+            files = manifest.files
+            steps = [d.step for d in read_declarations(self.ckpt_dir)
+                     if d.step is not None and d.files and all(self._holds(files, n, sig) for n, sig in d.files.items())]
+        except (OSError, ValueError, TypeError, AttributeError):
+            steps = []
+        return max(steps) if steps else self.step_now()
+
+    def _holds(self, files: Mapping[str, Any], name: str, declared: list[int]) -> bool:
+        entry = files.get(name)
+        if not isinstance(entry, Mapping) or entry.get("size") != declared[0]:
+            return False
+        try:
+            st = os.stat(self.ckpt_dir / name, follow_symlinks=False)
+        except (OSError, ValueError):
+            return False
+        return [st.st_size, st.st_mtime_ns, st.st_ino] == list(declared[:3])
 
     def _first_change(self, sig: tuple, now: float) -> float:
         """When the trainer first wrote a file of this commit that the restored checkpoint did not
@@ -141,7 +169,8 @@ class AttemptLedger:
                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
     def ended(self, outcome: Any, *, expiry_source: str = "", fault_node: str = "", fault: str = "",
-              error: str = "", progress: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
+              error: str = "", progress: tuple[float | None, float | None] = (None, None),
+              steps: tuple[int | None, int | None, float | None] = (None, None, None)) -> dict[str, Any]:
         """The full record, once, at the end of the attempt (waits for the "started" write first);
         returned for the node's goodput counters."""
         ended = self.clock()
@@ -162,6 +191,7 @@ class AttemptLedger:
                           flush_s=None if flush_s is None else round(flush_s, 3),
                           requeued=bool(outcome is not None and outcome.requeued),
                           first_rank_progress=progress[0], last_progress=progress[1],
+                          last_progress_step=steps[1], step_s=steps[2], committed_step=self.committed_step,
                           resumed=bool(outcome is not None and outcome.resumed))
         self._write(rec, END_DEADLINE_S, "end")
         return rec

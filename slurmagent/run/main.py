@@ -156,6 +156,8 @@ def run_command(cfg: Config, cmd: list[str], restore_scope: str = "all", hang_ti
     if executor is not None:
         sup.slurm_nodes = executor  # a restore failing on a node's disk: requeued without it
     sup.hang = hang_monitor(cfg, env, ident, options, hang_timeout, sup, whole_job)
+    if ledger is not None and sup.hang is not None:
+        ledger.step_now = sup.hang.current_step  # the step a commit holds, where the trainer declared none
     try:
         if slurm is not None:
             warn_if_not_requeueable(sup, slurm, ident.job_id)
@@ -301,7 +303,8 @@ def end_ledger(ledger, outcome, options: RunOptions, env, slurm, hang=None) -> d
     if is_fault(outcome.flush_cause) and slurm is not None:
         node, fault = faulty_node(slurm, env)
     return ledger.ended(outcome, expiry_source=source, fault_node=node, fault=fault,
-                        progress=hang.progress_times() if hang is not None else (None, None))
+                        progress=hang.progress_times() if hang is not None else (None, None),
+                        steps=hang.progress_steps() if hang is not None else (None, None, None))
 
 
 def _requeue_of(executor: JournalExecutor):

@@ -289,8 +289,8 @@ class RunConfig:
         True, "adaptive rule: read the ranks' Python stacks (py-spy --nonblocking) through a silence as evidence; "
         "false: never (the hang_blind_floor_s floor then applies)")
     hang_blind_floor_s: float = _key(
-        600.0, "adaptive rule without stacks (py-spy not installed, ptrace denied): a silence is never a hang sooner "
-        "(PyTorch's own NCCL collective timeout is 10 minutes)", low=1, high=604800)
+        900.0, "adaptive rule without stacks (py-spy not installed, ptrace denied): a silence is never a hang sooner "
+        "(past PyTorch's own NCCL collective timeout, 10 minutes: that fires first on a collective hang)", low=1, high=604800)
     straggler_window_s: float = _key(60.0, "per-rank seconds per step (ranks in lockstep: busy seconds per step, "
                                      "docs/user/hangs.md) are compared over windows this long", low=1,
                                      high=86400)

@@ -8,16 +8,23 @@ in the first attempt, for SECONDS, without a progress call:
 - `eval-rank0`: rank 0 evaluates, rank 1 waits for it at a barrier;
 - `eval-phase`: every rank sleeps in a blocking call inside `trainer.phase("eval")`;
 - `save-nofile`: rank 0 serialises a model to memory (busy, writes no file), rank 1 at a barrier;
-- `sleep-forever`: rank 1 sleeps (forever: SECONDS is ignored) before the all-reduce rank 0 waits in.
+- `compile`: every rank compiles fresh functions with `torch.compile` (dynamo and AOT autograd,
+  backend `aot_eager`: no C++ compiler needed), one after the other, as a recompilation does;
+- `sleep-forever`: rank 1 sleeps (forever: SECONDS is ignored) before the all-reduce rank 0 waits in;
+- `stop`: rank 1 stops itself (SIGSTOP; SECONDS is ignored) before that all-reduce.
 
-Logs `start`/`step N`/`done` to LEDGER_DIR/rank<r>.log and its pid to rank<r>.pid; every 20 steps
-`rank<r>.json` into the checkpoint; a resumed run starts from the lowest step held.
+Logs `start`/`step N`/`done` to LEDGER_DIR/rank<r>.log, its pid to rank<r>.pid and the wall time
+its silence began to rank<r>.silent; every 20 steps (TOY_SAVE_EVERY) `rank<r>.json` into the checkpoint; a resumed
+run starts from the lowest step held. TOY_GLOO_TIMEOUT_S: gloo's collective timeout (torch's
+default otherwise: 30 minutes), for the bench's baseline (bench/hang.py).
 """
 
+import datetime
 import io
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 
@@ -28,6 +35,7 @@ from slurmagent import trainer
 
 total, ledger_dir, mode, at, seconds = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
 rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+save_every = int(os.environ.get("TOY_SAVE_EVERY", "20"))
 
 
 def log(line: str) -> None:
@@ -65,6 +73,16 @@ def save_to_memory(secs: float) -> None:
             layer(len(buf.getvalue()) % 100)
 
 
+def compile_for(secs: float) -> None:
+    import torch._dynamo  # only this mode pays for it
+    end, i = time.monotonic() + secs, 0
+    while time.monotonic() < end:
+        torch._dynamo.reset()  # a recompilation: every function traced and lowered again
+        fn = torch.compile(lambda x, k=i: ((x * k + 1).relu() @ x.T).softmax(-1).sum(), backend="aot_eager")
+        fn(torch.randn(16, 16, requires_grad=True)).backward()
+        i += 1
+
+
 def sleep_forever() -> None:
     while True:
         time.sleep(3600)
@@ -72,7 +90,9 @@ def sleep_forever() -> None:
 
 with open(os.path.join(ledger_dir, f"rank{rank}.pid"), "w") as fh:
     fh.write(str(os.getpid()))
-dist.init_process_group("gloo", rank=rank, world_size=world)
+timeout = os.environ.get("TOY_GLOO_TIMEOUT_S")
+dist.init_process_group("gloo", rank=rank, world_size=world,
+                        **({"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}))
 first = trainer.restart_count() == 0
 with trainer.checkpoint_handler():
     d = trainer.ckpt_dir()
@@ -83,6 +103,8 @@ with trainer.checkpoint_handler():
         time.sleep(0.05)
         if first and step == at:
             log(f"silent {mode}")
+            with open(os.path.join(ledger_dir, f"rank{rank}.silent"), "w") as fh:
+                fh.write(f"{time.time()}\n")
             if mode == "eval-all":
                 evaluate(seconds)
             elif mode == "eval-rank0":
@@ -92,8 +114,12 @@ with trainer.checkpoint_handler():
                     time.sleep(seconds)
             elif mode == "save-nofile":
                 save_to_memory(seconds) if rank == 0 else dist.barrier()
+            elif mode == "compile":
+                compile_for(seconds)
             elif mode == "sleep-forever" and rank == 1:
                 sleep_forever()
+            elif mode == "stop" and rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
             if mode in ("eval-rank0", "save-nofile") and rank == 0:
                 dist.barrier()
             log("talking again")
@@ -102,7 +128,7 @@ with trainer.checkpoint_handler():
         step += 1
         log(f"step {step}")
         trainer.progress(step)
-        if step % 20 == 0:
+        if step % save_every == 0:
             trainer.atomic_write(d / f"rank{rank}.json", json.dumps({"rank": rank, "step": step}))
             trainer.saved(d / f"rank{rank}.json", step=step)
         if trainer.any_rank(trainer.checkpoint_requested()):

@@ -354,3 +354,55 @@ def test_a_hung_attempts_wait_for_the_hang_watch_is_its_own_cause_and_training_i
     assert parts["startup"] == 10.0 and parts["recompute"] == 30.0 and parts["hang_detection"] == 30.0
     requeued = dict(hung, end="requeue")  # not a hang: the time after the last commit is all recompute
     assert attempt_parts(requeued, None)["parts"]["recompute"] == 195.0
+
+
+def test_recompute_is_the_steps_redone_at_the_jobs_pace_where_the_steps_are_known():
+    """A commit lands a sync round after its save: by times alone, the steps between the save
+    and the commit counted as progress although the next attempt redoes them."""
+    hung = {"started": 1000.0, "restore_s": 10.0, "first_rank_progress": 1020.0, "last_commit": 1500.0,
+            "last_progress": 1560.0, "ended": 1700.0, "flush_s": 5.0, "end": "hang",
+            "last_progress_step": 540, "committed_step": 400, "step_s": 1.0}
+    parts = attempt_parts(hung, None)["parts"]
+    assert parts["recompute"] == 140.0  # steps 401..540 at 1 s a step, not 1560 - 1500
+    assert parts["progress"] == 540.0 - 140.0 and parts["hang_detection"] == 135.0
+    assert sum(parts.values()) == 1700.0 - 1000.0  # the parts still add up to the attempt
+    # an attempt that committed nothing: the next one restores what an earlier one committed
+    quiet = {"started": 2000.0, "restore_s": 10.0, "first_rank_progress": 2020.0, "last_progress": 2100.0,
+             "ended": 2110.0, "flush_s": 0.0, "end": "requeue", "last_progress_step": 480, "step_s": 1.0}
+    assert attempt_parts(quiet, None, restored_step=400)["parts"]["recompute"] == 80.0
+    assert attempt_parts(quiet, None)["parts"]["recompute"] == 90.0  # unknown: by the times, as before
+    report = build_report([rec(0, 1000.0, **{k: v for k, v in hung.items() if k != "started"}),
+                           rec(1, 1710.0, **{k: v for k, v in quiet.items() if k != "started"}),
+                           rec(2, 2120.0, restore_s=5.0, ended=2200.0, end="completed")], now=2300.0)
+    [job] = report["jobs"]
+    assert [a["seconds"]["recompute"] for a in job["attempts"][:2]] == [140.0, 80.0], job["attempts"]
+
+
+def test_a_step_that_is_no_whole_number_makes_the_record_unusable_not_the_report():
+    bad = rec(0, 1000.0, ended=1100.0, end="completed", committed_step="400")
+    assert goodput.clean_record(bad) == (None, "committed_step: not a whole number in [0, 1e+15]")
+    assert goodput.clean_record(rec(0, 1000.0, ended=1100.0, step_s=-1))[1].startswith("step_s: not a number")
+
+
+def test_the_ledger_takes_the_committed_step_from_the_trainers_word_else_from_its_progress(tmp_path, monkeypatch):
+    from slurmagent import trainer
+
+    clock, bucket = Clock(1000.0), FakeBucket()
+    ledger = AttemptLedger(bucket, "9", 0, {}, tmp_path, started=990.0, say=print, clock=clock)
+    ledger.step_now = lambda: 77
+    report = LedgerReport(type("Inner", (), {"restored": lambda s, m: None, "synced": lambda s, *a, **k: None})(),
+                          ledger)
+    report.restored(None)
+    (tmp_path / "m.pt").write_bytes(b"step 60")
+    monkeypatch.setenv("SLURMAGENT_CKPT_DIR", str(tmp_path))
+    monkeypatch.setattr(trainer, "_saved", [])
+    trainer.saved("m.pt", step=60)
+    clock.t = 1010.0
+    report.synced(Manifest(attempt=0, files={"m.pt": entry(b"step 60")}), 1.0, 1, 7, None)
+    assert ledger.committed_step == 60  # the trainer said which step these files are
+    (tmp_path / "m.pt").write_bytes(b"step 80")  # saved again, not declared: the declaration is stale
+    report.synced(Manifest(attempt=0, files={"m.pt": entry(b"step 80")}), 1.0, 1, 7, None)
+    assert ledger.committed_step == 77  # the ranks' progress at the commit
+    ledger.start_thread.join(5)
+    ended = ledger.ended(Outcome(exit_code=0, child_code=0), steps=(5, 90, 0.25))
+    assert (ended["committed_step"], ended["last_progress_step"], ended["step_s"]) == (77, 90, 0.25)

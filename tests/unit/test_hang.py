@@ -587,3 +587,16 @@ def test_a_rank_stuck_outside_the_collective_the_others_wait_in_names_its_node()
                                                    "(at <module> (toy.py:47), step 40)")
     both_waiting = {0: frames[0], 1: frames[0]}
     assert suspect(ranks, frames=both_waiting)[0] == ""  # every rank in the collective: no node to blame
+
+
+def test_the_watch_knows_the_steps_and_the_pace_the_ranks_showed_for_the_reports_recompute(tmp_path):
+    now, child = [0.0], type("C", (), {"pid": 1})()
+    mon = _adaptive(tmp_path, now, lambda: "", say=lambda line: None)
+    assert mon.progress_steps() == (None, None, None) and mon.current_step() is None
+    (tmp_path / "p").mkdir()
+    for t in range(3, 12):  # steps 30..110, one every 0.5 s of the ranks' own clocks, polled every second
+        now[0] = float(t)
+        for rank in (0, 1):
+            progress.write(tmp_path / "p", rank, 10 * t, 1000.0 + 5 * t)
+        mon.poll(child)
+    assert mon.progress_steps() == (30, 110, 0.5) and mon.current_step() == 110
