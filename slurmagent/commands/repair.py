@@ -87,7 +87,8 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
                               retry_after_s=float(cfg.repair.retry_after_s),
                               history=state.get("history", {}), max_per_day=int(cfg.repair.max_repairs_per_day),
                               strategy=cfg.repair.strategy, adopt_reasons=tuple(cfg.repair.adopt_reasons))
-    fault_gauges, lemons = lemon.judge(state.get("history"), now, plan.todo, cfg.repair, hangs=state.get("hangs"))
+    fault_gauges, lemons = lemon.judge(state.get("history"), now, plan.todo, cfg.repair, hangs=state.get("hangs"),
+                                       whys=state.get("hang_why"))
     if not dry_run:
         metrics.for_node(cfg, executor.local_node).update(set_=fault_gauges, replace_prefix="slurmagent_node_faults{")
     by_name = {n.name: n for n in nodes}

@@ -53,12 +53,19 @@ def node_faults(history: Any, now: float, *, faults: int, window_s: float, hangs
     return sorted(rows, key=lambda r: (-r["faults"], r["node"]))
 
 
-def escalation(node: str, history: Any, now: float, *, faults: int, window_s: float, hangs: Any = None) -> str:
-    """Why this repair of `node` (the fault being repaired now counts too) is a lemon's; "" if not one."""
+def escalation(node: str, history: Any, now: float, *, faults: int, window_s: float, hangs: Any = None,
+               whys: Any = None) -> str:
+    """Why this repair of `node` (the fault being repaired now counts too) is a lemon's, with the
+    hangs among its faults and the evidence of the last one counted; "" if not one."""
     seen = recent(merged(history, hangs).get(node), now, window_s)
     if faults <= 0 or len(seen) + 1 < faults:
         return ""
-    return f"lemon: {len(seen) + 1} faults within {window_s / 86400:g} days ([repair] lemon_faults = {faults})"
+    why = f"lemon: {len(seen) + 1} faults within {window_s / 86400:g} days ([repair] lemon_faults = {faults})"
+    row = next((r for r in node_faults(history, now, faults=faults, window_s=window_s, hangs=hangs, whys=whys)
+                if r["node"] == node), None)
+    if row is not None and row["hangs"]:
+        why += f", {row['hangs']} of them hang(s)" + (f", the last: {row['hang_evidence']}" if row["hang_evidence"] else "")
+    return why
 
 
 def gauges(rows: list[dict[str, Any]]) -> dict[tuple, float]:
@@ -71,11 +78,12 @@ def gauges(rows: list[dict[str, Any]]) -> dict[tuple, float]:
 
 
 def judge(history: Any, now: float, todo: list[str], repair_cfg: Any,
-          hangs: Any = None) -> tuple[dict[tuple, float], dict[str, str]]:
+          hangs: Any = None, whys: Any = None) -> tuple[dict[tuple, float], dict[str, str]]:
     """For one `repair` run: the metrics' gauges, and the nodes to repair now that are lemons to
-    escalate (node -> why; none unless `[repair] lemon_action = "report-faulty"`)."""
+    escalate (node -> why, with the counted hangs' evidence; none unless `[repair] lemon_action
+    = "report-faulty"`)."""
     keys = dict(faults=int(repair_cfg.lemon_faults), window_s=float(repair_cfg.lemon_window_s), hangs=hangs)
-    lemons = {n: why for n in todo if (why := escalation(n, history, now, **keys))}
+    lemons = {n: why for n in todo if (why := escalation(n, history, now, whys=whys, **keys))}
     return gauges(node_faults(history, now, **keys)), lemons if repair_cfg.lemon_action == "report-faulty" else {}
 
 

@@ -52,6 +52,9 @@ def test_hangs_whose_evidence_named_the_node_count_toward_a_lemon_beside_its_rep
                      "hang_evidence": "job 9: rank 3 stopped"},  # what counted, shown by `report --state-dir`
                     {"node": "n2", "faults": 1, "hangs": 1, "last_fault": NOW - 60, "lemon": False, "hang_evidence": ""}]
     assert lemon.escalation("n2", {}, NOW, faults=2, window_s=7 * DAY, hangs=hangs).startswith("lemon: 2 faults")
+    # a repair of a lemon says which of its faults were hangs and the evidence that counted the last
+    assert lemon.escalation("n1", history, NOW, faults=3, window_s=7 * DAY, hangs=hangs, whys=whys) == (
+        "lemon: 4 faults within 7 days ([repair] lemon_faults = 3), 2 of them hang(s), the last: job 9: rank 3 stopped")
     assert lemon.escalation("n2", {}, NOW, faults=2, window_s=7 * DAY) == ""
 
 
