@@ -31,7 +31,9 @@ from typing import Iterator
 
 _requested = False
 _resumed_at_start: bool | None = None
-PROGRESS_INTERVAL_S = 1.0  # `progress` writes at most this often; a clock read otherwise
+# `progress` writes at most this often (a clock read otherwise): the last step a hung rank showed
+# is at most this old, so the report's recompute misses at most this much of it
+PROGRESS_INTERVAL_S = 0.25
 _progress_due = 0.0
 _saved: list = []  # this rank's `saved` declarations, newest last (checkpoint/saved.py)
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)

@@ -142,6 +142,11 @@ class HangMonitor:
         last = self.last_step
         return None if last is None else last[0]
 
+    def _rank_time(self, current: dict) -> float:
+        """The newest of this node's ranks' own progress times, not later than now."""
+        times = [at for _, at in current["progress"].values() if isinstance(at, (int, float))]
+        return min(max(times), self.wall()) if times else self.wall()
+
     def _note_steps(self, ranks: dict) -> None:
         for step, at in ranks.values():
             if not isinstance(step, int) or not isinstance(at, (int, float)):
@@ -224,8 +229,8 @@ class HangMonitor:
         self.output_mark = max(self.output_mark, current["output"])
         moved = [k for k, v in current.items() if (grew if k == "output" else v != self.last.get(k))]
         self.last = current
-        if moved:
-            self.last_moved_wall = self.wall()
+        if moved:  # a rank's own progress dates itself (the poll sees it up to poll_s late)
+            self.last_moved_wall = self._rank_time(current) if "progress" in moved else self.wall()
             if self.first_rank_wall is None and any(k in RANK_SIGNALS for k in moved):
                 self.first_rank_wall = self.last_moved_wall
             self.watch.progressed(now, moved[0], ranks=any(k in RANK_SIGNALS for k in moved),

@@ -2,9 +2,12 @@
 server (tests/support/fake_gcp_expiry.py) and the GCS emulator: drain ahead, the wrapper's own flush
 at the lead, an immediate flush on a maintenance notice, the prolog guard.
 
-Timing (parallel lanes): nothing here is in the serial group. The flush at the lead has 100 s
-of lead to resume in; the notice's flush must come well before the loop's next check
-(--interval 120), not within seconds."""
+Timing (parallel lanes): the flush at the lead has 100 s of lead to resume in; the notice's
+flush must come well before the loop's next check (--interval 120), not within seconds. The
+flush-at-lead test runs in the serial group: in four whole CI runs (stop 43 and 44) its job was
+not restarted within 150 s in the forky lane's parallel part, while it passed alone, in a
+loaded subset and in a whole forky lane run by hand; its failure now says the job's and the
+nodes' state and the wrapper's words (the cause is still open)."""
 
 from __future__ import annotations
 
@@ -108,6 +111,7 @@ def test_watch_drains_10_min_left_not_3_h_and_keeps_admin_reason(env, gcp, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_wrapped_job_flushes_at_lead_and_resumes_elsewhere_before_termination(env, gcs_emulator, tmp_path):
     """Termination 120 s away, flush lead 100 s: the wrapper flushes on its own from the state
     file 20 s from now, requeues; the job restarts on another node (cred_expire 5 s + 1) before
@@ -137,7 +141,11 @@ def test_wrapped_job_flushes_at_lead_and_resumes_elsewhere_before_termination(en
         j = c.job(job_id)
         return j if j["JobState"] == "RUNNING" and int(j.get("Restarts", 0)) >= 1 else None
 
-    resumed = wait_for(restarted, 150, "the restart on another node")
+    try:
+        resumed = wait_for(restarted, 150, "the restart on another node")
+    except AssertionError:  # say where it stands: the job, the nodes, the wrapper's words
+        raise AssertionError(f"no restart: job {c.job(job_id)}; nodes {[c.node(n) for n in c.nodes]}; "
+                             f"wrapper: {out.read_text()[-3000:] if out.exists() else ''}") from None
     resumed_at = time.time()
     assert resumed["NodeList"] != first
     assert resumed_at < end, f"resumed {resumed_at - end:.1f} s after the termination time"

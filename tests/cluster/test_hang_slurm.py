@@ -93,7 +93,7 @@ def test_a_stopped_trainer_is_found_its_node_drained_and_the_job_resumes_elsewhe
 
     said = [line for line in log.splitlines() if "hang: no progress for" in line]
     assert said and f"(limit {HANG_TIMEOUT_S} s" in said[0], log
-    # progress() writes at most once a second: the step it names is at most a second older
+    # progress() writes at most every 0.25 s: the step it names is at most that much older
     reported = int(re.search(r"rank 0 stopped at step (\d+) \(process stopped \(T\)", said[0]).group(1))
     assert stopped_step - 5 <= reported <= stopped_step, (reported, stopped_step)
     assert "no checkpoint signal to a hung trainer" in log
