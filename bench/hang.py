@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "support" / "toy_gloo_silent.py"
 AT, AFTER = 30, 20  # the silence's step, steps after it
 
-# Two ranks of the toy, done when rank 0 is done (a stopped or asleep rank 1 is then killed).
+# Two ranks of the toy, done when both are (a stopped or asleep rank 1 is killed when rank 0 failed).
 LAUNCHER = r"""
 import os, socket, subprocess, sys
 toy, total, ledger, mode, at, secs = sys.argv[1:7]
@@ -50,9 +50,12 @@ env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURM_NTA
 ranks = [subprocess.Popen([sys.executable, toy, total, ledger, mode, at, secs], env=dict(env, SLURM_PROCID=str(r)))
          for r in range(2)]
 code = ranks[0].wait()
-if ranks[1].poll() is None:
-    ranks[1].kill()
-sys.exit(code or ranks[1].wait())
+try:
+    other = ranks[1].wait(60 if code == 0 else 0.1)  # a healthy rank 1 ends beside rank 0
+except subprocess.TimeoutExpired:
+    ranks[1].kill()  # stopped or asleep, rank 0 failed without it
+    other = 1
+sys.exit(code or (1 if other < 0 else other))
 """
 
 

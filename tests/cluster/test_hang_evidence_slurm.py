@@ -13,17 +13,18 @@ off (requeued only after the 30 s floor), and rank 1 SIGSTOPped (requeued, its n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from support import SUPPORT, need_module, need_py_spy, wait_for
+from support import REPO, SUPPORT, need_module, need_py_spy, wait_for
 from slurmagent.checkpoint.gcs.ledger import LedgerBucket
-from slurmagent.core.goodput import build_report
 from slurmagent.devtools.localcluster import free_ports
 from slurmagent.state import repair_state
 from test_fault_slurm import land_on, restarts
@@ -134,7 +135,12 @@ def test_a_rank_sleeping_before_the_collective_is_a_hang_soon_after_the_short_li
     print(f"asleep -> requeued: {took:.1f} s (short limit {FLOOR_S} s)")
     # the report: the wait for the hang watch is its own cause, not recompute
     records, _ = LedgerBucket(f"gs://ckpt/jobs/{job}").read_all(deadline_s=60)
-    [report] = build_report(records, now=time.time())["jobs"]
+    shown = subprocess.run([sys.executable, "-m", "slurmagent.entry", "report", "--remote", "gs://ckpt/jobs",
+                            "--job", job, "--json"], env=dict(cl.env, SLURMAGENT_CONFIG=str(env.config),
+                                                              PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=emu.url),
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    [report] = json.loads(shown.stdout)["jobs"]
     hung = next(a for a in report["attempts"] if a["attempt"] == 0)
     waited = killed_at - silent_at  # measured here: the rank's own stamp -> the step's srun gone
     detection, recompute = hung["seconds"]["hang_detection"], hung["seconds"]["recompute"]
