@@ -164,15 +164,20 @@ def measure_hang(cluster, base: Path, env: dict) -> dict[str, float]:
     ranks.mkdir()
     sub = subprocess.run(
         [sys.executable, "-m", "slurmagent.entry", "sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-w", "n2,n3",
-         "-o", str(base / "hang.out"), "--", "--ckpt-dir", str(cluster.local_path / "ckpt"), "--", "srun",
+         "-o", str(base / "hang.out"), "--", "--ckpt-dir", str(base / "hang-ckpt"), "--", "srun",
          sys.executable, str(REPO / "tests/support/toy_gloo_silent.py"), "60", str(ranks), "sleep-forever", "30", "0"],
         env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), TMPDIR=str(base)),
         capture_output=True, text=True, timeout=60)
     if sub.returncode != 0:
         raise RuntimeError(f"sbatch failed: {sub.stderr.strip()}")
     job = sub.stdout.strip().split(";")[0]
-    wait(lambda: int(cluster.job(job).get("Restarts", 0)) >= 1 and cluster.job(job).get("JobState") == "RUNNING",
-         900, "the hung job's next attempt", 0.5)
+    def next_attempt() -> bool:
+        j = cluster.job(job)
+        if j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            raise RuntimeError(f"the hung job ended {j.get('JobState')}: {(base / 'hang.out').read_text()[-2000:]}")
+        return int(j.get("Restarts", 0)) >= 1 and j.get("JobState") == "RUNNING"
+
+    wait(next_attempt, 900, "the hung job's next attempt", 0.5)
     silent = min(float(p.read_text()) for p in ranks.glob("rank*.silent"))
     wait(lambda: len(LedgerBucket(f"gs://ckpt/sim/{job}").read_all(deadline_s=30)[0]) >= 2, 60, "its ledger", 0.5)
     records, _ = LedgerBucket(f"gs://ckpt/sim/{job}").read_all(deadline_s=60)
