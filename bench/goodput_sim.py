@@ -173,6 +173,8 @@ def measure_hang(cluster, base: Path, env: dict) -> dict[str, float]:
     job = sub.stdout.strip().split(";")[0]
     def next_attempt() -> bool:
         j = cluster.job(job)
+        if int(j.get("Restarts", 0)) >= 1 and j.get("JobState") in ("RUNNING", "COMPLETED"):
+            return True  # the next attempt started (and may have finished its few steps already)
         if j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             raise RuntimeError(f"the hung job ended {j.get('JobState')}: {(base / 'hang.out').read_text()[-2000:]}")
         return int(j.get("Restarts", 0)) >= 1 and j.get("JobState") == "RUNNING"

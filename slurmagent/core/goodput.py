@@ -214,6 +214,8 @@ def attempt_parts(rec: dict, next_start: float | None, restored_step: int | None
 def _redone_s(rec: dict, restored_step: int | None) -> float | None:
     """The seconds the next attempt redoes, from the steps (None: not known)."""
     last, pace = rec.get("last_progress_step"), _num(rec.get("step_s"))
+    if rec.get("committed_step") is None and rec.get("last_commit") is not None:
+        return None  # it committed, at a step not known: by the times
     base = rec["committed_step"] if rec.get("committed_step") is not None else restored_step
     if not isinstance(last, int) or not isinstance(base, int) or pace is None or not math.isfinite(pace):
         return None

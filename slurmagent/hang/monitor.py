@@ -230,7 +230,8 @@ class HangMonitor:
         moved = [k for k, v in current.items() if (grew if k == "output" else v != self.last.get(k))]
         self.last = current
         if moved:  # a rank's own progress dates itself (the poll sees it up to poll_s late)
-            self.last_moved_wall = self._rank_time(current) if "progress" in moved else self.wall()
+            moved_at = self._rank_time(current) if "progress" in moved else self.wall()
+            self.last_moved_wall = max(self.last_moved_wall or moved_at, moved_at)
             if self.first_rank_wall is None and any(k in RANK_SIGNALS for k in moved):
                 self.first_rank_wall = self.last_moved_wall
             self.watch.progressed(now, moved[0], ranks=any(k in RANK_SIGNALS for k in moved),

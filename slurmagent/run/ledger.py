@@ -99,16 +99,18 @@ class AttemptLedger:
             if sig == self.baseline:
                 return
             self.last_commit = now
+            self.committed_step = None  # until read below: a record meanwhile falls back to the times
             if self.first_progress is None:
                 self.first_progress = self._first_change(sig, now)
         step = self._step_of(manifest)
         with self.lock:
-            self.committed_step = step
+            if self.seen == sig:  # no newer commit came in meanwhile
+                self.committed_step = step
 
     def _step_of(self, manifest: Any) -> int | None:
         """The step a commit holds: the newest `trainer.saved(step=)` whose files it holds as they
-        were declared (their size, and on disk still the declared file), else the ranks' last
-        progress before the commit."""
+        were declared (their size, and on disk still the declared file), else the ranks' progress
+        step as the round ends (up to a round past the save: the recompute is then that short)."""
         try:
             files = manifest.files
             steps = [d.step for d in read_declarations(self.ckpt_dir)
@@ -150,6 +152,7 @@ class AttemptLedger:
     def record(self, state: str, **end: Any) -> dict[str, Any]:
         with self.lock:
             rec = dict(self.base, state=state, first_progress=self.first_progress, last_commit=self.last_commit,
+                       committed_step=self.committed_step,
                        restore_s=None if self.trainer_at is None else round(self.trainer_at - self.base["started"], 3))
         rec.update(end)
         return rec
@@ -191,7 +194,7 @@ class AttemptLedger:
                           flush_s=None if flush_s is None else round(flush_s, 3),
                           requeued=bool(outcome is not None and outcome.requeued),
                           first_rank_progress=progress[0], last_progress=progress[1],
-                          last_progress_step=steps[1], step_s=steps[2], committed_step=self.committed_step,
+                          last_progress_step=steps[1], step_s=steps[2],
                           resumed=bool(outcome is not None and outcome.resumed))
         self._write(rec, END_DEADLINE_S, "end")
         return rec

@@ -61,6 +61,14 @@ def start(cl, emu, env, tmp_path, mode: str, total: int = 100, at: int = 40, sav
     return job, running
 
 
+def stamp(path) -> float | None:
+    """A rank's silence stamp, once it is written whole."""
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def job_srun(ledger_dir) -> int:
     """The pid of the `srun` that runs the toy's ranks (its argv names their ledger folder)."""
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -114,7 +122,7 @@ def test_a_rank_sleeping_before_the_collective_is_a_hang_soon_after_the_short_li
     job, running = start(cl, emu, env, tmp_path, "sleep-forever", total=200, at=190, save_every=100)
     wait_for(lambda: "silent sleep-forever" in ledger(tmp_path, 1), 120, "rank 1 asleep")
     asleep = time.monotonic()
-    silent_at = float((tmp_path / "ledger" / "rank0.silent").read_text())
+    silent_at = wait_for(lambda: stamp(tmp_path / "ledger" / "rank0.silent"), 30, "rank 0's silence stamp")
     step = job_srun(tmp_path / "ledger")  # the wrapper's child: the hang watch kills it (the ranks go at the requeue)
     killed_at = wait_for(lambda: None if os.path.exists(f"/proc/{step}") else time.time(), 120,
                          "the job step killed", interval=0.02)

@@ -400,8 +400,8 @@ def test_the_ledger_takes_the_committed_step_from_the_trainers_word_else_from_it
     clock.t = 1010.0
     report.synced(Manifest(attempt=0, files={"m.pt": entry(b"step 60")}), 1.0, 1, 7, None)
     assert ledger.committed_step == 60  # the trainer said which step these files are
-    (tmp_path / "m.pt").write_bytes(b"step 80")  # saved again, not declared: the declaration is stale
-    report.synced(Manifest(attempt=0, files={"m.pt": entry(b"step 80")}), 1.0, 1, 7, None)
+    (tmp_path / "m.pt").write_bytes(b"step 80!")  # saved again, not declared: the declaration is stale
+    report.synced(Manifest(attempt=0, files={"m.pt": entry(b"step 80!")}), 1.0, 1, 8, None)
     assert ledger.committed_step == 77  # the ranks' progress at the commit
     ledger.start_thread.join(5)
     ended = ledger.ended(Outcome(exit_code=0, child_code=0), steps=(5, 90, 0.25))
