@@ -398,6 +398,7 @@ class Supervisor:
             self.hang.stop(child)  # evidence and the suspect's drain, then SIGKILL (no checkpoint signal)
             self._record_torn()
             outcome.child_killed = kill_group(child, lambda line: self.say(f"hang: {line}"))
+            started = self.clock()  # the evidence and the kill were the hang's wait (the report's hang_detection)
         elif child.poll() is not None and cause != SELF_REQUEUE_CAUSE:
             self.say(f"{cause} came as the job exited (exit {child.returncode}): syncing the checkpoint it left")
             outcome.held_requeue = self.hold is not None and self.hold.requested()  # its verb is asked
