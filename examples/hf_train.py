@@ -118,6 +118,8 @@ def main() -> int:
     hf = Trainer(model=model, args=targs, train_dataset=RandomTokens(), callbacks=[CheckpointOnSignal(), Ledger()])
     with trainer.checkpoint_handler():  # SIGUSR1/SIGTERM only set a flag
         hf.train(resume_from_checkpoint=get_last_checkpoint(out) if trainer.resumed() else None)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a clean exit: gloo's threads never torn down under a live group
     # recipe: end
     return 0
 
