@@ -155,10 +155,10 @@ def test_a_rank_sleeping_before_the_collective_is_a_hang_soon_after_the_short_li
     print(f"hang detection {detection:.2f} s (measured {waited:.2f} s), recompute {recompute:.2f} s "
           f"(measured redo {redo_s:.2f} s)")
     raw = {k: records[0].get(k) for k in ("last_progress", "ended", "flush_s", "started")} if records else {}
-    assert hung["end"] == "hang" and abs(detection - waited) <= 0.1 * waited + 0.3, (
+    assert hung["end"] == "hang" and abs(detection - waited) <= 0.1 * waited + 1.0, (
         detection, waited, silent_at, killed_at, raw, said)
     # the steps after the last commit at the job's pace, not the time since the commit's upload
-    assert abs(recompute - redo_s) <= 0.1 * redo_s + 0.3, (recompute, redo_s, hung)
+    assert abs(recompute - redo_s) <= 0.1 * redo_s + 1.0, (recompute, redo_s, hung)
 
 
 def test_without_stacks_the_same_hang_waits_out_the_floor(cl, emu, no_stacks, tmp_path):
