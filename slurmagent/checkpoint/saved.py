@@ -44,6 +44,15 @@ class Declaration:
         return f"step {self.step}" if self.step is not None else f"rank {self.rank} save {self.seq}"
 
 
+def file_signature(path: str | os.PathLike) -> list[int] | None:
+    """[size, mtime_ns, inode] of a file as a declaration records it (None: not there)."""
+    try:
+        st = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def declaration_files(ckpt_dir: str | os.PathLike, paths: Iterable[str | os.PathLike]) -> dict[str, list[int]]:
     """Relpath -> [size, mtime_ns, inode] of the files `paths` name (folders: every file below
     them), relative to `ckpt_dir`; paths outside it, temporaries and missing files are left out."""
@@ -57,11 +66,9 @@ def declaration_files(ckpt_dir: str | os.PathLike, paths: Iterable[str | os.Path
             return
         if rel in ("", ".") or is_in_progress_path(rel):
             return
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        out[rel] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        sig = file_signature(path)
+        if sig is not None:
+            out[rel] = sig
 
     for p in paths:
         path = Path(p)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..checkpoint.saved import read_declarations
+from ..checkpoint.saved import file_signature, read_declarations
 from ..core.goodput import SCHEMA, end_of
 from ..core.hostlist import expand
 from ..core.reasons import fault_text, is_ours, is_planned
@@ -123,11 +123,7 @@ class AttemptLedger:
         entry = files.get(name)
         if not isinstance(entry, Mapping) or entry.get("size") != declared[0]:
             return False
-        try:
-            st = os.stat(self.ckpt_dir / name, follow_symlinks=False)
-        except (OSError, ValueError):
-            return False
-        return [st.st_size, st.st_mtime_ns, st.st_ino] == list(declared[:3])
+        return file_signature(self.ckpt_dir / name) == list(declared[:3])
 
     def _first_change(self, sig: tuple, now: float) -> float:
         """When the trainer first wrote a file of this commit that the restored checkpoint did not
