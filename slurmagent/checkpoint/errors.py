@@ -6,10 +6,10 @@ the Cloud Storage side) raises the same classes without importing each other.
 
 from __future__ import annotations
 
-import errno
 from typing import Iterable
 
-from ..errors import SlurmagentError
+# the node-disk error's family lives in slurmagent/errors (state/private_dirs raises it too): the same classes
+from ..errors import NODE_LOCAL_ERRNOS, CheckpointError, NodeDiskError, RestoreError
 
 __all__ = [
     "CheckpointError",
@@ -24,12 +24,6 @@ __all__ = [
     "LocalChangedError",
     "is_node_local",
 ]
-
-
-class CheckpointError(SlurmagentError):
-    """Base class of checkpoint-store failures (one line for the user)."""
-
-    exit_code = 1
 
 
 class RemoteURLError(CheckpointError):
@@ -64,28 +58,6 @@ class SyncDeadlineError(StorageUnavailableError):
 
 class ClaimRaceError(StorageUnavailableError):
     """The manifest changed between reading it and taking the prefix over: read and decide again."""
-
-
-class RestoreError(CheckpointError):
-    """A checkpoint could not be restored (missing or corrupt blob); nothing was put in place."""
-
-
-class NodeDiskError(RestoreError):
-    """This node's checkpoint directory cannot take the checkpoint (the path is unusable, the disk
-    is full or read-only): another node can, so the job is requeued without this node.
-    ``nodes``: the nodes it happened on (empty: the node that raised it)."""
-
-    def __init__(self, message: str, nodes: Iterable[str] = ()) -> None:
-        super().__init__(message)
-        self.nodes = tuple(nodes)
-
-
-# errno values that say "this node's disk or path", never "the bucket" (a network failure is an
-# OSError too, but with none of these)
-NODE_LOCAL_ERRNOS = frozenset({
-    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES,
-    errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP, errno.EFBIG, errno.EMLINK, errno.ENXIO, errno.ENODEV,
-})
 
 
 def is_node_local(exc: BaseException) -> bool:

@@ -40,6 +40,7 @@ from ..slurm.model import NodeInfo
 from ..state.repair_state import (forget_requested, load_state, remember_drained_at, remember_requested, requested,
                                    save_state)
 from ..core.timefmt import fmt_time, from_epoch
+from ..core.vm import VmFacts
 from ..slurm.commands import Slurm
 
 # reportHostAsFaulty refusals that hold for the VM's life: remembered, the next fault goes to recreate
@@ -256,7 +257,7 @@ class RepairRun:
             target_strategy = "recreate" if refused_report else "auto" if lemony else self.strategy
             known = repair_policy.known_target(target_strategy, cached, "")
             if known is not None:
-                vm = repair_policy.VmFacts.from_dict(known["vm"]) if known.get("vm") else repair_policy.VmFacts(
+                vm = VmFacts.from_dict(known["vm"]) if known.get("vm") else VmFacts(
                     known["zone"], mig=known.get("mig"))
                 choices[name] = (repair_policy.choose_repair(self.strategy, node, vm, refused, lemony), known)
             elif self.dry_run and self.strategy != "auto":
@@ -278,7 +279,7 @@ class RepairRun:
                 del choices[name]
         return {n: choices[n] for n in todo if n in choices}
 
-    def lookup(self, names: list[str]) -> dict[str, repair_policy.VmFacts]:
+    def lookup(self, names: list[str]) -> dict[str, VmFacts]:
         """VM facts: instances.get in the home zone; the rest with ONE list per `[gcp] zones`
         zone, or ONE aggregatedList (regional MIGs put VMs in several zones)."""
         from ..gcp.compute import ComputeError  # google is imported on the repair path only, for start-up speed
@@ -289,7 +290,7 @@ class RepairRun:
         except SlurmagentError as exc:
             self.fail_all(names, exc)
             return {}
-        found: dict[str, repair_policy.VmFacts] = {}
+        found: dict[str, VmFacts] = {}
         missing: dict[str, str] = {}
         for name in names:
             try:

@@ -2,7 +2,7 @@
 google.cloud.compute_v1).
 
 * `instance_mig`: `instances.get` -> the `created-by` metadata item -> the MIG (zonal or regional).
-* `vm` / `find_vms`: what `repair` decides by (`policy/repair.VmFacts`: MIG, machine type,
+* `vm` / `find_vms`: what `repair` decides by (`core/vm.VmFacts`: MIG, machine type,
   provisioning model, reservation affinity, status, GPUs), from one `instances.get`, or for
   VMs outside the home zone (regional MIGs) from ONE `instances.list` per listed zone or ONE
   `instances.aggregatedList` for the project (a `name eq` filter, chunks of 100 names).
@@ -41,7 +41,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from ..errors import ExpiryError, SlurmagentError
-from ..policy.repair import VmFacts
+from ..core.vm import VmFacts
 from ..core.timefmt import fmt_time, parse_time, usable_time
 from . import metadata
 from .metadata import MigRef, parse_created_by
@@ -477,7 +477,7 @@ def instance_mig_of(inst: Any) -> MigRef | None:
 
 
 def vm_facts(inst: Any, zone: str) -> VmFacts:
-    """A compute_v1.Instance -> policy/repair.VmFacts (the zone from the instance when it says one)."""
+    """A compute_v1.Instance -> core/vm.VmFacts (the zone from the instance when it says one)."""
     sched = inst.scheduling if _has(inst, "scheduling") else None
     model = str(sched.provisioning_model) if sched is not None and _has(sched, "provisioning_model") else ""
     ra = inst.reservation_affinity if _has(inst, "reservation_affinity") else None

@@ -18,8 +18,7 @@ import os
 import stat
 from pathlib import Path
 
-from ..checkpoint.errors import NODE_LOCAL_ERRNOS, NodeDiskError
-from ..errors import SlurmagentError
+from ..errors import NODE_LOCAL_ERRNOS, NodeDiskError, SlurmagentError
 
 UNCOMMITTED_SUFFIX = ".uncommitted"
 RECORD_SUFFIX = ".slurmagent-run.json"  # run/job.DirRecord

@@ -14,7 +14,8 @@ from slurmagent.commands.report import run_report
 from slurmagent.core.goodput_html import render_html
 from slurmagent.gcp.compute import OpRef
 from slurmagent.policy import lemon
-from slurmagent.policy.repair import VmFacts, choose_repair
+from slurmagent.core.vm import VmFacts
+from slurmagent.policy.repair import choose_repair
 from slurmagent.slurm.commands import Slurm
 from slurmagent.slurm.model import NodeInfo
 from slurmagent.state import metrics, repair_state

@@ -11,6 +11,7 @@ from slurmagent.core import reasons
 from slurmagent.core.checks import Finding, Severity
 from slurmagent.slurm.model import NodeInfo, node_from_kv, parse_comment, parse_kv
 from slurmagent.core.timefmt import parse_slurm_time
+from slurmagent.core.vm import VmFacts
 
 T0 = 1_800_000_000.0
 
@@ -252,7 +253,7 @@ def test_known_target_and_dry_run_line():
 # --- which repair each VM gets -------------------------------------------------------------------
 
 MIG = {"project": "1", "scope": "zones", "location": "z", "name": "m"}
-ULTRA = repair_policy.VmFacts("z", "RUNNING", "a3-ultragpu-8g", "RESERVATION_BOUND", "SPECIFIC_RESERVATION", MIG, 8)
+ULTRA = VmFacts("z", "RUNNING", "a3-ultragpu-8g", "RESERVATION_BOUND", "SPECIFIC_RESERVATION", MIG, 8)
 
 
 @pytest.mark.parametrize("rule,behavior", [
