@@ -32,7 +32,7 @@ class State:
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """The same version as status, doctor, the decision log and build_info (state.build)."""
+    """The same version as status, doctor, the decision log and build_info (state.build): `0.1.0+g<commit>`."""
     if value and not ctx.resilient_parsing:
         from .state.build import version  # start-up speed
 
@@ -310,15 +310,6 @@ def healthcheck(state: State, node: str | None, skip_recent: float | None) -> No
 
 
 @cli.command()
-@click.option("--keep", is_flag=True, help="keep the demo's work directory")
-def demo(keep: bool) -> None:
-    """The end-to-end scenario on a local Slurm cluster with emulated GCP."""
-    from .devtools.demo import run_demo  # the dev harness: only this command imports it
-
-    sys.exit(run_demo(keep=keep))
-
-
-@cli.command()
 @click.option("--dry-run", is_flag=True, help="print what would be repaired; call nothing")
 @click.option("--json", "as_json", is_flag=True, help="with --dry-run: the plan per node as JSON")
 @click.option("--force", is_flag=True, help="override the drain circuit breaker, busy nodes and the repair limit")
@@ -440,18 +431,17 @@ def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: st
     from pathlib import Path
 
     from .commands.doctor import missing_slurm_conf_lines  # start-up speed
-    from .commands.install import install as do_install, uninstall as do_uninstall  # start-up speed
+    from .commands.install import install as do_install, systemctl_for, uninstall as do_uninstall  # start-up speed
     from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
-    steps = do_uninstall(root, dry_run=dry_run) if uninstall else do_install(
+    steps = do_uninstall(root, dry_run, systemctl_for(root)) if uninstall else do_install(
         root, dry_run=dry_run, binary=binary, prolog_dir=prolog_dir, epilog_dir=epilog_dir)
     for step in steps:
         verb = f"would {step.action}" if dry_run and step.action in ("install", "update", "remove") else step.action
         click.echo(f"{verb:<14} {step.path}" + (f"  ({step.note})" if step.note else ""))
     if uninstall:
-        click.echo("then: systemctl disable --now the slurmagent units; systemctl daemon-reload; remove slurmagent's "
-                   "lines from slurm.conf and scontrol reconfigure")
+        click.echo("then: remove slurmagent's lines from slurm.conf and scontrol reconfigure")
         return
     conf = root / "etc/slurm/slurm.conf" if root_dir != "/" else slurm_conf_path()
     missing = missing_slurm_conf_lines(conf)
@@ -480,9 +470,11 @@ def expiry_watch(state: State, once: bool, node: str | None, interval: float) ->
 
 
 from .cli_bucket import ckpt, report  # noqa: E402 - the commands that read a prefix live beside: this module's size
+from .cli_dev import demo  # noqa: E402 - the dev harness's command: shown only from a checkout
 
 cli.add_command(ckpt)
 cli.add_command(report)
+cli.add_command(demo)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,10 @@ Idempotent, and an admin's edit survives: install records what it wrote (path, s
 what install last wrote is kept, and the new version is written beside it as
 `<file>.slurmagent-new` (the dpkg conffile rule, for every file). Units are vendor units in
 `/usr/lib/systemd/system` (admins customise them with drop-ins in `/etc/systemd/system/<unit>.d/`).
-`--uninstall` removes exactly what the manifest lists (an edited file is kept and said), the
-directories install created when empty, and the manifest. The paths inside the shims and units
+`--uninstall` first disables and stops the units the manifest lists (`systemctl disable --now`; with
+`--root`, or where systemd does not run, it prints the command instead), then removes exactly what
+the manifest lists (an edited file is kept and said), the directories install created when empty,
+and the manifest, then reloads systemd. The paths inside the shims and units
 point at this installation.
 """
 
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..state.config import reference_markdown
 from ..errors import SlurmagentError
@@ -37,6 +41,11 @@ NEW_SUFFIX = ".slurmagent-new"
 STATE_DIR = "var/lib/slurmagent"
 # where data_dir finds each set of files in a checkout (the wheel has them in slurmagent/data/<name>)
 CHECKOUT_DIRS = {"hooks": "hooks", "systemd": "systemd", "logrotate": "contrib/logrotate"}
+SYSTEMD_RUNNING = Path("/run/systemd/system")  # sd_booted(3): systemd is this machine's init
+SYSTEMCTL_TIMEOUT_S = 180.0  # `disable --now` waits for each stop (TimeoutStopSec, 90 s by default)
+
+# Runs `systemctl ARGS...`: None when it succeeded, else why not (one line).
+Systemctl = Callable[[list[str]], str | None]
 
 
 class InstallError(SlurmagentError):
@@ -45,8 +54,8 @@ class InstallError(SlurmagentError):
 
 @dataclass(frozen=True)
 class Step:
-    path: Path
-    action: str  # "install" | "update" | "unchanged" | "kept" | "remove" | "obsolete" | "shadowed" | "gone"
+    path: Path | str  # a file, or for "ran" | "would run" | "run by hand" | "failed" a systemctl command line
+    action: str  # "install" | "update" | "unchanged" | "kept" | "remove" | "obsolete" | "shadowed" | "gone" | ...
     note: str = ""
 
 
@@ -154,13 +163,34 @@ def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = 
     return steps
 
 
-def uninstall(root: Path = Path("/"), dry_run: bool = False) -> list[Step]:
-    """Remove what the manifest lists: a file edited since install wrote it is kept (and said);
-    then the manifest, then the directories install created, where empty."""
+def run_systemctl(args: list[str]) -> str | None:
+    """`systemctl ARGS...` on this machine, within SYSTEMCTL_TIMEOUT_S: None, or why it failed."""
+    argv = ["systemctl", *args]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"no answer within {SYSTEMCTL_TIMEOUT_S:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    return (lines[-1] if lines else f"exit {proc.returncode}") if proc.returncode else None
+
+
+def systemctl_for(root: Path) -> Systemctl | None:
+    """The live systemctl when `root` is this running system, else None: the commands are printed."""
+    return run_systemctl if root == Path("/") and SYSTEMD_RUNNING.is_dir() else None
+
+
+def uninstall(root: Path = Path("/"), dry_run: bool = False, systemctl: Systemctl | None = None) -> list[Step]:
+    """Disable and stop the units the manifest lists (`systemctl`; None: say the command to run by
+    hand), then remove what it lists: a file edited since install wrote it is kept (and said);
+    then the manifest, the directories install created, where empty, and `systemctl daemon-reload`."""
     manifest = _manifest(root)
     if not manifest.path.exists():
         raise InstallError(f"nothing to uninstall: no install manifest at {manifest.path}")
-    steps: list[Step] = []
+    units = [Path(rel).name for rel in sorted(manifest.files) if Path(rel).parent == Path(UNIT_DIR)
+             and manifest.abs(rel).exists()]
+    steps = _systemctl(["disable", "--now", *units], systemctl, dry_run, "before the units go", fatal=True) if units else []
     try:
         for rel, written in sorted(manifest.files.items()):
             path = manifest.abs(rel)
@@ -188,7 +218,22 @@ def uninstall(root: Path = Path("/"), dry_run: bool = False) -> list[Step]:
                 path.rmdir()
     except OSError as exc:
         raise InstallError(f"cannot remove {exc.filename or root}: {exc.strerror or exc}") from None
+    if units:
+        steps += _systemctl(["daemon-reload"], systemctl, dry_run, "after the units went", fatal=False)
     return steps
+
+
+def _systemctl(args: list[str], systemctl: Systemctl | None, dry_run: bool, when: str, fatal: bool) -> list[Step]:
+    """One systemctl step: run (a failure before anything is removed stops the uninstall), or say it."""
+    line = shlex.join(["systemctl", *args])
+    if systemctl is None:
+        return [Step(line, "run by hand", f"on the node, {when}")]
+    if dry_run:
+        return [Step(line, "would run")]
+    failed = systemctl(args)
+    if failed and fatal:
+        raise InstallError(f"`{line}` failed: {failed}; nothing removed (stop the units, then uninstall again)")
+    return [Step(line, "failed", failed)] if failed else [Step(line, "ran")]
 
 
 def _manifest(root: Path) -> Manifest:

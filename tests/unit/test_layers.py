@@ -42,14 +42,14 @@ MODULE_LAYERS = {
     "run.agent_reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
     "slurm.commands": ADAPTERS, "slurm.hookfiles": ADAPTERS, "slurm.job_processes": ADAPTERS,
     "trainer": RUNTIMES,
-    "cli": FACE, "cli_bucket": FACE, "entry": FACE, "hookmain": FACE,
+    "cli": FACE, "cli_bucket": FACE, "cli_dev": FACE, "entry": FACE, "hookmain": FACE,
     "": FACE,  # the package front: `slurmagent.__version__`, read on first use from state.build
 }
 SHARED_RUNTIMES = {"commands.health"}
 ONE_RUNTIME_FOLDERS = ("run",)  # the modules of `slurmagent run` are one runtime; each command is its own
 MAX_TOP_MODULES, MAX_FOLDER_MODULES, MAX_LINES = 8, 16, 520
 DEVTOOLS = "devtools"
-DEVTOOLS_ENTRY = ("cli", "demo")  # (module, function): the one product place that imports the harness
+DEVTOOLS_ENTRY = ("cli_dev", "demo")  # (module, function): the one product place that imports the harness
 STARTUP_WORDS = ("start-up", "startup")
 
 
