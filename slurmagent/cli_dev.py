@@ -1,7 +1,9 @@
-"""`slurmagent demo`, the one command of the dev harness (slurmagent/devtools/: a local Slurm
-cluster, the emulators, the scenario). The node wheel leaves the harness out (pyproject), so the
-command shows only where the harness is importable (a checkout: `make demo`); a wheel's
-`slurmagent demo` says in one line where it lives, exit 2. Registered on the group by cli.py."""
+"""`slurmagent demo`, the dev harness's one command: shown only from a checkout.
+
+The harness (slurmagent/devtools/: a local Slurm cluster, the emulators, the scenario) is left
+out of the node wheel (pyproject), so the command shows only where it is importable (a checkout:
+`make demo`); a wheel's `slurmagent demo` says in one line where it lives, exit 2. Registered on
+the group by cli.py."""
 
 from __future__ import annotations
 

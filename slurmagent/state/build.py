@@ -36,7 +36,9 @@ def version() -> str:
 
 def _with_commit(base: str, built_from: str | None) -> str:
     """`0.1.0` + `1c2447b77567` -> `0.1.0+g1c2447b77567` (a version that has a local label keeps it)."""
-    return f"{base}+g{built_from}" if built_from and "+" not in base else base
+    if not built_from:
+        return base
+    return f"0+g{built_from}" if base == UNKNOWN else base if "+" in base else f"{base}+g{built_from}"
 
 
 def commit() -> str | None:

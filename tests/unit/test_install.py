@@ -12,7 +12,7 @@ import pytest
 
 from support import REPO, need_tool
 from slurmagent.state.config import Config, parse
-from slurmagent.commands.install import config_template, install
+from slurmagent.commands.install import InstallError, config_template, install, run_systemctl, uninstall
 
 
 def cli(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -284,3 +284,63 @@ def test_binary_option_points_shims_and_units_at_the_current_link(tmp_path):
     assert "exec /opt/slurmagent/current/bin/slurmagent prolog" in (tmp_path / "etc/slurmagent/hooks/prolog").read_text()
     unit = (tmp_path / "usr/lib/systemd/system/slurmagent-watch.service").read_text()
     assert "ExecStart=/opt/slurmagent/current/bin/slurmagent watch" in unit.splitlines()
+
+
+# A systemctl that records its argv, and whether the watch unit was still on disk when it ran.
+FAKE_SYSTEMCTL = """#!/bin/sh
+if [ -e "$WATCH_UNIT" ]; then there=yes; else there=no; fi
+echo "$* | unit on disk: $there" >> "$SYSTEMCTL_LOG"
+[ -z "$SYSTEMCTL_FAILS" ] || { echo "$SYSTEMCTL_FAILS" >&2; exit 1; }
+"""
+
+
+@pytest.fixture
+def fake_systemctl(tmp_path, monkeypatch) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (bindir / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SYSTEMCTL_LOG", str(tmp_path / "systemctl.log"))
+    monkeypatch.setenv("WATCH_UNIT", str(tmp_path / "root/usr/lib/systemd/system/slurmagent-watch.service"))
+    return tmp_path / "systemctl.log"
+
+
+UNITS = sorted(p.name for p in (REPO / "systemd").iterdir() if p.suffix in (".service", ".timer"))
+
+
+def test_uninstall_disables_and_stops_the_units_before_removing_them(tmp_path, fake_systemctl):
+    root = tmp_path / "root"
+    install(root)
+    dry = uninstall(root, dry_run=True, systemctl=run_systemctl)
+    assert (dry[0].action, dry[-1].action) == ("would run", "would run") and not fake_systemctl.exists()
+    steps = uninstall(root, systemctl=run_systemctl)
+    assert fake_systemctl.read_text().splitlines() == [
+        f"disable --now {' '.join(UNITS)} | unit on disk: yes",  # stopped while its file is still there
+        "daemon-reload | unit on disk: no"]  # systemd forgets the removed units
+    said = [(s.action, str(s.path)) for s in steps]
+    assert said[0] == ("ran", f"systemctl disable --now {' '.join(UNITS)}") and said[-1] == ("ran", "systemctl daemon-reload")
+    assert not (root / "usr/lib/systemd/system/slurmagent-watch.service").exists()
+
+
+def test_uninstall_removes_nothing_when_the_units_do_not_stop(tmp_path, fake_systemctl, monkeypatch):
+    root = tmp_path / "root"
+    install(root)
+    before = tree(root)
+    monkeypatch.setenv("SYSTEMCTL_FAILS", "Failed to disable unit: Access denied")
+    with pytest.raises(InstallError, match="failed: Failed to disable unit: Access denied; nothing removed"):
+        uninstall(root, systemctl=run_systemctl)
+    assert tree(root) == before and len(fake_systemctl.read_text().splitlines()) == 1
+
+
+def test_uninstall_with_root_prints_the_systemctl_commands_in_their_order(tmp_path, fake_systemctl):
+    root = tmp_path / "root"
+    install(root)
+    out = cli("install", "--root", str(root), "--uninstall")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    removes = [i for i, line in enumerate(lines) if line.startswith("remove ")]
+    assert lines[0] == f"run by hand    systemctl disable --now {' '.join(UNITS)}  (on the node, before the units go)"
+    assert lines[max(removes) + 1] == "run by hand    systemctl daemon-reload  (on the node, after the units went)"
+    assert min(removes) == 1 and not fake_systemctl.exists()  # --root changes no live system
+    assert not (root / "usr/lib/systemd/system/slurmagent-watch.service").exists()

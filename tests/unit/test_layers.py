@@ -316,8 +316,8 @@ def test_checker_wants_empty_fronts(tmp_path):
 
 def test_checker_wants_a_reason_for_a_local_import_and_keeps_the_harness_out(tmp_path):
     root = package(tmp_path, {
-        "cli.py": "def demo():\n    from .devtools import demo  # start-up speed\n"
-                  "def check():\n    from .devtools import demo  # start-up speed\n",
+        "cli_dev.py": "def demo():\n    from .devtools import demo  # start-up speed\n"
+                      "def check():\n    from .devtools import demo  # start-up speed\n",
         "commands/__init__.py": "", "commands/repair.py": "def run():\n    from ..actions import api\n",
         "actions/__init__.py": "", "actions/api.py": "",
         "devtools/__init__.py": "", "devtools/demo.py": "from ..cli import demo\n",
@@ -325,8 +325,8 @@ def test_checker_wants_a_reason_for_a_local_import_and_keeps_the_harness_out(tmp
     })
     found = violations(root)
     assert any("commands.repair:2: function-local import of actions.api in run()" in v for v in found)
-    assert any("cli:4: imports the dev harness" in v for v in found)
-    assert not any("cli:2:" in v for v in found)
+    assert any("cli_dev:4: imports the dev harness" in v for v in found)
+    assert not any("cli_dev:2:" in v for v in found)
     assert not any(v.startswith("devtools") for v in found)
     assert "mystery: in no layer (add its folder to DESIGN.md's table and FOLDER_LAYERS here)" in found
 
