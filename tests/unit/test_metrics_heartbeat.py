@@ -1,0 +1,82 @@
+"""The metrics a node_exporter can be trusted with: a heartbeat per component that every run
+rewrites (before, an unchanged update skipped the write, so the file's age said nothing), and a
+textfile that cannot be written is counted and said once (before: a stderr line per run that
+slurmd's log swallowed, and no count)."""
+
+from __future__ import annotations
+
+import time
+
+from support import wait_for
+from slurmagent.state.metrics import HEARTBEAT, WRITE_FAILURES, Metrics, read_values
+
+from test_watch import Harness
+
+
+def _beat(values: dict, component: str) -> float:
+    return values[f'{HEARTBEAT}{{component="{component}"}}']
+
+
+def test_every_run_rewrites_its_heartbeat_even_when_nothing_else_changed(tmp_path):
+    m = Metrics(tmp_path)
+    m.update(set_={("slurmagent_breaker_open", ()): 0}, component="expiry")
+    first = (tmp_path / "slurmagent.prom").read_text()
+    assert f'{HEARTBEAT}{{component="expiry"}} ' in first
+    time.sleep(0.01)
+    m.update(set_={("slurmagent_breaker_open", ()): 0}, component="expiry")  # the same values again
+    m.heartbeat("repair")
+    second = (tmp_path / "slurmagent.prom").read_text()
+    assert second != first
+    values = read_values(tmp_path)
+    assert _beat(values, "expiry") > float(first.split(f'{HEARTBEAT}{{component="expiry"}} ')[1].split()[0])
+    assert abs(_beat(values, "repair") - time.time()) < 60
+    assert "# TYPE slurmagent_last_run_timestamp_seconds gauge" in second
+
+
+def test_a_failed_textfile_write_is_counted_and_said_once_until_it_works_again(tmp_path):
+    said: list[str] = []
+    textdir = tmp_path / "node-exporter"
+    textdir.write_text("a file where the directory should be")  # every write fails
+    m = Metrics(tmp_path / "state", textdir / "slurmagent.prom", say=said.append)
+    for _ in range(3):
+        m.update(add={("slurmagent_requeues_total", ()): 1}, component="healthcheck")
+    values = read_values(tmp_path / "state")
+    failures = {k: v for k, v in values.items() if k.startswith(WRITE_FAILURES)}
+    assert list(failures.values()) == [3] and values["slurmagent_requeues_total"] == 3
+    reason = list(failures)[0].split('"')[1]
+    assert reason.startswith("E")
+    assert len(said) == 1 and str(textdir / "slurmagent.prom") in said[0] and f"({reason})" in said[0]
+
+    textdir.unlink()
+    textdir.mkdir()
+    m.heartbeat("healthcheck")
+    text = (textdir / "slurmagent.prom").read_text()
+    assert f'{WRITE_FAILURES}{{reason="{reason}"}} 3\n' in text and "slurmagent_requeues_total 3\n" in text
+    assert len(said) == 1
+
+    (textdir / "slurmagent.prom").unlink()
+    textdir.rmdir()
+    textdir.write_text("broken again")
+    m.heartbeat("healthcheck")  # broken again after a write that worked: said again
+    assert len(said) == 2
+
+
+def test_the_default_say_reaches_stderr(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a directory")
+    m = Metrics(tmp_path / "state", tmp_path / "file" / "slurmagent.prom")
+    m.heartbeat("prolog")
+    m.heartbeat("prolog")
+    err = capsys.readouterr().err
+    assert err.count("cannot write metrics to") == 1
+
+
+def test_watch_stamps_its_heartbeat_while_it_loops(tmp_path):
+    h = Harness(tmp_path, use_nvml=False)
+    h.watcher.heartbeat_s = 0.05
+    with h:
+        first = wait_for(lambda: _beat_or_none(tmp_path, "watch"), 5, "a first watch heartbeat")
+        wait_for(lambda: (_beat_or_none(tmp_path, "watch") or 0) > first, 5, "a later watch heartbeat")
+
+
+def _beat_or_none(tmp_path, component: str) -> float | None:
+    return read_values(tmp_path / "state").get(f'{HEARTBEAT}{{component="{component}"}}')
