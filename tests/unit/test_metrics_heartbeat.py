@@ -5,9 +5,14 @@ slurmd's log swallowed, and no count)."""
 
 from __future__ import annotations
 
+import io
 import time
 
-from support import wait_for
+from support import healthy_snapshot_dict, wait_for, write_json
+from support.fakes.slurm import FakeSlurm
+from slurmagent.commands.healthcheck import run_healthcheck
+from slurmagent.slurm.commands import Slurm
+from slurmagent.state.config import parse
 from slurmagent.state.metrics import HEARTBEAT, WRITE_FAILURES, Metrics, read_values
 
 from test_watch import Harness
@@ -80,3 +85,24 @@ def test_watch_stamps_its_heartbeat_while_it_loops(tmp_path):
 
 def _beat_or_none(tmp_path, component: str) -> float | None:
     return read_values(tmp_path / "state").get(f'{HEARTBEAT}{{component="{component}"}}')
+
+
+def test_the_hooks_and_a_skipped_healthcheck_stamp_their_heartbeats(tmp_path):
+    """A HealthCheckProgram run skipped because a prolog checked moments ago still ran: on a node
+    busy with jobs its heartbeat would otherwise go stale and alert."""
+    from test_hooks_unit import HEALTHY, Harness as HookHarness
+
+    h = HookHarness(tmp_path)
+    assert h.run("prolog", HEALTHY) == 0
+    state = tmp_path / "state" / "n1"
+    prolog = read_values(state)[f'{HEARTBEAT}{{component="prolog"}}']
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
+                 "health": {"kernel_log_enabled": False, "expected_gpus": 8,
+                            "snapshot": str(write_json(tmp_path / "snap.json", healthy_snapshot_dict()))}})
+    checked = []
+    assert run_healthcheck("n1", lambda: cfg, lambda *a: checked.append(a), slurm_factory=lambda c: Slurm(runner=FakeSlurm()),
+                           skip_recent=120, stderr=io.StringIO()) == 0
+    assert checked == []  # skipped: the prolog's check stands
+    values = read_values(state)
+    assert values[f'{HEARTBEAT}{{component="healthcheck"}}'] >= prolog
+    assert f'{HEARTBEAT}{{component="healthcheck"}}' in (state / "slurmagent.prom").read_text()
