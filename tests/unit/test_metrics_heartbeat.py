@@ -106,3 +106,31 @@ def test_the_hooks_and_a_skipped_healthcheck_stamp_their_heartbeats(tmp_path):
     values = read_values(state)
     assert values[f'{HEARTBEAT}{{component="healthcheck"}}'] >= prolog
     assert f'{HEARTBEAT}{{component="healthcheck"}}' in (state / "slurmagent.prom").read_text()
+
+
+def test_each_expiry_check_rewrites_the_textfile_though_nothing_else_changed(tmp_path):
+    from slurmagent.commands.expiry import ExpiryWatch
+    from slurmagent.core.timefmt import from_epoch
+    from slurmagent.gcp.compute import SchedulingInfo
+    from slurmagent.gcp.events import Events
+
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
+                 "gcp": {"project": "test-proj", "zone": "us-central1-a"}, "expiry": {"publish_run_file": False}})
+    ends = time.time() + 3 * 3600
+
+    def scheduling(cfg, node):
+        return SchedulingInfo(from_epoch(ends), "FLEX_START", "DELETE", 3600.0,
+                              "resourceStatus.scheduling.terminationTimestamp")
+
+    watch = ExpiryWatch(cfg, "n1", Slurm(runner=FakeSlurm(["n1"])), clock=time.time, boot_id="boot-a",
+                        scheduling_reader=scheduling)
+    prom = tmp_path / "state" / "n1" / "slurmagent.prom"
+    watch.check(Events())
+    first, first_beat = prom.read_text(), _beat(read_values(tmp_path / "state" / "n1"), "expiry")
+    time.sleep(0.01)
+    watch.check(Events())
+    assert _beat(read_values(tmp_path / "state" / "n1"), "expiry") > first_beat
+    second = prom.read_text()
+    assert second != first
+    strip = [line for line in second.splitlines() if not line.startswith(HEARTBEAT)]
+    assert strip == [line for line in first.splitlines() if not line.startswith(HEARTBEAT)]  # only the stamp moved
