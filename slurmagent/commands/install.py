@@ -43,7 +43,8 @@ STATE_DIR = "var/lib/slurmagent"
 STATE_RW = "ReadWritePaths=/var/lib/slurmagent"  # the units' line that gets the metrics dir too
 # node_exporter's textfile directories that a package creates, first found wins: Debian's and
 # Ubuntu's prometheus-node-exporter (its --collector.textfile.directory default; the package's
-# unit runs node_exporter as `prometheus`). The Cluster Toolkit's images ship no node_exporter.
+# unit runs node_exporter as `prometheus`). We know of no packaged one on the Cluster Toolkit's
+# Slurm images (node_exporter there is installed by hand, its directory chosen then): they get ours.
 TEXTFILE_DIRS = ("var/lib/prometheus/node-exporter",)
 # Else ours, 0755 root (only root writes it; node_exporter reads it once its
 # --collector.textfile.directory points here): outside the state dir, which stays 0750.
