@@ -224,6 +224,11 @@ def read_values(state_dir: Path) -> dict[str, float]:
 
 
 def for_node(cfg, node: str | None) -> Metrics:
-    """The node's metrics, honouring `[metrics] textfile`."""
+    """The node's metrics, honouring `[metrics] textfile` (and `[hooks] syslog` for what is said)."""
     textfile = cfg.node_path(cfg.metrics.textfile, node) if cfg.metrics.textfile else None
-    return Metrics(cfg.state_path(node), Path(textfile) if textfile else None)
+    return Metrics(cfg.state_path(node), Path(textfile) if textfile else None,
+                   say=warn if cfg.hooks.syslog else _stderr)
+
+
+def _stderr(msg: str) -> None:
+    print(f"slurmagent: {msg}", file=sys.stderr)

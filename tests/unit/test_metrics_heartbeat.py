@@ -66,13 +66,16 @@ def test_a_failed_textfile_write_is_counted_and_said_once_until_it_works_again(t
     assert len(said) == 2
 
 
-def test_the_default_say_reaches_stderr(tmp_path, capsys):
+def test_a_nodes_metrics_say_it_on_stderr(tmp_path, capsys):
+    from slurmagent.state.metrics import for_node
+
     (tmp_path / "file").write_text("not a directory")
-    m = Metrics(tmp_path / "state", tmp_path / "file" / "slurmagent.prom")
-    m.heartbeat("prolog")
-    m.heartbeat("prolog")
+    cfg = parse({"state_dir": str(tmp_path / "state"), "hooks": {"syslog": False},
+                 "metrics": {"textfile": str(tmp_path / "file" / "%n.prom")}})
+    for_node(cfg, "n1").heartbeat("prolog")
+    for_node(cfg, "n1").heartbeat("prolog")
     err = capsys.readouterr().err
-    assert err.count("cannot write metrics to") == 1
+    assert err.count(f"slurmagent: cannot write metrics to {tmp_path / 'file' / 'n1.prom'}") == 1
 
 
 def test_watch_stamps_its_heartbeat_while_it_loops(tmp_path):
