@@ -191,7 +191,7 @@ class ExpiryWatch:
         when it is not: an alert then counts down only real deadlines)."""
         name = "slurmagent_termination_timestamp_seconds"
         when = {(name, (("source", res.source or "unknown"),)): res.termination.timestamp()} if res.termination else {}
-        metrics.for_node(self.cfg, self.node).update(set_=when, replace_prefix=name)
+        metrics.for_node(self.cfg, self.node).update(set_=when, replace_prefix=name, component="expiry")
 
     def _api(self, now: float, cached: dict[str, Any] | None, res: CheckResult, metadata_down: str,
              event_changed: bool = False) -> dict[str, Any] | None:

@@ -109,6 +109,7 @@ def run_healthcheck(
         window = skip_recent_s(cfg) if skip_recent is None else skip_recent
         recent = recent_decision(log_path, node, window)
         if recent is not None:
+            metrics.for_node(cfg, node).heartbeat("healthcheck")  # it ran: its heartbeat stays fresh on a busy node
             return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
         if health is None:
             from .health import evaluate as health  # NVML and the checks: only past the skip, for start-up speed
@@ -116,12 +117,13 @@ def run_healthcheck(
         if report.healthy:
             warnings = [f.summary for f in report.findings]
             log.write("healthcheck", node=node, verdict="healthy", action="none", warnings=warnings or None)
-            metrics.for_node(cfg, node).record_check(report)
+            metrics.for_node(cfg, node).record_check(report, component="healthcheck")
             return 0
         response = respond_to_fault(JournalExecutor(cfg, slurm_factory(cfg), node), report, source="healthcheck")
         moved = _evict(response, log, started, stderr) if response.evicts else None
         action = response.drain.action
-        metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None)
+        metrics.for_node(cfg, node).record_check(report, drained_rule=report.worst.rule if action.startswith("drained") else None,
+                                                 component="healthcheck")
         response.write_decision(log, running_jobs=moved)
         print(f"slurmagent healthcheck: node {node} unhealthy: {response.reason} ({action})", file=stderr)
         return 1

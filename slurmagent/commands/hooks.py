@@ -95,7 +95,7 @@ def _healthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Calla
             return guard
     warnings = [f.summary for f in report.findings]
     log.write(ctx.hook, node=ctx.node, job=ctx.job_id, verdict="healthy", action="none", warnings=warnings or None)
-    metrics.for_node(cfg, ctx.node).record_check(report, drop=_ended_job_series(ctx))
+    metrics.for_node(cfg, ctx.node).record_check(report, drop=_ended_job_series(ctx), component=ctx.hook)
     from ..state.journal import needs_attention  # stdlib only; imported here for start-up speed
 
     if needs_attention(cfg.state_path(ctx.node)):  # replay a non-empty journal, clear a breaker mark
@@ -123,7 +123,7 @@ def _unhealthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Cal
     response.write_decision(log)
     metrics.for_node(cfg, ctx.node).record_check(
         report, drained_rule=report.worst.rule if response.drain.drained else None, requeued=response.requeued,
-        drop=_ended_job_series(ctx))
+        drop=_ended_job_series(ctx), component=ctx.hook)
     print(f"slurmagent {ctx.hook}: node {ctx.node} unhealthy: {response.reason}", file=stderr)
     return code
 
@@ -131,13 +131,13 @@ def _unhealthy(ctx: HookContext, cfg: Config, report: Report, slurm_factory: Cal
 def _ended_job_series(ctx: HookContext) -> tuple[str, ...]:
     """The epilog (root, every node of the job, however it ended: cancelled, killed, requeued)
     removes the job's own series from the node's textfile, in the check's own write: a wrapper
-    killed before it cleared them leaves no stale `{job="N"}` gauge. A requeued job's next
+    killed before it cleared them leaves no stale `{job_id="N"}` gauge (nor an old `{job="N"}`). A requeued job's next
     attempt sets them again."""
     if ctx.hook != "epilog" or not ctx.job_id:
         return ()
     from ..policy.job_requests import PER_JOB  # the epilog only: start-up speed
 
-    return tuple(f'{name}{{job="{ctx.job_id}"}}' for name in PER_JOB)
+    return tuple(f'{name}{{{label}="{ctx.job_id}"}}' for name in PER_JOB for label in ("job_id", "job"))
 
 
 def _internal_error(ctx: HookContext, cfg: Config | None, log: DecisionLog, exc: BaseException,

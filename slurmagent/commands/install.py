@@ -11,6 +11,11 @@ what install last wrote is kept, and the new version is written beside it as
 the manifest lists (an edited file is kept and said), the directories install created when empty,
 and the manifest, then reloads systemd. The paths inside the shims and units
 point at this installation.
+
+Metrics reach node_exporter by default: the config template's `[metrics] textfile` is set to a
+file in node_exporter's textfile directory where the root has one (`metrics_dir`), else in a
+world-readable directory of ours (the state dir is 0750 root: node_exporter, user
+`prometheus`, cannot read it), and every unit may write there (`ReadWritePaths=`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ UNIT_DIR = "usr/lib/systemd/system"  # vendor units; /etc/systemd/system/<unit>.
 ADMIN_UNIT_DIR = "etc/systemd/system"
 NEW_SUFFIX = ".slurmagent-new"
 STATE_DIR = "var/lib/slurmagent"
+STATE_RW = "ReadWritePaths=/var/lib/slurmagent"  # the units' line that gets the metrics dir too
+# node_exporter's textfile directories that a package creates, first found wins: Debian's and
+# Ubuntu's prometheus-node-exporter (its --collector.textfile.directory default; the package's
+# unit runs node_exporter as `prometheus`). We know of no packaged one on the Cluster Toolkit's
+# Slurm images (node_exporter there is installed by hand, its directory chosen then): they get ours.
+TEXTFILE_DIRS = ("var/lib/prometheus/node-exporter",)
+# Else ours, 0755 root (only root writes it; node_exporter reads it once its
+# --collector.textfile.directory points here): outside the state dir, which stays 0750.
+OWN_TEXTFILE_DIR = "var/lib/slurmagent-metrics"
+TEXTFILE_NAME = "slurmagent.prom"
 # where data_dir finds each set of files in a checkout (the wheel has them in slurmagent/data/<name>)
 CHECKOUT_DIRS = {"hooks": "hooks", "systemd": "systemd", "logrotate": "contrib/logrotate"}
 SYSTEMD_RUNNING = Path("/run/systemd/system")  # sd_booted(3): systemd is this machine's init
@@ -99,7 +114,17 @@ def systemd_word(path: str) -> str:
     return f'"{escaped}"'
 
 
-def config_template() -> str:
+def metrics_dir(root: Path) -> tuple[str, bool]:
+    """(the textfile directory as seen once the root is `/`, whether it is ours): node_exporter's
+    own where its package made one under `root`, else OWN_TEXTFILE_DIR."""
+    for rel in TEXTFILE_DIRS:
+        if (root / rel).is_dir():
+            return "/" + rel, False
+    return "/" + OWN_TEXTFILE_DIR, True
+
+
+def config_template(textfile: str | None = None) -> str:
+    """Every key commented out at its default; `textfile`: `[metrics] textfile` set to it."""
     lines = [
         "# slurmagent configuration. Every key is optional; the values shown are the defaults.",
         "# Reference: docs/admin/configuration.md. Must be owned by root and not writable by others.",
@@ -116,6 +141,10 @@ def config_template() -> str:
                 section = sec
         else:
             name = key
+        if textfile and key == "metrics.textfile":
+            lines[lines.index("#[metrics]")] = "[metrics]"  # uncommented: the one key install sets
+            lines.append(f'textfile = "{textfile}"    # set by `slurmagent install`: node_exporter reads this directory')
+            continue
         lines.append(f"#{name} = {default}    # {doc}" + (f" [{allowed}]" if allowed else ""))
     return "\n".join(lines) + "\n"
 
@@ -123,6 +152,7 @@ def config_template() -> str:
 def plan(root: Path, binary: str, prolog_dir: str | None = None,
          epilog_dir: str | None = None) -> list[tuple[Path, str, int, bool]]:
     """(target, content, mode, never_overwrite) for every file to put in place."""
+    textdir = metrics_dir(root)[0]
     files: list[tuple[Path, str, int, bool]] = []
     for hook in ("prolog", "epilog", "healthcheck"):
         files.append((root / "etc/slurmagent/hooks" / hook, shim_text(hook, binary), 0o755, False))
@@ -132,9 +162,11 @@ def plan(root: Path, binary: str, prolog_dir: str | None = None,
     units = data_dir("systemd")
     for unit in sorted(units.iterdir()):
         if unit.suffix in (".service", ".timer"):
-            text = unit.read_text().replace(PLACEHOLDER_BIN, systemd_word(binary))
+            # `-`: a node_exporter removed later leaves the unit starting (systemd skips a missing path)
+            text = unit.read_text().replace(PLACEHOLDER_BIN, systemd_word(binary)).replace(
+                STATE_RW + "\n", f"{STATE_RW} -{systemd_word(textdir)}\n")
             files.append((root / UNIT_DIR / unit.name, text, 0o644, False))
-    files.append((root / "etc/slurmagent/config.toml", config_template(), 0o644, True))
+    files.append((root / "etc/slurmagent/config.toml", config_template(f"{textdir}/{TEXTFILE_NAME}"), 0o644, True))
     files.append((root / "etc/slurmagent/slurm.conf.example", (data_dir("hooks") / "slurm.conf.example").read_text(), 0o644, False))
     files.append((root / "etc/logrotate.d/slurmagent", (data_dir("logrotate") / "slurmagent").read_text(), 0o644, False))
     return files
@@ -152,6 +184,7 @@ def install(root: Path = Path("/"), dry_run: bool = False, binary: str | None = 
     steps: list[Step] = []
     try:
         steps += _state_dir(manifest, root / STATE_DIR, dry_run)
+        steps += _metrics_dir(manifest, root, dry_run)
         planned = plan(root, binary, prolog_dir, epilog_dir)
         for target, content, mode, keep_mode in planned:
             steps += _put(manifest, target, content, mode, keep_mode, dry_run)
@@ -256,6 +289,20 @@ def _state_dir(manifest: Manifest, state: Path, dry_run: bool) -> list[Step]:
         _make_dirs(manifest, state)
         state.chmod(0o750)
     return [Step(state, "install", "state dir, mode 0750")]
+
+
+def _metrics_dir(manifest: Manifest, root: Path, dry_run: bool) -> list[Step]:
+    textdir, ours = metrics_dir(root)
+    target = root / textdir.lstrip("/")
+    if not ours:
+        return [Step(target, "unchanged", "node_exporter's textfile directory: [metrics] textfile goes there")]
+    if target.is_dir():
+        return []
+    if not dry_run:
+        _make_dirs(manifest, target)
+        target.chmod(0o755)
+    return [Step(target, "install", "metrics dir, mode 0755 (no node_exporter textfile directory found): "
+                 f"run node_exporter with --collector.textfile.directory={textdir}")]
 
 
 def _make_dirs(manifest: Manifest, directory: Path) -> None:

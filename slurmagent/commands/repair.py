@@ -91,7 +91,7 @@ def run_repair(cfg: Config, names: list[str], *, dry_run: bool = False, force: b
     fault_gauges, lemons = lemon.judge(state.get("history"), now, plan.todo, cfg.repair, hangs=state.get("hangs"),
                                        whys=state.get("hang_why"))
     if not dry_run:
-        metrics.for_node(cfg, executor.local_node).update(set_=fault_gauges, replace_prefix="slurmagent_node_faults{")
+        metrics.for_node(cfg, executor.local_node).update(set_=fault_gauges, replace_prefix="slurmagent_node_faults{", component="repair")
     by_name = {n.name: n for n in nodes}
     for name in [n for n in plan.todo if executor.opted_out(by_name[n], n)]:
         plan.todo.remove(name)

@@ -48,6 +48,7 @@ from ..actions.eviction import FaultEviction
 from ..actions.fault import FaultResponse, respond_to_fault
 from ..gpu import kernlog
 from ..core.checks import Finding, Report, Severity, count_unknown_finding, xid_finding
+from ..state import metrics
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for as decision_log_path
 from ..errors import SlurmagentError, SlurmError
@@ -60,6 +61,7 @@ from ..gpu.nvml_deadline import ThreadSafeReader
 from ..slurm.commands import Slurm
 
 DEFAULT_INTERVAL_S = 0.25  # kernel-log poll period
+HEARTBEAT_S = 60.0  # slurmagent_last_run_timestamp_seconds{component="watch"} period (the alert allows 15 min)
 NVML_RETRY_S = 60.0  # NVML unavailable: try again this often (said once, not every time)
 DUPLICATE_WINDOW_S = 30.0  # the NVML event and the NVRM line of one XID arrive within this
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # after a failed drain or a busy kernlog lock
@@ -118,6 +120,7 @@ class Watcher:
     ):
         self.cfg = cfg
         self.node = node
+        self.heartbeat_s = HEARTBEAT_S
         self.slurm = slurm or Slurm.from_config(cfg)
         self.interval = interval
         self.log = log or DecisionLog(decision_log_path(cfg, node), use_syslog=cfg.hooks.syslog)
@@ -193,7 +196,7 @@ class Watcher:
         self.say(f"node {self.node}: following {' and '.join(following) or 'nothing'}")
         self._say_expected()
         ping_every = watchdog_interval(self.env)
-        next_ping = 0.0
+        next_ping = next_beat = 0.0
         first = True
         code = 0
         try:
@@ -209,6 +212,9 @@ class Watcher:
                 self._wait(detector)
                 self._drain_queue()
                 self._follow_evictions()
+                if time.monotonic() >= next_beat:  # alive and looping: the heartbeat alert's series
+                    metrics.for_node(self.cfg, self.node).heartbeat("watch")
+                    next_beat = time.monotonic() + self.heartbeat_s
                 if ping_every is not None and time.monotonic() >= next_ping:
                     sd_notify("WATCHDOG=1", self.env)
                     next_ping = time.monotonic() + ping_every

@@ -58,7 +58,7 @@ JOB_METRICS = {
 # Node totals root counts from what it sees itself (a hang drain or count it granted), never
 # from a job's word: still accepted from a wrapper of an earlier version, and dropped.
 ROOT_COUNTED = ("slurmagent_hangs_total",)
-PER_JOB = ("slurmagent_checkpoint_lag_seconds", "slurmagent_checkpoint_age_seconds")  # labelled {job}; the others are node totals
+PER_JOB = ("slurmagent_checkpoint_lag_seconds", "slurmagent_checkpoint_age_seconds")  # labelled {job_id}; the others are node totals
 JOB_DRAIN_RULES = ("hang", "straggler")
 OPS = ("metrics", "drain", "report", "count", "ping")  # ping: is the channel serving (doctor, status)
 ANY_NODE_OPS = ("drain", "report")  # may name another node of the job (the batch step's evidence)
@@ -212,9 +212,10 @@ def metric_update(req: JobRequest) -> tuple[dict, dict, tuple[str, ...] | None]:
         if "/" in name:  # a fixed label value, checked against JOB_METRICS in parsing
             base, part = name.split("/", 1)
             return (base, (("part", part),))
-        return (name, (("job", req.job),)) if name in PER_JOB else (name, ())
+        return (name, (("job_id", req.job),)) if name in PER_JOB else (name, ())
 
-    clear = tuple(f'{name}{{job="{req.job}"}}' for name in PER_JOB) if req.clear else None
+    clear = tuple(f'{name}{{{label}="{req.job}"}}' for name in PER_JOB for label in ("job_id", "job")) \
+        if req.clear else None
     add = {key(n): v for n, v in req.add.items() if n not in ROOT_COUNTED}
     return {key(n): v for n, v in req.set_.items()}, add, clear
 

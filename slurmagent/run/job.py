@@ -251,7 +251,7 @@ class DirRecord:
             pass  # only costs a full restore next time
 
 
-JOB_GAUGES = ("slurmagent_checkpoint_lag_seconds", "slurmagent_checkpoint_age_seconds")  # labelled {job}
+JOB_GAUGES = ("slurmagent_checkpoint_lag_seconds", "slurmagent_checkpoint_age_seconds")  # labelled {job_id}
 
 
 def job_gauges(job: str, lag_s: float, store, now: float) -> dict[tuple, float]:
@@ -259,17 +259,18 @@ def job_gauges(job: str, lag_s: float, store, now: float) -> dict[tuple, float]:
     of the newest committed checkpoint (absent until the first commit)."""
     from ..checkpoint.report import age_s  # start-up speed: the first round, not the import
 
-    out = {(JOB_GAUGES[0], (("job", job),)): lag_s}
+    out = {(JOB_GAUGES[0], (("job_id", job),)): lag_s}
     committed = getattr(store, "last_committed", None)
     age = age_s(getattr(committed, "created", None), now)
     if age is not None:
-        out[(JOB_GAUGES[1], (("job", job),))] = age
+        out[(JOB_GAUGES[1], (("job_id", job),))] = age
     return out
 
 
 def job_series(job: str) -> tuple[str, ...]:
-    """The prefixes of this job's gauge series, removed when the attempt ends."""
-    return tuple(f'{name}{{job="{job}"}}' for name in JOB_GAUGES)
+    """The prefixes of this job's gauge series, removed when the attempt ends (`{job=` too: the
+    label's name up to 0.1.0, left in an upgraded node's metrics.json)."""
+    return tuple(f'{name}{{{label}="{job}"}}' for name in JOB_GAUGES for label in ("job_id", "job"))
 
 
 FAULT_GRACE_S = 5.0  # a fault flush waits at most this long for the trainer (instead of --grace)

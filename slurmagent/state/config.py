@@ -306,7 +306,9 @@ class RunConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     """[metrics]: the Prometheus textfile."""
-    textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name)")
+    textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name), "
+                         "which node_exporter cannot read (0750 root): `install`'s config sets it to node_exporter's "
+                         "textfile directory")
 
 
 @dataclass(frozen=True)

@@ -2,28 +2,42 @@
 
 Values live in `<state_dir>/metrics.json` (updated under a lock, so short-lived hooks can
 add to counters); after each update the `.prom` file is rewritten atomically for
-node_exporter's textfile collector. A failure to write metrics never fails the caller.
+node_exporter's textfile collector. A failure to write metrics never fails the caller, and is
+never silent: a failed textfile write is counted (`slurmagent_metrics_write_failures_total`, in
+the store, so it shows once a write works again) and said once on stderr and syslog (again only
+when the failure changes, or after a write that worked). Every run of a component stamps
+`slurmagent_last_run_timestamp_seconds{component}`, so the file is rewritten even when nothing
+else changed: a heartbeat an alert can watch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .build import version
+from .decisionlog import warn
 from .fsutil import atomic_write_text, read_state_file
+
+HEARTBEAT = "slurmagent_last_run_timestamp_seconds"
+WRITE_FAILURES = "slurmagent_metrics_write_failures_total"
 
 HELP = {
     "slurmagent_build_info": ("gauge", "always 1; the version label is the slurmagent that last wrote these metrics"),
     "slurmagent_gpu_healthy": ("gauge", "1 when the GPU passed the last check, 0 when it has a drain finding"),
     "slurmagent_node_healthy": ("gauge", "1 when the node passed the last check"),
     "slurmagent_last_check_timestamp_seconds": ("gauge", "Unix time of the last health check"),
+    HEARTBEAT: ("gauge", "Unix time of the last run of a slurmagent component (prolog, epilog, healthcheck, "
+                "watch, expiry, repair), written every run even when nothing else changed"),
+    WRITE_FAILURES: ("counter", "writes of this textfile that failed, by errno (EACCES, EROFS, ...); counted in "
+                     "metrics.json and shown once a write works again"),
     "slurmagent_drains_total": ("counter", "nodes drained by slurmagent, by rule"),
     "slurmagent_requeues_total": ("counter", "jobs requeued by slurmagent"),
     "slurmagent_repairs_total": ("counter", "nodes whose repair was asked for, by action (recreate, report-faulty, "
@@ -76,10 +90,12 @@ def _escape(value: str) -> str:
 
 
 class Metrics:
-    def __init__(self, state_dir: Path, textfile: Path | None = None):
+    def __init__(self, state_dir: Path, textfile: Path | None = None, say: Callable[[str], None] = warn):
         self.state_dir = Path(state_dir)
         self.store = self.state_dir / "metrics.json"
+        self.said = self.state_dir / "metrics.said"  # the textfile failure said last (said once)
         self.textfile = Path(textfile) if textfile else self.state_dir / "slurmagent.prom"
+        self.say = say
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, float]]:
@@ -95,14 +111,33 @@ class Metrics:
             values[_key("slurmagent_build_info", {"version": version()})] = 1.0
             if values == before and self.textfile.exists():
                 return  # nothing changed (e.g. a journal backlog still 0 after a replay): no rewrite
+            self._write_textfile(values)
             atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
-            atomic_write_text(self.textfile, render(values), 0o644, durable=False)
         finally:
             os.close(fd)
 
+    def _write_textfile(self, values: dict[str, float]) -> None:
+        """The `.prom` file; a failure is counted in `values` (stored next) and said once."""
+        try:
+            atomic_write_text(self.textfile, render(values), 0o644, durable=False)
+        except OSError as exc:
+            reason = errno.errorcode.get(exc.errno or 0, "OSError")
+            k = _key(WRITE_FAILURES, {"reason": reason})
+            values[k] = values.get(k, 0.0) + 1
+            msg = (f"cannot write metrics to {self.textfile}: {exc.strerror or exc} ({reason}); "
+                   f"node_exporter gets no new values (counted in {WRITE_FAILURES}, said once)")
+            if _read_said(self.said) != msg:
+                self.say(msg)
+                atomic_write_text(self.said, msg, 0o640, durable=False)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.said.unlink()  # written again: the next failure is said again
+
     def update(self, set_: dict[tuple[str, tuple], float] | None = None,
-               add: dict[tuple[str, tuple], float] | None = None, replace_prefix: str | tuple[str, ...] | None = None) -> None:
-        """Set gauges / add to counters; keys are (name, ((label, value), ...))."""
+               add: dict[tuple[str, tuple], float] | None = None, replace_prefix: str | tuple[str, ...] | None = None,
+               component: str | None = None) -> None:
+        """Set gauges / add to counters; keys are (name, ((label, value), ...)). `component`: this
+        is a run of it (prolog, watch, ...), stamped in its heartbeat series."""
         try:
             with self._locked() as values:
                 if replace_prefix:
@@ -113,11 +148,17 @@ class Metrics:
                 for (name, labels), v in (add or {}).items():
                     k = _key(name, dict(labels))
                     values[k] = float(values.get(k, 0.0)) + float(v)
+                if component:
+                    values[_key(HEARTBEAT, {"component": component})] = time.time()
         except OSError as exc:
             print(f"slurmagent: cannot write metrics in {self.state_dir}: {exc.strerror}", file=sys.stderr)
 
+    def heartbeat(self, component: str) -> None:
+        """A run of `component` that had nothing else to write."""
+        self.update(component=component)
+
     def record_check(self, report, drained_rule: str | None = None, requeued: bool = False,
-                     drop: tuple[str, ...] = ()) -> None:
+                     drop: tuple[str, ...] = (), component: str | None = None) -> None:
         """Gauges from a health report; a drain and a requeue count once each; series starting with
         a `drop` prefix go (an ended job's), in the same write."""
         bad = {f.gpu for f in report.findings if f.severity.name == "DRAIN" and f.gpu is not None}
@@ -130,7 +171,7 @@ class Metrics:
             add[("slurmagent_drains_total", (("rule", drained_rule),))] = 1
         if requeued:
             add[("slurmagent_requeues_total", ())] = 1
-        self.update(set_=gauges, add=add, replace_prefix=("slurmagent_gpu_healthy{", *drop))
+        self.update(set_=gauges, add=add, replace_prefix=("slurmagent_gpu_healthy{", *drop), component=component)
 
 
 def gpu_labels(index: int, uuid: str | None, pci_bus_id: str | None) -> tuple[tuple[str, str], ...]:
@@ -166,6 +207,13 @@ def render(values: dict[str, float]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _read_said(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 def read_values(state_dir: Path) -> dict[str, float]:
     """The stored values; as root none that a user could have written (they start afresh)."""
     try:
@@ -176,6 +224,11 @@ def read_values(state_dir: Path) -> dict[str, float]:
 
 
 def for_node(cfg, node: str | None) -> Metrics:
-    """The node's metrics, honouring `[metrics] textfile`."""
+    """The node's metrics, honouring `[metrics] textfile` (and `[hooks] syslog` for what is said)."""
     textfile = cfg.node_path(cfg.metrics.textfile, node) if cfg.metrics.textfile else None
-    return Metrics(cfg.state_path(node), Path(textfile) if textfile else None)
+    return Metrics(cfg.state_path(node), Path(textfile) if textfile else None,
+                   say=warn if cfg.hooks.syslog else _stderr)
+
+
+def _stderr(msg: str) -> None:
+    print(f"slurmagent: {msg}", file=sys.stderr)

@@ -34,7 +34,7 @@ def lag_series(textfile: Path, name: str = LAG) -> dict[str, float]:
     """job id -> value of the job's `name` series in the node's textfile (none when it is absent)."""
     if not textfile.exists():
         return {}
-    return {s.labels["job"]: s.value for fam in text_string_to_metric_families(textfile.read_text())
+    return {s.labels["job_id"]: s.value for fam in text_string_to_metric_families(textfile.read_text())
             for s in fam.samples if s.name == name}
 
 

@@ -136,7 +136,7 @@ def test_background_sync_errors_are_said_once_counted_and_the_lag_shows(emu, tmp
                       sync_interval_s=0.5, sync_deadline_s=1.0, error_report_s=3600)
     sup = Supervisor(opts, JobIdentity("cloud-run", "lag", "lag-task-0", 0), GcsCheckpointStore(opts.remote, timeout_s=2),
                      None, dict(os.environ), err=err, metrics=Metrics(metrics_dir))
-    errors = ("slurmagent_checkpoint_sync_errors_total", 'slurmagent_checkpoint_lag_seconds{job="lag-task-0"}')
+    errors = ("slurmagent_checkpoint_sync_errors_total", 'slurmagent_checkpoint_lag_seconds{job_id="lag-task-0"}')
 
     def scenario() -> None:
         wait_for(lambda: GcsCheckpointStore(opts.remote).latest_manifest(), 30, "a first commit")

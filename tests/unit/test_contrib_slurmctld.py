@@ -31,4 +31,4 @@ def test_the_scrape_config_asks_slurmctld_for_the_bounded_endpoints_only():
     jobs = {j["job_name"]: j for j in yaml.safe_load((PROM / "scrape.yml").read_text())["scrape_configs"]}
     paths = {j.get("metrics_path") for name, j in jobs.items() if name.startswith("slurmctld")}
     assert paths == {"/metrics/jobs", "/metrics/nodes", "/metrics/partitions", "/metrics/scheduler"}
-    assert not any(j.get("honor_labels") for j in jobs.values())  # exported_job, as alerts.yml expects
+    assert not any(j.get("honor_labels") for j in jobs.values())  # a textfile's labels never replace the scrape's

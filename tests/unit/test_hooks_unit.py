@@ -454,12 +454,13 @@ def test_the_epilog_drops_the_jobs_own_series_and_keeps_the_others(h) -> None:
     from slurmagent.state import metrics
 
     m = metrics.for_node(h.cfg, "n1")
-    m.update(set_={("slurmagent_checkpoint_lag_seconds", (("job", "42"),)): 5.0,
-                   ("slurmagent_checkpoint_age_seconds", (("job", "42"),)): 9.0,
-                   ("slurmagent_checkpoint_lag_seconds", (("job", "43"),)): 7.0})
+    m.update(set_={("slurmagent_checkpoint_lag_seconds", (("job_id", "42"),)): 5.0,
+                   ("slurmagent_checkpoint_age_seconds", (("job_id", "42"),)): 9.0,
+                   ("slurmagent_checkpoint_age_seconds", (("job", "42"),)): 8.0,  # the label's old name
+                   ("slurmagent_checkpoint_lag_seconds", (("job_id", "43"),)): 7.0})
     assert h.run("epilog", HEALTHY) == 0
     text = (h.tmp / "state" / "n1" / "slurmagent.prom").read_text()
-    assert 'job="42"' not in text and 'slurmagent_checkpoint_lag_seconds{job="43"} 7' in text
-    m.update(set_={("slurmagent_checkpoint_lag_seconds", (("job", "42"),)): 5.0})
+    assert '"42"' not in text and 'slurmagent_checkpoint_lag_seconds{job_id="43"} 7' in text
+    m.update(set_={("slurmagent_checkpoint_lag_seconds", (("job_id", "42"),)): 5.0})
     assert h.run("prolog", HEALTHY) == 0  # the prolog leaves them
-    assert 'job="42"' in (h.tmp / "state" / "n1" / "slurmagent.prom").read_text()
+    assert 'job_id="42"' in (h.tmp / "state" / "n1" / "slurmagent.prom").read_text()

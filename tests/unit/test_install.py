@@ -344,3 +344,41 @@ def test_uninstall_with_root_prints_the_systemctl_commands_in_their_order(tmp_pa
     assert lines[max(removes) + 1] == "run by hand    systemctl daemon-reload  (on the node, after the units went)"
     assert min(removes) == 1 and not fake_systemctl.exists()  # --root changes no live system
     assert not (root / "usr/lib/systemd/system/slurmagent-watch.service").exists()
+
+
+@pytest.mark.parametrize("node_exporter", [True, False], ids=["debian-node-exporter", "no-node-exporter"])
+def test_install_points_the_metrics_at_a_directory_node_exporter_can_read(tmp_path, node_exporter):
+    """Before: the textfile defaulted to the 0750 root state dir, which node_exporter (user
+    `prometheus`) cannot read, and no unit could write anywhere else under ProtectSystem=strict."""
+    from test_unit_hardening import service, under, writable
+
+    root = tmp_path / "r"
+    if node_exporter:  # what Debian's prometheus-node-exporter package creates
+        (root / "var/lib/prometheus/node-exporter").mkdir(parents=True)
+    steps = install(root, binary="/opt/slurmagent/venv/bin/slurmagent")
+    textfile = tomllib.loads((root / "etc/slurmagent/config.toml").read_text())["metrics"]["textfile"]
+    want = "/var/lib/prometheus/node-exporter" if node_exporter else "/var/lib/slurmagent-metrics"
+    assert textfile == f"{want}/slurmagent.prom"
+    textdir = root / want.lstrip("/")
+    assert textdir.is_dir() and textdir.stat().st_mode & 0o005 == 0o005  # others may list and enter it
+    assert textdir.stat().st_mode & 0o022 == 0 and textdir.stat().st_uid == os.getuid()  # only its owner writes
+    assert (root / "var/lib/slurmagent").stat().st_mode & 0o007 == 0  # the state dir stays closed
+    said = {s.path: s for s in steps}[textdir]
+    assert ("--collector.textfile.directory" in said.note) is not node_exporter
+    units = sorted((root / "usr/lib/systemd/system").glob("*.service"))
+    assert len(units) == 4
+    for unit in units:  # every unit that writes metrics may write the textfile
+        keys = service(unit)
+        assert under(textfile, writable(keys)), (unit.name, keys.get("ReadWritePaths"))
+        assert f"-{want}" in keys["ReadWritePaths"][-1].split()  # a missing dir never stops the unit
+    parse(tomllib.loads((root / "etc/slurmagent/config.toml").read_text()))  # a valid config
+
+
+def test_a_node_exporter_installed_later_moves_an_untouched_config_there(tmp_path):
+    install(tmp_path, binary="/opt/slurmagent/venv/bin/slurmagent")
+    conf = tmp_path / "etc/slurmagent/config.toml"
+    assert tomllib.loads(conf.read_text())["metrics"]["textfile"] == "/var/lib/slurmagent-metrics/slurmagent.prom"
+    (tmp_path / "var/lib/prometheus/node-exporter").mkdir(parents=True)
+    install(tmp_path, binary="/opt/slurmagent/venv/bin/slurmagent")
+    assert tomllib.loads(conf.read_text())["metrics"]["textfile"] == \
+        "/var/lib/prometheus/node-exporter/slurmagent.prom"

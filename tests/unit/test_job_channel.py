@@ -90,7 +90,7 @@ def test_a_drain_may_name_another_node_of_the_job_never_one_outside_it():
 def test_the_job_label_is_roots_and_a_drain_reason_is_cleaned():
     r = parse_request(req(set={"slurmagent_checkpoint_lag_seconds": 5}, add={"slurmagent_bytes_synced_total": 10}))
     set_, add, clear = job_requests.metric_update(r)
-    assert set_ == {("slurmagent_checkpoint_lag_seconds", (("job", "7"),)): 5.0}
+    assert set_ == {("slurmagent_checkpoint_lag_seconds", (("job_id", "7"),)): 5.0}
     assert add == {("slurmagent_bytes_synced_total", ()): 10.0} and clear is None
     d = parse_request(req(op="drain", rule="hang", detail="rank 1 stopped\nReason=evil State=RESUME"))
     assert job_requests.drain_reason(d) == "slurmagent: hang: job 7: rank 1 stopped Reason evil State RESUME"
@@ -184,7 +184,7 @@ def test_a_job_of_its_own_user_gets_its_metrics_into_the_node_textfile_another_u
     sc.add_job("8", node="n1", Uid="1000")
     lag = {"op": "metrics", "job": "7", "node": "n1", "set": {"slurmagent_checkpoint_lag_seconds": 42.5}}
     assert as_uid(NOBODY, server.path, lag) == {"ok": True, "why": ""}
-    assert 'slurmagent_checkpoint_lag_seconds{job="7"} 42.5\n' in prom(tmp_path)
+    assert 'slurmagent_checkpoint_lag_seconds{job_id="7"} 42.5\n' in prom(tmp_path)
     # another user's job: refused and logged, nothing written
     other = dict(lag, job="8", set={"slurmagent_checkpoint_lag_seconds": 1})
     assert as_uid(NOBODY, server.path, other) == {"ok": False, "why": f"job 8 does not belong to uid {NOBODY}"}
@@ -193,7 +193,7 @@ def test_a_job_of_its_own_user_gets_its_metrics_into_the_node_textfile_another_u
     assert refused["verdict"] == "refused" and refused["uid"] == NOBODY and refused["job"] == "8"
     # the job ends: its own series goes, through the wrapper's sink
     sink = ChannelMetrics(server.path, "7", "n1", say=print)
-    sink.update(replace_prefix='slurmagent_checkpoint_lag_seconds{job="7"}')
+    sink.update(replace_prefix='slurmagent_checkpoint_lag_seconds{job_id="7"}')
     assert "slurmagent_checkpoint_lag_seconds" not in prom(tmp_path)
 
 
@@ -486,7 +486,7 @@ def test_a_requeued_job_still_sends_its_attempts_end_and_nothing_else(served):
               set={"slurmagent_flush_seconds": 3}, clear=True)
     assert ask_root(server.path, end) == {"ok": True, "why": ""}
     text = prom(tmp_path)
-    assert "slurmagent_requeues_total 1\n" in text and 'slurmagent_checkpoint_lag_seconds{job="7"}' not in text
+    assert "slurmagent_requeues_total 1\n" in text and 'slurmagent_checkpoint_lag_seconds{job_id="7"}' not in text
     assert ask_root(server.path, jreq(set={"slurmagent_checkpoint_lag_seconds": 4}))["ok"] is False
     assert ask_root(server.path, jreq(op="drain", rule="hang"))["ok"] is False
     assert ask_root(server.path, jreq(job="8", add={"slurmagent_requeues_total": 1}))["ok"] is False  # never seen here

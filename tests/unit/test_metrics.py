@@ -58,7 +58,7 @@ def test_every_value_parses_back_exactly_with_prometheus_s_parser(tmp_path):
     m.record_check(report(xid_snapshot_dict(79, gpu=3)), drained_rule="xid 79")
     m.update(set_={("slurmagent_last_check_timestamp_seconds", ()): 1796130845,
                    ("slurmagent_flush_seconds", ()): 12.345678912345,
-                   ("slurmagent_checkpoint_lag_seconds", (("job", "7"),)): 0.1 + 0.2},
+                   ("slurmagent_checkpoint_lag_seconds", (("job_id", "7"),)): 0.1 + 0.2},
              add={("slurmagent_bytes_synced_total", ()): 2 ** 53 - 1, ("slurmagent_requeues_total", ()): 3})
     stored = read_values(tmp_path)
     parsed = {}

@@ -3,8 +3,8 @@
 `promtool` checks and unit-tests contrib/prometheus/alerts.yml; then a Prometheus and a
 node_exporter (textfile collector only) on 127.0.0.1 scrape a textfile that slurmagent's own
 code wrote, and every expression of contrib/grafana/slurmagent.json must return data: a
-renamed metric or label (e.g. a series' own `job` label, which Prometheus stores as
-`exported_job`) shows up as an empty panel here, not in front of an admin.
+renamed metric or label (e.g. a series' own `job` label, which Prometheus stored as
+`exported_job` until it became `job_id`) shows up as an empty panel here, not in front of an admin.
 
 Needs Debian's `prometheus` (with promtool) and `prometheus-node-exporter`: skipped where
 they are missing, failed in CI (`CI` set) except in ci/debian-lane.sh's chroots (trixie, forky),
@@ -44,6 +44,8 @@ from slurmagent.state.config import parse
 ALERTS = REPO / "contrib" / "prometheus" / "alerts.yml"
 ALERTS_TEST = REPO / "contrib" / "prometheus" / "alerts_test.yml"
 DASHBOARD = REPO / "contrib" / "grafana" / "slurmagent.json"
+# written by the expiry watch (branch m38-doctor); alerts.yml alerts on it
+EXPIRY_READ_FAILURES = "slurmagent_expiry_read_failures_total"
 NODE = "n1"
 # What Grafana would put in for its built-in variables; the data covers a few seconds, so
 # ranges only need two scrapes (1 s apart).
@@ -83,7 +85,7 @@ def test_dashboard_and_alerts_name_only_metrics_slurmagent_exports_and_filter_by
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert variables["node"]["includeAll"] and variables["node"]["allValue"] == ".*"
-    known = set(metrics.HELP) | {"slurmagent_build_info"}
+    known = set(metrics.HELP) | {"slurmagent_build_info", EXPIRY_READ_FAILURES}
     named = set(re.findall(r"slurmagent_[a-z_]+", ALERTS.read_text() + DASHBOARD.read_text()))
     assert named - known == set() and len(named) >= 15
     ids, cells = set(), set()
@@ -126,10 +128,10 @@ def _write_node_metrics(tmp_path: Path) -> Path:
                 scheduling_reader=scheduling).check(Events())
     m = metrics.for_node(cfg, NODE)
     m.record_check(run_checks(NodeSnapshot.from_dict(xid_snapshot_dict(79, gpu=3)), expected_gpus=8),
-                   drained_rule="xid")
+                   drained_rule="xid", component="healthcheck")
     m.update(set_={("slurmagent_breaker_open", ()): 0, ("slurmagent_journal_pending", ()): 2,
                    ("slurmagent_flush_seconds", ()): 12.5, ("slurmagent_fault_to_leave_seconds", ()): 3.25,
-                   ("slurmagent_checkpoint_lag_seconds", (("job", "7"),)): 42},
+                   ("slurmagent_checkpoint_lag_seconds", (("job_id", "7"),)): 42},
              add={("slurmagent_repairs_total", (("action", "recreate"), ("result", "requested"))): 1,
                   ("slurmagent_repairs_total", (("action", "report-faulty"), ("result", "refused"))): 1,
                   ("slurmagent_checkpoint_sync_errors_total", ()): 1, ("slurmagent_bytes_synced_total", ()): 2 ** 40,
@@ -254,7 +256,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus):
     gpus = {s["metric"]["UUID"]: s["value"][1] for s in _query(port, "slurmagent_gpu_healthy")}
     assert len(gpus) == 8 and gpus["GPU-00000003-0000-0000-0000-000000000000"] == "0"
     lag = _query(port, "slurmagent_checkpoint_lag_seconds")
-    assert [(s["metric"].get("exported_job"), s["metric"]["job"], s["value"][1]) for s in lag] == [("7", "node", "42")]
+    assert [(s["metric"]["job_id"], s["metric"]["job"], s["value"][1]) for s in lag] == [("7", "node", "42")]
+    assert not any("exported_job" in s["metric"] for s in lag)  # Prometheus's own `job` label left alone
     left = float(_query(port, "slurmagent_termination_timestamp_seconds - time()")[0]["value"][1])
     assert 2 * 3600 < left <= 3 * 3600
 
@@ -274,3 +277,7 @@ def test_prometheus_evaluates_every_alert_rule_without_error(prometheus):
     # the drained GPU (gpu 3) is pending or firing; the node has a termination only 3 h away
     active = {a["labels"]["alertname"] for r in rules for a in r.get("alerts", [])}
     assert "SlurmagentGPUUnhealthy" in active and "SlurmagentTerminationSoon" not in active
+    # the node exports its series and node_exporter reads them: neither per-node alert is pending
+    assert {"SlurmagentMetricsMissing", "SlurmagentTextfileScrapeError"} & active == set()
+    beats = _query(port, 'slurmagent_last_run_timestamp_seconds{component="healthcheck"}')
+    assert len(beats) == 1 and _query(port, '(up{job="node"} == 1) unless on(instance) slurmagent_build_info') == []
