@@ -232,6 +232,10 @@ class ExpiryConfig:
         low=1, high=604800,
     )
     api_timeout_s: float = _key(20.0, "deadline of the Compute API read (retries included)", low=0.1, high=600)
+    compute_api: bool = _key(
+        True, "learn the termination time from the Compute API (`instances.get`); false: from the metadata server's "
+        "maintenance and preemption notices alone, for VMs without Compute permission by design (a flex-start or "
+        "max-run-duration end is then not seen)")
     metadata_timeout_s: float = _key(
         2.0, "deadline of one metadata server read (a long poll waits this much longer)",
         low=0.1, high=600,
