@@ -439,9 +439,8 @@ def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: st
     FILE.slurmagent-new)."""
     from pathlib import Path
 
-    from .commands.doctor import missing_slurm_conf_lines  # start-up speed
+    from .commands.doctor import install_still_needs  # start-up speed
     from .commands.install import install as do_install, uninstall as do_uninstall  # start-up speed
-    from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
     steps = do_uninstall(root, dry_run=dry_run) if uninstall else do_install(
@@ -453,8 +452,7 @@ def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: st
         click.echo("then: systemctl disable --now the slurmagent units; systemctl daemon-reload; remove slurmagent's "
                    "lines from slurm.conf and scontrol reconfigure")
         return
-    conf = root / "etc/slurm/slurm.conf" if root_dir != "/" else slurm_conf_path()
-    missing = missing_slurm_conf_lines(conf)
+    conf, missing = install_still_needs(root)  # the slurm.conf found as the hooks find it
     if missing:
         click.echo(f"slurm.conf ({conf}) still needs:")
         for line in missing:
