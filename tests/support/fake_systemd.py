@@ -31,7 +31,6 @@ class FakeSystemd:
             f'd="{self.dir}"\n'
             'if [ -e "$d/down" ]; then echo "System has not been booted with systemd as init system (PID 1). '
             "Can't operate.\" >&2; echo 'Failed to connect to bus: Host is down' >&2; exit 1; fi\n"
-            'echo "$@" >> "$d/calls"\n'
             '[ "$1" = show ] || exit 1\n'
             'if [ -f "$d/$2.props" ]; then cat "$d/$2.props"; else printf "LoadState=not-found\\n'
             'UnitFileState=\\nActiveState=inactive\\n"; fi\n')
