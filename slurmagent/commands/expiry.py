@@ -411,12 +411,13 @@ def _internal(exc: Exception) -> str:
 def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: float = 30.0,
                      out: TextIO | None = None, err: TextIO | None = None, slurm: Slurm | None = None,
                      stop: threading.Event | None = None,
-                     machine_type_reader: Callable[[float], str] = read_machine_type) -> int:
+                     machine_type_reader: Callable[[float], str] = read_machine_type,
+                     scheduling_reader: SchedulingReader = read_scheduling) -> int:
     """`slurmagent expiry-watch [--once]`: exit 0 (errors are logged, the timer runs again);
     `--once` exits 1 when the termination time cannot be learned for a lasting reason
     (`CheckResult.protection_off`): the timer's unit fails and the counter goes up."""
     out, err = out or sys.stdout, err or sys.stderr
-    watch = ExpiryWatch(cfg, node, slurm)
+    watch = ExpiryWatch(cfg, node, slurm, scheduling_reader=scheduling_reader)
     timeout = float(cfg.expiry.metadata_timeout_s)
     said: set[str] = set()
     said_machine_type = [""]
