@@ -441,7 +441,7 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
         if res.to_say is not None:  # --once: the state file remembers what was said
             for line in res.to_say:
                 print(f"slurmagent expiry-watch: {node}: {line}", file=err, flush=True)
-            if res.actions or res.to_say or res.protection_off:  # protection off: a WARN line every run
+            if res.actions or res.to_say:  # protection off: WARNING, when said (at first, on a change, hourly)
                 _log(cfg, node, res, "once")
             return
         for e in res.errors:
