@@ -99,9 +99,9 @@ def controller_results(scontrol: str, timeout_s: float, conf: Path | None) -> li
         return [Result(SLURM_CONTROLLER, False, f"slurmctld did not answer `scontrol show config`: {why}",
                        FIX_CONTROLLER, unreachable=True),
                 skip(SLURM_FEATURES, "not asked: the controller did not answer")]
-    head = Result(SLURM_CONTROLLER, True, f"slurmctld {controller_address(config)} answers "
-                                          f"(Slurm {config.get('SLURM_VERSION', '?')})")
     features = SlurmFeatures.from_config(config)
+    head = Result(SLURM_CONTROLLER, True, f"slurmctld {controller_address(config)} answers "
+                                          f"(Slurm {features.version_text})")
     url = f"http://{controller_address(config)}:{features.ctld_port}/metrics"
     answer = get_fails(url, CALL_TIMEOUT_S) if features.openmetrics and features.ctld_port else None
     ok, detail, skipped = doctor_line(features, url, answer)

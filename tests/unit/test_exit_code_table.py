@@ -5,6 +5,7 @@ names, and the command gives no code the table leaves out."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 from slurmagent.commands import expiry
@@ -44,7 +45,7 @@ def test_expiry_watch_once_gives_each_documented_code_and_no_other(tmp_path, mon
     monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # no metadata server: no notices, nothing else asked
     cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
                  "gcp": {"project": "p", "zone": "z"}, "expiry": {"publish_run_file": False, "metadata_timeout_s": 0.5}})
-    idle = Slurm(runner=lambda argv, timeout: __import__("subprocess").CompletedProcess(argv, 0, "", ""))
+    idle = Slurm(runner=lambda argv, timeout: subprocess.CompletedProcess(argv, 0, "", ""))
 
     def once(error: Exception) -> int:
         def reader(_cfg, _node):
