@@ -180,8 +180,9 @@ def release_held(state: State, job_id: str, deadline: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_obj
 def doctor(state: State, as_json: bool) -> None:
-    """Check slurm.conf, config, NVML, state dir, metadata, Compute and its permissions, bucket, clock;
-    say what to fix; change nothing (exit 0 all ok, 1 problems, 2 config file missing/invalid)."""
+    """Check slurm.conf, config, NVML, state dir, metrics file, metadata, Compute and its permissions, bucket,
+    clock, slurmctld, the watch and expiry units; say what to fix; change nothing (exit 0 all ok, 1 problems,
+    2 config file missing/invalid, 3 slurmctld or a GCP endpoint gave no answer)."""
     from .commands.doctor import as_json as doctor_json, exit_code, run_doctor  # start-up speed
 
     results = run_doctor(state.config_path)
@@ -470,7 +471,8 @@ def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: st
               help="loop mode: seconds between checks (metadata notices wake it at once)")
 @click.pass_obj
 def expiry_watch(state: State, once: bool, node: str | None, interval: float) -> None:
-    """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs."""
+    """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs (--once: exit 1
+    when the time cannot be learned for a lasting reason, e.g. HTTP 403)."""
     from .commands.expiry import run_expiry_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
