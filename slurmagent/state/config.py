@@ -54,7 +54,8 @@ class HealthConfig:
     )
     ecc_corrected_warn: int = _key(Limits.ecc_corrected_warn, "warn when volatile corrected ECC errors reach this", low=1, high=10**12)
     healthcheck_skip_s: float = _key(
-        120.0, "`healthcheck` exits 0 at once when a prolog/epilog decision was logged this recently (0 = always check)"
+        120.0, "`healthcheck` exits 0 at once when a healthy prolog/epilog decision was logged this recently and no "
+        "unhealthy verdict since (0 = always check)"
     , low=0, high=86400)
 
 
