@@ -150,8 +150,8 @@ def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.tim
         node = node_name(None, {})  # the host name
     results.append(_gpu_result(cfg, node))
     results.append(_state_dir_result(cfg.state_path(node)))
-    results.append(metrics_file_result(metrics.for_node(cfg, node).textfile))
-    results.extend(external_results(cfg, clock=clock, deadline_s=external_deadline_s, conf=conf))
+    results.extend(external_results(cfg, clock=clock, deadline_s=external_deadline_s, conf=conf,
+                                    textfile=metrics.for_node(cfg, node).textfile))
     return results
 
 
@@ -203,7 +203,8 @@ def _state_dir_result(state_dir: Path) -> Result:
 
 
 def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = time.time,
-                     deadline_s: float = EXTERNAL_DEADLINE_S, conf: Path | None = None) -> list[Result]:
+                     deadline_s: float = EXTERNAL_DEADLINE_S, conf: Path | None = None,
+                     textfile: Path | None = None) -> list[Result]:
     md_timeout = max(0.1, min(float(cfg.expiry.metadata_timeout_s) or METADATA_TIMEOUT_S, METADATA_TIMEOUT_S))
     checks: list[tuple[str, str, Callable[[], Result]]] = [
         ("metadata server", FIX_METADATA, lambda: _metadata_result(cfg, md_timeout)),
@@ -217,6 +218,8 @@ def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = tim
          lambda: controller_results(cfg.slurm.scontrol, float(cfg.slurm.timeout_s), conf)),
         ("slurmagent-watch", "check systemd (systemctl status slurmagent-watch)", unit_results),
     ]
+    if textfile is not None:  # its modes, then node_exporter's own word where it answers on this host
+        checks.append(("metrics file", "see docs/admin/observability.md", lambda: metrics_file_result(textfile)))
     rows = run_bounded(checks, deadline_s)
     i = next(i for i, r in enumerate(rows) if r.name == "compute API")
     if not rows[i + 1].name.startswith("permission "):  # the check hung: the same lines, every time

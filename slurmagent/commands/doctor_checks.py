@@ -197,7 +197,47 @@ def _timer_result(timer: dict[str, str], service: dict[str, str]) -> Result:
 # --- the metrics file node_exporter reads -------------------------------------------------------
 
 
-def metrics_file_result(textfile: Path) -> Result:
+NODE_EXPORTER_URL = "http://127.0.0.1:9100/metrics"  # node_exporter's default listen address
+
+
+def metrics_file_result(textfile: Path, exporter_url: str = NODE_EXPORTER_URL) -> Result:
+    """The file's modes (`textfile_modes`), then, where node_exporter answers on this host, what
+    it says: `node_textfile_scrape_error` and whether it read this file (`node_textfile_mtime_seconds`)."""
+    modes = textfile_modes(textfile)
+    if not modes.ok or modes.skipped:
+        return modes
+    seen = exporter_view(exporter_url, textfile)
+    if seen is None:
+        return Result(modes.name, True, f"{modes.detail} (no node_exporter answers at {exporter_url})")
+    return seen
+
+
+def exporter_view(url: str, textfile: Path) -> Result | None:
+    """What node_exporter's own metrics say of the textfile; None when it does not answer."""
+    name = "metrics file"
+    try:
+        with urllib.request.urlopen(url, timeout=CALL_TIMEOUT_S) as resp:  # noqa: S310 - loopback
+            lines = resp.read(16 * 1024 * 1024).decode("utf-8", "replace").splitlines()
+    except (OSError, ValueError):
+        return None
+    if not any(line.startswith("node_textfile_scrape_error") for line in lines):
+        return Result(name, False, f"node_exporter at {url} runs no textfile collector",
+                      f"start it with --collector.textfile.directory={textfile.parent}")
+    failed = any(line.startswith("node_textfile_scrape_error ") and line.split()[-1] not in ("0", "0.0")
+                 for line in lines)
+    read = any(line.startswith("node_textfile_mtime_seconds{") and
+               (f'file="{textfile}"' in line or f'file="{textfile.name}"' in line) for line in lines)
+    if failed:
+        return Result(name, False, f"node_exporter at {url}: node_textfile_scrape_error 1 (a file in its textfile "
+                                   "directory cannot be read or parsed)", "journalctl -u node_exporter says which")
+    if not read:
+        return Result(name, False, f"node_exporter at {url} does not read {textfile} (not in its textfile directory)",
+                      f"set [metrics] textfile to a file in node_exporter's --collector.textfile.directory, or point "
+                      f"that flag at {textfile.parent}")
+    return Result(name, True, f"node_exporter at {url} reads {textfile}")
+
+
+def textfile_modes(textfile: Path) -> Result:
     """node_exporter (its own user) lists the textfile directory and reads the file: the
     directory must be listable by others, the file readable by them (a root-only state dir is
     the usual miss; the system directories above it are taken as open). Judged from the modes,

@@ -32,12 +32,12 @@ DOCTOR_BOUND_S = EXTERNAL_DEADLINE_S + 20
 
 ZONE = "us-central1-a"
 NAMES = ["version", "config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf HealthCheckProgram", "slurm.conf PrologFlags",
-         "slurm.conf nohold_on_prolog_fail", "slurm.conf PrologEpilogTimeout", "GPUs", "state dir", "metrics file",
+         "slurm.conf nohold_on_prolog_fail", "slurm.conf PrologEpilogTimeout", "GPUs", "state dir",
          "metadata server", "compute API", "permission compute.instances.get",
          "permission compute.instances.reportHostAsFaulty", "permission compute.instances.list",
          "permission compute.instanceGroupManagers.update", "permission compute.zoneOperations.get",
          "permission compute.regionOperations.get", "checkpoint bucket", "clock", "job channel", "slurm controller", "slurm 25.11+ features",
-         "slurmagent-watch", "expiry timer"]
+         "slurmagent-watch", "expiry timer", "metrics file"]
 PERMISSIONS = [n for n in NAMES if n.startswith("permission ")]
 GOOD_SLURM_CONF = ("Prolog={hooks}/prolog\nEpilog={hooks}/epilog\nPrologFlags=Alloc\n"
                    "SchedulerParameters=nohold_on_prolog_fail,bf_interval=2\nPrologEpilogTimeout=120\n"

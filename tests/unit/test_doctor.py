@@ -10,7 +10,12 @@ stuck check's 60 s.
 
 from __future__ import annotations
 
+import http.server
+import socket
+import threading
 import time
+
+import pytest
 
 
 def test_external_checks_are_bounded_even_when_one_never_returns():
@@ -196,21 +201,69 @@ def test_the_units_states_are_reported_through_systemctl(tmp_path):
     assert {n: m for n, (m, _, _) in rows().items()} == {"slurmagent-watch": "skip", "expiry timer": "skip"}
 
 
+def _closed_port_url() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))  # bound, never listening: refused at once
+    url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+    s.close()
+    return url
+
+
 def test_the_metrics_file_must_be_readable_by_node_exporter(tmp_path):
     from slurmagent.commands.doctor_checks import metrics_file_result
 
+    none = _closed_port_url()
     d = tmp_path / "state"
-    assert metrics_file_result(d / "slurmagent.prom").mark == "skip"  # not written yet
+    assert metrics_file_result(d / "slurmagent.prom", none).mark == "skip"  # not written yet
     d.mkdir(mode=0o700)
     d.chmod(0o700)
-    r = metrics_file_result(d / "slurmagent.prom")
+    r = metrics_file_result(d / "slurmagent.prom", none)
     assert r.mark == "FAIL" and "cannot list" in r.detail and f"chmod o+rx {d}" in r.fix
     d.chmod(0o755)
     (d / "slurmagent.prom").write_text("x 1\n")
     (d / "slurmagent.prom").chmod(0o600)
-    assert metrics_file_result(d / "slurmagent.prom").mark == "FAIL"
+    assert metrics_file_result(d / "slurmagent.prom", none).mark == "FAIL"
     (d / "slurmagent.prom").chmod(0o644)
-    assert metrics_file_result(d / "slurmagent.prom").mark == "ok"
+    r = metrics_file_result(d / "slurmagent.prom", none)
+    assert r.mark == "ok" and "no node_exporter answers" in r.detail
+
+
+@pytest.mark.parametrize("exposition, mark, words", [
+    ('node_textfile_scrape_error 0\nnode_textfile_mtime_seconds{file="{f}"} 1.7e9\n', "ok", "reads"),
+    ('node_textfile_scrape_error 1\nnode_textfile_mtime_seconds{file="{f}"} 1.7e9\n', "FAIL", "scrape_error 1"),
+    ('node_textfile_scrape_error 0\nnode_textfile_mtime_seconds{file="/other/x.prom"} 1.7e9\n', "FAIL",
+     "does not read"),
+    ("node_cpu_seconds_total 1\n", "FAIL", "no textfile collector"),
+])
+def test_node_exporter_says_whether_it_reads_the_file(tmp_path, exposition, mark, words):
+    """Where node_exporter answers on this host, its own metrics judge the file (a fake exporter here)."""
+    from slurmagent.commands.doctor_checks import metrics_file_result
+
+    d = tmp_path / "state"
+    d.mkdir()
+    d.chmod(0o755)
+    (d / "slurmagent.prom").write_text("x 1\n")
+    (d / "slurmagent.prom").chmod(0o644)
+    body = exposition.replace("{f}", str(d / "slurmagent.prom")).encode()
+
+    class Exporter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exporter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = metrics_file_result(d / "slurmagent.prom", f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.mark == mark and words in r.detail, r
 
 
 def test_slurm_conf_is_found_as_the_hooks_find_it_configless_cache_included(tmp_path):
