@@ -49,6 +49,10 @@
    `--once` keeps there what it said of its errors (`said_errors`): a lasting error is said
    once, again when it changes or after an hour, and its end in one line.
 
+When the time cannot be learned for a reason that will not pass by itself (HTTP 401/403, no
+such instance, another 4xx, a malformed answer 3 times in a row: `expiry_policy.read_failure_streak`)
+protection is off: `--once` exits 1, logs a WARNING line and counts `READ_FAILURES_METRIC`.
+
 The decision of each check is pure (`expiry_policy.decide_expiry`); this module reads what it
 needs, asks it, and carries out its steps. The prolog guard that keeps a job which would
 outlive the VM off the node lives with the hooks (`hooks.prolog_guard`) and reads the same
