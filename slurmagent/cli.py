@@ -180,8 +180,9 @@ def release_held(state: State, job_id: str, deadline: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_obj
 def doctor(state: State, as_json: bool) -> None:
-    """Check slurm.conf, config, NVML, state dir, metadata, Compute and its permissions, bucket, clock;
-    say what to fix; change nothing (exit 0 all ok, 1 problems, 2 config file missing/invalid)."""
+    """Check slurm.conf, config, NVML, state dir, metrics file, metadata, Compute and its permissions, bucket,
+    clock, slurmctld, the watch and expiry units; say what to fix; change nothing (exit 0 all ok, 1 problems,
+    2 config file missing/invalid, 3 slurmctld or a GCP endpoint gave no answer)."""
     from .commands.doctor import as_json as doctor_json, exit_code, run_doctor  # start-up speed
 
     results = run_doctor(state.config_path)
@@ -430,9 +431,8 @@ def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: st
     FILE.slurmagent-new)."""
     from pathlib import Path
 
-    from .commands.doctor import missing_slurm_conf_lines  # start-up speed
+    from .commands.doctor import install_still_needs  # start-up speed
     from .commands.install import install as do_install, systemctl_for, uninstall as do_uninstall  # start-up speed
-    from .slurm.commands import slurm_conf_path  # start-up speed
 
     root = Path(root_dir)
     steps = do_uninstall(root, dry_run, systemctl_for(root)) if uninstall else do_install(
@@ -443,8 +443,7 @@ def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: st
     if uninstall:
         click.echo("then: remove slurmagent's lines from slurm.conf and scontrol reconfigure")
         return
-    conf = root / "etc/slurm/slurm.conf" if root_dir != "/" else slurm_conf_path()
-    missing = missing_slurm_conf_lines(conf)
+    conf, missing = install_still_needs(root)  # the slurm.conf found as the hooks find it
     if missing:
         click.echo(f"slurm.conf ({conf}) still needs:")
         for line in missing:
@@ -462,7 +461,8 @@ def install(root_dir: str, dry_run: bool, prolog_dir: str | None, epilog_dir: st
               help="loop mode: seconds between checks (metadata notices wake it at once)")
 @click.pass_obj
 def expiry_watch(state: State, once: bool, node: str | None, interval: float) -> None:
-    """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs."""
+    """Learn the VM's termination time, drain ahead of it, trigger the flush of running jobs (--once: exit 1
+    when the time cannot be learned for a lasting reason, e.g. HTTP 403)."""
     from .commands.expiry import run_expiry_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)

@@ -6,8 +6,12 @@ read). Exit 0: every line ok or skipped; 1: a check failed; 2: the config file n
 --config/$SLURMAGENT_CONFIG is missing or invalid; 3: the metadata server, the Compute API or
 the bucket gave no answer (3 wins over 1).
 
-Local checks (config, slurm.conf, NVML, state dir) run first. The external ones (metadata
-server, Compute permission, bucket, clock, what Slurm 25.11+ does for it: `slurm/features.py`) then run side by side in daemon threads with
+Exit 3 also when slurmctld does not answer (`doctor_checks.controller_results`).
+
+Local checks (config, slurm.conf found as the hooks find it, NVML, state dir, metrics file) run
+first. The external ones (metadata server, Compute permission, bucket, clock, the job channel,
+the controller and what Slurm 25.11+ does for it, the systemd units: `doctor_checks.py`) then run
+side by side in daemon threads with
 one shared deadline: every request has its own timeout, and a check that still has not
 answered at the deadline is a failed line ("no answer within N s"), so one hung endpoint
 neither hides the other lines nor holds the command past `EXTERNAL_DEADLINE_S`.
@@ -23,7 +27,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -36,11 +39,12 @@ from ..gcp import metadata
 from ..gcp import permissions
 from ..gcp.compute import Compute, ComputeError
 from ..gcp.metadata import parse_created_by
-from .health import expected, read_snapshot
 from ..state.host import node_name
-from ..slurm import env as slurm_env
-from ..slurm.commands import Slurm, conf_value, read_conf_lines, run_argv, slurm_conf_path, valid_node_name
-from ..slurm.features import SlurmFeatures, controller_address, doctor_line
+from ..slurm.commands import CONF_SEARCH, conf_value, read_conf_lines, valid_node_name
+from ..state import metrics
+from . import health
+from .doctor_checks import (SLURM_CONTROLLER, SLURM_FEATURES, Result, controller_results, find_slurm_conf,
+                            metrics_file_result, one_line as _one_line, skip as _skip, unit_results)
 from ..slurm.hookfiles import Verdict, conf_values, healthcheck_verdict, hook_verdict
 
 METADATA_TIMEOUT_S = 2.0  # one metadata request (capped by [expiry] metadata_timeout_s)
@@ -54,28 +58,6 @@ FIX_ROLE = "roles/compute.instanceAdmin.v1 has every one repair and expiry-watch
 FIX_COMPUTE = "check [gcp] compute_endpoint and the network path to the Compute API"
 FIX_BUCKET_IAM = "grant this VM's service account roles/storage.objectUser on the bucket"
 FIX_CLOCK = "enable NTP (chrony/systemd-timesyncd; on GCE: server metadata.google.internal)"
-SLURM_FEATURES = "slurm 25.11+ features"
-FIX_SLURM_METRICS = ("let this host reach SlurmctldPort (the endpoint answers there), or drop MetricsType; "
-                     "see docs/admin/observability.md")
-
-
-@dataclass(frozen=True)
-class Result:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    skipped: bool = False  # not applicable here (e.g. no bucket configured): never a failure
-    config_error: bool = False  # the config file itself is missing or invalid: exit 2
-    unreachable: bool = False  # what it checks gave no answer (network, timeout, 5xx): exit 3
-
-    def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "ok": self.ok, "status": self.mark.lower(), "detail": self.detail,
-                "fix": self.fix if not self.ok else ""}
-
-    @property
-    def mark(self) -> str:
-        return "skip" if self.skipped else ("ok" if self.ok else "FAIL")
 
 
 def exit_code(results: list[Result]) -> int:
@@ -94,21 +76,14 @@ def as_json(results: list[Result]) -> dict[str, object]:
     return {"ok": code == EXIT_OK, "exit_code": code, "version": version(), "checks": [r.to_dict() for r in results]}
 
 
-def _skip(name: str, detail: str) -> Result:
-    return Result(name, True, detail, skipped=True)
-
-
-def _one_line(text: object, limit: int = 300) -> str:
-    lines = str(text).strip().splitlines()
-    line = lines[0] if lines else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def slurm_conf_results(conf: Path) -> list[Result]:
-    """The slurm.conf lines slurmagent's hooks rely on (see hooks/slurm.conf.example)."""
-    lines = read_conf_lines(conf)
+def slurm_conf_results(conf: Path | None, tried: list[Path] | None = None) -> list[Result]:
+    """The slurm.conf lines slurmagent's hooks rely on (see hooks/slurm.conf.example); `conf`:
+    the one found (`doctor_checks.find_slurm_conf`), None when none of `tried` is readable."""
+    lines = read_conf_lines(conf) if conf is not None else []
     if not lines:
-        return [Result("slurm.conf", False, f"cannot read {conf}", "set SLURM_CONF or [slurm] conf")]
+        where = ", ".join(str(p) for p in tried) if tried else str(conf)
+        return [Result("slurm.conf", False, f"cannot read a slurm.conf (tried {where})",
+                       "set [slurm] conf (or SLURM_CONF) to the slurm.conf slurmd reads")]
     out = [_from_verdict(f"slurm.conf {key}", hook_verdict(key, conf_values(lines, key), conf.parent))
            for key in ("Prolog", "Epilog")]
     out.append(_from_verdict("slurm.conf HealthCheckProgram",
@@ -130,13 +105,26 @@ def _from_verdict(name: str, v: Verdict) -> Result:
     return Result(name, v.ok, v.detail, v.fix, skipped=v.skipped)
 
 
-def missing_slurm_conf_lines(conf: Path) -> list[str]:
-    """What `install` says slurm.conf still needs."""
-    return [f"{r.name}: {r.fix}" for r in slurm_conf_results(conf) if not r.ok and r.fix]
+def missing_slurm_conf_lines(conf: Path | None, tried: list[Path] | None = None) -> list[str]:
+    """What `install` says slurm.conf still needs (the slurm.conf found as doctor finds it)."""
+    return [f"{r.name}: {r.fix}" for r in slurm_conf_results(conf, tried) if not r.ok and r.fix]
+
+
+def install_still_needs(root: Path) -> tuple[str, list[str]]:
+    """`install`'s "slurm.conf (WHERE) still needs" lines, from the slurm.conf found as the
+    hooks find it (the configless cache included), under `root` when it is not /."""
+    if root == Path("/"):
+        src = health.SOURCES
+        conf, tried = find_slurm_conf("", os.environ if src.env is None else src.env, src.conf_search)
+    else:
+        conf, tried = find_slurm_conf("", {}, tuple(root / str(p).lstrip("/") for p in CONF_SEARCH))
+    return (str(conf) if conf else " or ".join(str(p) for p in tried)), missing_slurm_conf_lines(conf, tried)
 
 
 def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.time,
                external_deadline_s: float = EXTERNAL_DEADLINE_S) -> list[Result]:
+    """Every line, local checks first. slurm.conf is searched as the hooks search it
+    (`health.SOURCES.conf_search`: the configless cache included)."""
     results: list[Result] = [Result("version", True, f"slurmagent {version()}")]  # which one runs on this node
     path, required = config_mod.config_path(config_path)
     try:
@@ -154,24 +142,27 @@ def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.tim
             cfg = config_mod.load(config_path)
         except SlurmagentError:
             cfg = config_mod.Config()
-    results.extend(slurm_conf_results(slurm_conf_path(cfg.slurm.conf)))
+    src = health.SOURCES
+    conf, tried = find_slurm_conf(cfg.slurm.conf, os.environ if src.env is None else src.env, src.conf_search)
+    results.extend(slurm_conf_results(conf, tried))
     node = node_name()
     if not valid_node_name(node):  # it names state paths
         node = node_name(None, {})  # the host name
     results.append(_gpu_result(cfg, node))
     results.append(_state_dir_result(cfg.state_path(node)))
-    results.extend(external_results(cfg, clock=clock, deadline_s=external_deadline_s))
+    results.extend(external_results(cfg, clock=clock, deadline_s=external_deadline_s, conf=conf,
+                                    textfile=metrics.for_node(cfg, node).textfile))
     return results
 
 
 def _gpu_result(cfg: config_mod.Config, node: str) -> Result:
     try:
-        snap = read_snapshot(cfg, node)
+        snap = health.read_snapshot(cfg, node)
     except SlurmagentError as exc:
         return Result("GPUs", False, str(exc), "check the NVIDIA driver (nvidia-smi) or [health] snapshot")
     if snap.nvml_error:
         return Result("GPUs", False, f"NVML cannot start: {snap.nvml_error}", "install/load the NVIDIA driver")
-    exp = expected(cfg, node)
+    exp = health.expected(cfg, node)
     if exp.count is None:  # the gpu-count rule would be off: a missing GPU would pass as healthy
         return Result("GPUs", False, f"{len(snap.gpus)} GPU(s) seen, expected count unknown: tried "
                       + "; ".join(exp.tried),
@@ -212,7 +203,8 @@ def _state_dir_result(state_dir: Path) -> Result:
 
 
 def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = time.time,
-                     deadline_s: float = EXTERNAL_DEADLINE_S) -> list[Result]:
+                     deadline_s: float = EXTERNAL_DEADLINE_S, conf: Path | None = None,
+                     textfile: Path | None = None) -> list[Result]:
     md_timeout = max(0.1, min(float(cfg.expiry.metadata_timeout_s) or METADATA_TIMEOUT_S, METADATA_TIMEOUT_S))
     checks: list[tuple[str, str, Callable[[], Result]]] = [
         ("metadata server", FIX_METADATA, lambda: _metadata_result(cfg, md_timeout)),
@@ -222,12 +214,23 @@ def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = tim
         ("clock", FIX_CLOCK, lambda: _clock_result(cfg, md_timeout, clock)),
         ("job channel", "systemctl restart slurmagent-watch (journalctl -u slurmagent-watch says why)",
          lambda: _channel_result(cfg)),
-        (SLURM_FEATURES, FIX_SLURM_METRICS, lambda: _slurm_features_result(cfg)),
+        (SLURM_CONTROLLER, "check slurmctld and the network path to it (scontrol ping)",
+         lambda: controller_results(cfg.slurm.scontrol, float(cfg.slurm.timeout_s), conf)),
+        ("slurmagent-watch", "check systemd (systemctl status slurmagent-watch)", unit_results),
     ]
+    if textfile is not None:  # its modes, then node_exporter's own word where it answers on this host
+        checks.append(("metrics file", "see docs/admin/observability.md", lambda: metrics_file_result(textfile)))
     rows = run_bounded(checks, deadline_s)
     i = next(i for i, r in enumerate(rows) if r.name == "compute API")
     if not rows[i + 1].name.startswith("permission "):  # the check hung: the same lines, every time
         rows[i + 1:i + 1] = _permission_skips("not checked: the Compute API did not answer in time")
+    for head, follower, line in ((SLURM_CONTROLLER, SLURM_FEATURES, _skip(SLURM_FEATURES, "not asked: the controller "
+                                                                                       "did not answer in time")),
+                                 ("slurmagent-watch", "expiry timer", Result("expiry timer", False, "systemctl did not "
+                                                                             "answer in time", "systemctl status"))):
+        i = next(i for i, r in enumerate(rows) if r.name == head)
+        if i + 1 >= len(rows) or rows[i + 1].name != follower:
+            rows.insert(i + 1, line)
     return rows
 
 
@@ -269,41 +272,6 @@ def _channel_result(cfg: config_mod.Config) -> Result:
         return _skip("job channel", detail)
     return Result("job channel", state == "ok", detail,
                   "systemctl restart slurmagent-watch (journalctl -u slurmagent-watch says why)")
-
-
-def _slurm_features_result(cfg: config_mod.Config) -> Result:
-    """What Slurm 25.11+ does for slurmagent (slurm/features.py): one `scontrol show config`, then
-    one GET of slurmctld's metrics index when it is configured."""
-    s = cfg.slurm
-    try:
-        conf = Slurm(s.scontrol, s.timeout_s, runner=_runner_with_conf(s.conf)).show_config(CALL_TIMEOUT_S)
-    except SlurmagentError as exc:
-        return _skip(SLURM_FEATURES, _one_line(f"cannot read the controller's config: {exc}"))
-    features = SlurmFeatures.from_config(conf)
-    url = f"http://{controller_address(conf)}:{features.ctld_port}/metrics"
-    answer = _get_fails(url, CALL_TIMEOUT_S) if features.openmetrics and features.ctld_port else None
-    ok, detail, skipped = doctor_line(features, url, answer)
-    return Result(SLURM_FEATURES, ok, _one_line(detail), "" if ok else FIX_SLURM_METRICS, skipped=skipped)
-
-
-def _runner_with_conf(conf: str):
-    """run_argv with `[slurm] conf` as SLURM_CONF unless one is set, as Slurm.from_config does,
-    without changing this process's environment (doctor runs inside tests too)."""
-    env = dict(os.environ)
-    if conf:
-        env.setdefault(slurm_env.CONF, conf)
-    return lambda argv, timeout: run_argv(argv, timeout, env=env)
-
-
-def _get_fails(url: str, timeout_s: float) -> str | None:
-    """None when `GET url` answers (any status but a 5xx: 401/403 is a restricted endpoint), else why not."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError as exc:
-        return None if exc.code < 500 else f"HTTP {exc.code}"
-    except (OSError, ValueError) as exc:
-        return str(getattr(exc, "reason", exc))
 
 
 def _metadata_result(cfg: config_mod.Config, timeout_s: float) -> Result:

@@ -49,6 +49,10 @@
    `--once` keeps there what it said of its errors (`said_errors`): a lasting error is said
    once, again when it changes or after an hour, and its end in one line.
 
+When the time cannot be learned for a reason that will not pass by itself (HTTP 401/403, no
+such instance, another 4xx, a malformed answer 3 times in a row: `expiry_policy.read_failure_streak`)
+protection is off: `--once` exits 1, logs a WARNING line and counts `READ_FAILURES_METRIC`.
+
 The decision of each check is pure (`expiry_policy.decide_expiry`); this module reads what it
 needs, asks it, and carries out its steps. The prolog guard that keeps a job which would
 outlive the VM off the node lives with the hooks (`hooks.prolog_guard`) and reads the same
@@ -75,7 +79,7 @@ from ..state import expiry_state, metrics
 from ..policy import expiry as expiry_policy
 from ..state.config import Config
 from ..state.decisionlog import DecisionLog, path_for as decision_log_path
-from ..errors import ExpiryError, SlurmagentError
+from ..errors import EXIT_OK, EXIT_PROBLEMS, ExpiryError, SlurmagentError
 from ..gcp.events import EventWatcher, Events, probe_events
 from ..state.host import boot_id as current_boot_id
 from ..slurm.commands import Slurm
@@ -84,6 +88,9 @@ from ..core.timefmt import fmt_time, from_epoch, human, parse_time
 SchedulingReader = Callable[[Config, str], Any]  # (cfg, node) -> gcp.compute.SchedulingInfo
 FLUSH_SIGNAL = "USR1"
 LOOP_WAIT_MIN_S, LOOP_WAIT_MAX_S = 5.0, 60.0  # the loop's metadata long poll, from its interval
+READ_FAILURES_METRIC = "slurmagent_expiry_read_failures_total"  # the alert that protection is off counts it
+FIX_PERMISSION = (" (grant this VM's service account compute.instances.get, or set [expiry] compute_api = false "
+                  "to learn the time from the metadata server's notices alone)")
 
 
 def read_scheduling(cfg: Config, node: str) -> Any:
@@ -105,6 +112,8 @@ class CheckResult:
     next_check_s: float | None = None  # when the next threshold is crossed (loop mode)
     to_say: list[str] | None = None  # --once: the error lines this run says (None: say every error)
     jobs: list[str] = field(default_factory=list)  # the jobs this run flushed, requeued or left: `report` joins by id
+    read_failure: str | None = None  # the Compute API was asked: "" it answered, else why not (policy.read_failure_reason)
+    protection_off: str | None = None  # the termination time cannot be learned for this lasting reason
 
     def summary(self) -> str:
         if self.termination is None:
@@ -157,12 +166,19 @@ class ExpiryWatch:
             same_boot = old if old.get("boot_id") == self.boot_id else {}
             changed = events is not None and not events.error and \
                 events.maintenance != same_boot.get("last_maintenance_event", "NONE")
-            api = self._api(now, _usable_cache(same_boot.get("api")), res, metadata_down, changed)
+            if ex.compute_api:  # false: the metadata server's notices alone, no Compute permission needed
+                api = self._api(now, _usable_cache(same_boot.get("api")), res, metadata_down, changed)
         d = expiry_policy.decide_expiry(
             now=now, node=self.node, boot_id=self.boot_id, old=old, override=override, api=api, events=events,
             lookup_failed=bool(res.errors), drain_lead_s=float(ex.drain_lead_s), flush_lead_s=float(ex.flush_lead_s),
             max_time_s=self._max_time_s if ex.drain_at_max_time else None)
         res.actions.extend(d.notes)
+        if api is not None or res.read_failure is not None:
+            streak = old.get(expiry_policy.READ_FAILURES_KEY) if old.get("boot_id") == self.boot_id else None
+            if res.read_failure is not None:
+                streak, res.protection_off = expiry_policy.read_failure_streak(streak, res.read_failure or None, now)
+            if streak:
+                d.state[expiry_policy.READ_FAILURES_KEY] = streak
         res.termination, res.source, res.remaining_s, res.next_check_s = d.termination, d.source, d.remaining_s, d.next_check_s
         state = d.state
         if d.release and self._release(old, res, d.release):
@@ -191,7 +207,8 @@ class ExpiryWatch:
         when it is not: an alert then counts down only real deadlines)."""
         name = "slurmagent_termination_timestamp_seconds"
         when = {(name, (("source", res.source or "unknown"),)): res.termination.timestamp()} if res.termination else {}
-        metrics.for_node(self.cfg, self.node).update(set_=when, replace_prefix=name, component="expiry")
+        off = {(READ_FAILURES_METRIC, (("reason", res.protection_off),)): 1} if res.protection_off else None
+        metrics.for_node(self.cfg, self.node).update(set_=when, add=off, replace_prefix=name, component="expiry")
 
     def _api(self, now: float, cached: dict[str, Any] | None, res: CheckResult, metadata_down: str,
              event_changed: bool = False) -> dict[str, Any] | None:
@@ -209,9 +226,13 @@ class ExpiryWatch:
         try:
             info = self.read_scheduling(self.cfg, self.node)
         except SlurmagentError as exc:
-            res.errors.append(f"cannot read the termination time from the Compute API: {exc}"
+            res.read_failure = expiry_policy.read_failure_reason(
+                getattr(exc, "status", None), bool(getattr(exc, "answered", False)), str(exc))
+            hint = FIX_PERMISSION if res.read_failure == "permission" else ""
+            res.errors.append(f"cannot read the termination time from the Compute API: {exc}{hint}"
                               + ("; using the cached answer" if cached else ""))
             return cached
+        res.read_failure = ""
         return {"checked_at": fmt_time(from_epoch(now)), "checked_at_epoch": now, "scheduling": info.to_dict()}
 
     def _max_time_s(self) -> float:
@@ -383,7 +404,8 @@ def _log(cfg: Config, node: str, res: CheckResult, mode: str) -> None:
         termination_time=fmt_time(res.termination) if res.termination else None, source=res.source or None,
         remaining_s=round(res.remaining_s) if res.remaining_s is not None else None,
         action="; ".join(res.actions) or "none", errors=res.errors or None, said=res.to_say or None,
-        jobs=res.jobs or None)
+        jobs=res.jobs or None, protection_off=res.protection_off,
+        severity="WARNING" if res.protection_off else None)
 
 
 def _internal(exc: Exception) -> str:
@@ -393,10 +415,13 @@ def _internal(exc: Exception) -> str:
 def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: float = 30.0,
                      out: TextIO | None = None, err: TextIO | None = None, slurm: Slurm | None = None,
                      stop: threading.Event | None = None,
-                     machine_type_reader: Callable[[float], str] = read_machine_type) -> int:
-    """`slurmagent expiry-watch [--once]`: exit 0 (errors are logged, the timer runs again)."""
+                     machine_type_reader: Callable[[float], str] = read_machine_type,
+                     scheduling_reader: SchedulingReader = read_scheduling) -> int:
+    """`slurmagent expiry-watch [--once]`: exit 0 (errors are logged, the timer runs again);
+    `--once` exits 1 when the termination time cannot be learned for a lasting reason
+    (`CheckResult.protection_off`): the timer's unit fails and the counter goes up."""
     out, err = out or sys.stdout, err or sys.stderr
-    watch = ExpiryWatch(cfg, node, slurm)
+    watch = ExpiryWatch(cfg, node, slurm, scheduling_reader=scheduling_reader)
     timeout = float(cfg.expiry.metadata_timeout_s)
     said: set[str] = set()
     said_machine_type = [""]
@@ -420,7 +445,7 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
         if res.to_say is not None:  # --once: the state file remembers what was said
             for line in res.to_say:
                 print(f"slurmagent expiry-watch: {node}: {line}", file=err, flush=True)
-            if res.actions or res.to_say:
+            if res.actions or res.to_say:  # protection off: WARNING, when said (at first, on a change, hourly)
                 _log(cfg, node, res, "once")
             return
         for e in res.errors:
@@ -432,17 +457,20 @@ def run_expiry_watch(cfg: Config, node: str, *, once: bool = False, interval_s: 
         said.update(res.errors)
 
     if once:
+        code = EXIT_OK
         try:
             events = probe_events(timeout)
             try:
-                report(watch.check(events, remember_said=True))
+                res = watch.check(events, remember_said=True)
+                report(res)
+                code = EXIT_PROBLEMS if res.protection_off else EXIT_OK
             finally:  # after the check: its drain and flush never wait on this
                 machine_type_note(events.error)
         except SlurmagentError as exc:
             print(f"slurmagent expiry-watch: {node}: {exc}", file=err, flush=True)
         except Exception as exc:  # noqa: BLE001 - a bad value from outside must not end the timer's unit in a traceback
             print(f"slurmagent expiry-watch: {node}: {_internal(exc)}", file=err, flush=True)
-        return 0
+        return code
 
     stop = stop or threading.Event()
     wake = threading.Event()

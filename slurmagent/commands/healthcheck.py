@@ -3,8 +3,9 @@
 slurmd runs it every HealthCheckInterval seconds (as root, with SLURMD_NODENAME set). It
 runs the same checks as the Prolog and drains the node on failure; it never resumes a node
 (resuming is `resume-if-healthy` and repair's business). When a Prolog/Epilog decision for
-this node was logged within the last `skip_recent_s` seconds the node was just checked:
-it exits 0 at once, without touching NVML.
+this node was logged within the last `skip_recent_s` seconds and found it healthy, the node
+was just checked: it exits 0 at once, without touching NVML. After an unhealthy verdict
+(of any check, the watch's too) it checks again: an admin may have resumed the node at once.
 
 When the verdict leaves a GPU unusable under a running job (``eviction_policy.evicts_jobs``: GPU lost or
 missing, NVML down, an XID asking for a GPU reset or a node reboot) and our drain stands, the
@@ -49,7 +50,9 @@ def skip_recent_s(cfg: Config) -> float:
 
 
 def recent_decision(log_path: Path, node: str, within_s: float, now: float | None = None) -> dict | None:
-    """The newest conclusive prolog/epilog decision for `node` logged within `within_s`, if any.
+    """The newest healthy prolog/epilog decision for `node` logged within `within_s`, if any and
+    if no unhealthy verdict for the node came after it (a node resumed by an admin right after
+    an unhealthy verdict is checked again, not skipped).
 
     Reads only the file's tail, and nothing at all when the file is older than the window."""
     if within_s <= 0:
@@ -83,8 +86,11 @@ def recent_decision(log_path: Path, node: str, within_s: float, now: float | Non
             continue
         if now - when > within_s:
             return None  # lines are in time order: nothing newer further up
-        if (record.get("event") in RECENT_EVENTS and record.get("node") == node
-                and record.get("verdict") in CONCLUSIVE):
+        if record.get("node") != node:
+            continue
+        if record.get("verdict") == "unhealthy":
+            return None  # the newest verdict is a fault: the next check must look
+        if record.get("event") in RECENT_EVENTS and record.get("verdict") in CONCLUSIVE:
             return record
     return None
 

@@ -190,3 +190,43 @@ def decide_expiry(*, now: float, node: str, boot_id: str, old: dict[str, Any], o
     ahead = [remaining - x for x in (drain_at, flush_lead_s) if remaining - x > 0]
     d.next_check_s = min(ahead) if ahead else None
     return d
+
+
+# --- when the termination time cannot be learned: passing or lasting --------------------------
+
+READ_FAILURES_KEY = "api_read_failures"  # the state file's record of the reads that failed in a row
+MALFORMED_LASTING_AFTER = 3  # malformed answers in a row before expiry protection counts as off
+LASTING_AT_ONCE = ("permission", "not-found", "refused")  # asking again will not help
+
+
+def read_failure_reason(status: int | None, answered: bool, message: str) -> str:
+    """Why the Compute API read failed, from the error's HTTP status, whether a reply came, and
+    its words: `permission` (401/403), `not-found` (no instance named like the node), `refused`
+    (another 4xx), `malformed` (a reply that could not be used), else `unavailable` (network,
+    timeout, 429/5xx after the retries: it passes by itself)."""
+    if status in (401, 403):
+        return "permission"
+    if status == 404 or "no instance" in message:
+        return "not-found"
+    if status is not None and 400 <= status < 500 and status not in (408, 429):
+        return "refused"
+    if answered or "not a usable time" in message:
+        return "malformed"
+    return "unavailable"
+
+
+def read_failure_streak(old: Any, reason: str | None, now: float) -> tuple[dict[str, Any] | None, str | None]:
+    """(the record to keep, the reason when expiry protection is off) after one read: a success
+    (reason None) clears the record; a passing failure keeps it as it was (it neither confirms
+    nor ends a row); a lasting one counts in a row with the same reason. Off: a permission,
+    not-found or refused answer at once, a malformed answer MALFORMED_LASTING_AFTER times in a row."""
+    if reason is None:
+        return None, None
+    prev = old if isinstance(old, dict) else {}
+    if reason == "unavailable":
+        return (prev or None), None
+    count = int(prev.get("count", 0)) + 1 if prev.get("reason") == reason else 1
+    since = prev.get("since") if prev.get("reason") == reason and prev.get("since") else fmt_time(from_epoch(now))
+    record = {"reason": reason, "count": count, "since": since}
+    lasting = reason in LASTING_AT_ONCE or count >= MALFORMED_LASTING_AFTER
+    return record, (reason if lasting else None)

@@ -54,7 +54,8 @@ class HealthConfig:
     )
     ecc_corrected_warn: int = _key(Limits.ecc_corrected_warn, "warn when volatile corrected ECC errors reach this", low=1, high=10**12)
     healthcheck_skip_s: float = _key(
-        120.0, "`healthcheck` exits 0 at once when a prolog/epilog decision was logged this recently (0 = always check)"
+        120.0, "`healthcheck` exits 0 at once when a healthy prolog/epilog decision was logged this recently and no "
+        "unhealthy verdict since (0 = always check)"
     , low=0, high=86400)
 
 
@@ -232,6 +233,10 @@ class ExpiryConfig:
         low=1, high=604800,
     )
     api_timeout_s: float = _key(20.0, "deadline of the Compute API read (retries included)", low=0.1, high=600)
+    compute_api: bool = _key(
+        True, "learn the termination time from the Compute API (`instances.get`); false: from the metadata server's "
+        "maintenance and preemption notices alone, for VMs without Compute permission by design (a flex-start or "
+        "max-run-duration end is then not seen)")
     metadata_timeout_s: float = _key(
         2.0, "deadline of one metadata server read (a long poll waits this much longer)",
         low=0.1, high=600,

@@ -57,6 +57,9 @@ HELP = {
     "slurmagent_termination_timestamp_seconds": (
         "gauge", "Unix time at which this VM will be stopped or deleted (flex-start/spot expiry, maintenance, "
         "preemption), by source; absent when none is known"),
+    "slurmagent_expiry_read_failures_total": (
+        "counter", "expiry-watch runs that could not learn the termination time for a reason that will not pass by "
+        "itself, by reason (permission, not-found, refused, malformed: 3 in a row): expiry protection is off"),
     "slurmagent_journal_pending": (
         "gauge", "journaled actions (drain, requeue, repair...) not carried out yet: Slurm or the Compute API "
         "did not take them; retried on the next run"),

@@ -21,6 +21,7 @@ import pytest
 
 from support import REPO, healthy_snapshot_dict, hook_shim, write_json
 from support.fake_gcp import FakeGcp
+from support.fake_systemd import SHOW_CONFIG_2411, FakeSystemd, fake_scontrol
 from slurmagent.commands.doctor import EXTERNAL_DEADLINE_S
 
 # A doctor run: the interpreter's start and the local checks, then the external checks side by
@@ -35,7 +36,8 @@ NAMES = ["version", "config", "slurm.conf Prolog", "slurm.conf Epilog", "slurm.c
          "metadata server", "compute API", "permission compute.instances.get",
          "permission compute.instances.reportHostAsFaulty", "permission compute.instances.list",
          "permission compute.instanceGroupManagers.update", "permission compute.zoneOperations.get",
-         "permission compute.regionOperations.get", "checkpoint bucket", "clock", "job channel", "slurm 25.11+ features"]
+         "permission compute.regionOperations.get", "checkpoint bucket", "clock", "job channel", "slurm controller", "slurm 25.11+ features",
+         "slurmagent-watch", "expiry timer", "metrics file"]
 PERMISSIONS = [n for n in NAMES if n.startswith("permission ")]
 GOOD_SLURM_CONF = ("Prolog={hooks}/prolog\nEpilog={hooks}/epilog\nPrologFlags=Alloc\n"
                    "SchedulerParameters=nohold_on_prolog_fail,bf_interval=2\nPrologEpilogTimeout=120\n"
@@ -43,11 +45,13 @@ GOOD_SLURM_CONF = ("Prolog={hooks}/prolog\nEpilog={hooks}/epilog\nPrologFlags=Al
 
 
 @pytest.fixture
-def gcp(serve_metadata, monkeypatch):
+def gcp(serve_metadata, monkeypatch, tmp_path):
     fake = serve_metadata(FakeGcp())
     fake.add_instance("n1", ZONE, mig="mig-a")
     fake.set_identity("n1", ZONE, created_by=fake.mig_path("mig-a", zone=ZONE))
     monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    systemd = FakeSystemd(tmp_path / "fake-bin")
+    monkeypatch.setenv("PATH", f"{systemd.dir}:{os.environ['PATH']}")  # the units' states: a healthy node
     return fake
 
 
@@ -70,10 +74,11 @@ def make_config(tmp_path: Path, *, compute_endpoint: str, remote: str = "gs://ck
         hook_shim(d / "hooks" / hook, hook, d / "config.toml")
     (d / "slurm.conf").write_text(slurm_conf.replace("{hooks}", str(d / "hooks")))
     write_json(d / "n1.json", healthy_snapshot_dict(hostname="n1"))
+    fake_scontrol(d / "scontrol", SHOW_CONFIG_2411)  # a controller that answers (the cluster tests ask a real one)
     cfg = d / "config.toml"
     cfg.write_text(f'state_dir = "{tmp_path}/state/%n"\n'
                    f'[health]\nsnapshot = "{d}/n1.json"\nexpected_gpus = 8\n'
-                   f'[slurm]\nconf = "{d}/slurm.conf"\n'
+                   f'[slurm]\nconf = "{d}/slurm.conf"\nscontrol = "{d}/scontrol"\n'
                    f'[gcp]\ncompute_endpoint = "{compute_endpoint}"\n{gcp_extra}'
                    f'[checkpoint]\nremote = "{remote}"\n[watch]\nchannel_socket = "{tmp_path}/run/%n/channel.sock"\n')
     cfg.chmod(0o644)
@@ -119,10 +124,15 @@ def test_all_checks_pass_and_nothing_is_written(gcp, emu, tmp_path, capsys):
     not_set = "slurm.conf HealthCheckProgram"
     assert rows.pop("job channel")[:2] == ("skip", f"no channel at {tmp_path}/run/n1/channel.sock (slurmagent-watch "
                                                    "is not running on this node)")
-    slurm_new = rows.pop("slurm 25.11+ features")  # ok on Slurm >= 25.11, skip on older or without a controller
-    assert slurm_new[0] in ("ok", "skip"), out
+    assert rows.pop("slurm 25.11+ features")[:2] == ("skip", "Slurm 24.11.1: none (the expedited requeue and the "
+                                                              "metrics endpoint came in 25.11)"), out
+    assert rows.pop("metrics file")[:2] == ("skip", f"{tmp_path}/state/n1 does not exist yet: the first check "
+                                                    "writes slurmagent.prom there"), out  # doctor creates nothing
     assert {name: mark for name, (mark, _, _) in rows.items()} == {
-        name: "skip" if name in (regional_ops, not_set) else "ok" for name in NAMES[:-1] if name != "job channel"}, out
+        name: "skip" if name in (regional_ops, not_set) else "ok" for name in NAMES
+        if name not in ("job channel", "slurm 25.11+ features", "metrics file")}, out
+    assert rows["slurm controller"][1] == "slurmctld 127.0.0.1 answers (Slurm 24.11.1)"
+    assert rows["slurmagent-watch"][1] == "enabled, active (running)"
     assert rows[regional_ops][1] == "not needed: the MIG is zonal"
     assert "project test-proj, zone us-central1-a, instance n1" in rows["metadata server"][1]
     assert "instances.get test-proj/us-central1-a/n1: in MIG projects/123456789/zones/us-central1-a/" \

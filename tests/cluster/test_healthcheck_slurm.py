@@ -140,3 +140,25 @@ def test_slurmd_health_check_program_drains_a_node_gone_bad(slurm_env, tmp_path)
         assert "DRAIN" not in cluster.node("h2")["State"]
     finally:
         cluster.stop()
+
+
+@pytest.mark.slurm
+def test_a_node_resumed_right_after_an_unhealthy_prolog_is_checked_and_drained_again(slurm):
+    """The prolog drained n1; an admin resumed it at once. The next health check, inside the
+    skip window of that prolog, does not skip: it sees the fault and drains n1 again."""
+    c = slurm.cluster
+    slurm.set_snapshot("n1", xid_snapshot_dict(79, gpu=2))
+    job = c.sbatch("-w", "n1", "-o", "/dev/null", "--wrap", "true")
+    try:
+        wait_for(lambda: "DRAIN" in c.node("n1")["State"], 30, "the prolog to drain n1")
+        assert any(d["event"] == "prolog" and d["verdict"] == "unhealthy" for d in slurm.decisions("n1"))
+        c.run(["scancel", job])
+        c.resume("n1")  # the admin's resume, seconds after the verdict
+        assert "DRAIN" not in c.node("n1")["State"]
+        proc, _ = run_healthcheck(slurm, "n1")  # the default window: the prolog's line is within it
+        assert proc.returncode == 1, proc.stderr
+        assert "DRAIN" in c.node("n1")["State"] and c.node("n1")["Reason"].startswith("slurmagent: xid 79 on gpu 2")
+    finally:
+        c.run(["scancel", job], check=False)
+        slurm.set_snapshot("n1", healthy_snapshot_dict(hostname="n1"))
+        c.resume("n1")

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from slurmagent.commands import health
 from slurmagent.commands.install import HOOK_DIR_NAME, install
 from slurmagent.devtools.localcluster import SLURMD_RUN_DIR, LocalSlurmCluster
 from support import REPO, cluster_config_text, healthy_snapshot_dict, need_slurm, wait_for, write_json
+from support.fake_systemd import FakeSystemd
 
 pytestmark = pytest.mark.slurm
 
@@ -69,6 +71,50 @@ def test_doctor_passes_the_prolog_and_epilog_of_the_toolkit_layout(toolkit):
     assert f"{PROLOG_D}/{HOOK_DIR_NAME} (runs {root}/venv/bin/slurmagent prolog)" in rows["slurm.conf Prolog"]["detail"]
     # the count comes from the gres the controller sent this configless node (its conf cache)
     assert rows["GPUs"]["detail"] == f"8 GPU(s) seen, 8 expected (gres of n1 in {cache})", rows["GPUs"]
+
+
+def _doctor_as_on_the_node(cluster, root, tmp_path, monkeypatch, capsys) -> tuple[int, dict[str, dict]]:
+    """`slurmagent doctor --json` on n1 with no `[slurm] conf` and no SLURM_CONF: slurm.conf is
+    searched as the hooks search it, the configless cache where Slurm keeps it. The cluster keeps
+    that cache in the slurmd's own namespace, so the search is pointed at it (health.SOURCES,
+    what the hooks consult); the rest of the search order is the real one."""
+    from slurmagent.cli import main
+
+    cfg = tmp_path / "doctor.toml"
+    cfg.write_text(cluster_config_text(root, expected_gpus=None)
+                   + '[gcp]\nproject = "p"\nzone = "z"\ncompute_endpoint = "http://127.0.0.1:9"\n')
+    cfg.chmod(0o644)
+    search = (cluster.conf_cache("n1") / "slurm.conf", *[p for p in health.SOURCES.conf_search
+                                                         if "conf-cache" not in str(p) and "/run/" not in str(p)])
+    monkeypatch.setattr(health, "SOURCES", health.CountSources(conf_search=search))
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # no metadata server: [gcp] project/zone say it
+    monkeypatch.setenv("PATH", f"{FakeSystemd(tmp_path / 'bin').dir}:{os.environ['PATH']}")
+    capsys.readouterr()
+    code = main(["--config", str(cfg), "doctor", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    return code, {c["name"]: c for c in doc["checks"]}
+
+
+def test_doctor_finds_the_configless_cache_and_says_when_slurmctld_is_down(toolkit, tmp_path, monkeypatch, capsys):
+    cluster, root = toolkit
+    code, rows = _doctor_as_on_the_node(cluster, root, tmp_path, monkeypatch, capsys)
+    assert "slurm.conf" not in rows, rows.get("slurm.conf")  # read: no "cannot read /etc/slurm/slurm.conf"
+    for name in ("slurm.conf Prolog", "slurm.conf Epilog", "slurm.conf PrologFlags", "slurm.conf nohold_on_prolog_fail"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert rows["slurm controller"]["status"] == "ok" and code != 3, rows["slurm controller"]
+    cluster.stop_ctld()
+    try:
+        code, rows = _doctor_as_on_the_node(cluster, root, tmp_path, monkeypatch, capsys)
+    finally:
+        cluster.restart_ctld()
+    assert code == 3, rows
+    assert rows["slurm controller"]["status"] == "fail", rows["slurm controller"]
+    assert rows["slurm controller"]["detail"].startswith("slurmctld did not answer") or \
+        "no answer within" in rows["slurm controller"]["detail"], rows["slurm controller"]
+    assert "start slurmctld" in rows["slurm controller"]["fix"] or rows["slurm controller"]["fix"]
+    assert rows["slurm.conf Prolog"]["status"] == "ok"  # the cache stays readable without its controller
 
 
 def test_a_configless_node_leaves_no_config_link_on_the_host(toolkit):

@@ -10,7 +10,12 @@ stuck check's 60 s.
 
 from __future__ import annotations
 
+import http.server
+import socket
+import threading
 import time
+
+import pytest
 
 
 def test_external_checks_are_bounded_even_when_one_never_returns():
@@ -145,3 +150,135 @@ def test_health_check_program_is_checked_when_set(tmp_path):
     conf.write_text(base + f"HealthCheckProgram={nhc}\n")
     health = rows(conf)["slurm.conf HealthCheckProgram"]
     assert health.mark == "skip" and "is not slurmagent's" in health.detail
+
+
+# --- what an admin must see running (commands/doctor_checks.py) -------------------------------
+
+
+def test_a_controller_that_does_not_answer_is_exit_3_naming_it(tmp_path):
+    from slurmagent.commands.doctor import exit_code
+    from slurmagent.commands.doctor_checks import controller_results
+    from support.fake_systemd import SHOW_CONFIG_2411, fake_scontrol
+
+    down = controller_results(str(fake_scontrol(tmp_path / "down" / "scontrol", None)), 5, None)
+    assert [(r.name, r.mark) for r in down] == [("slurm controller", "FAIL"), ("slurm 25.11+ features", "skip")]
+    assert "Unable to contact slurm controller" in down[0].detail and "slurmctld" in down[0].fix
+    assert exit_code(down) == 3
+    up = controller_results(str(fake_scontrol(tmp_path / "up" / "scontrol", SHOW_CONFIG_2411)), 5, None)
+    assert [(r.name, r.mark) for r in up] == [("slurm controller", "ok"), ("slurm 25.11+ features", "skip")]
+    assert "Slurm 24.11.1" in up[0].detail and exit_code(up) == 0
+    missing = controller_results(str(tmp_path / "no-scontrol"), 5, None)
+    assert missing[0].mark == "FAIL" and not missing[0].unreachable and exit_code(missing) == 1
+
+
+def test_the_units_states_are_reported_through_systemctl(tmp_path):
+    from slurmagent.commands.doctor_checks import unit_results
+    from support.fake_systemd import FakeSystemd
+
+    fake = FakeSystemd(tmp_path / "bin")
+    exe = str(fake.dir / "systemctl")
+
+    def rows():
+        return {r.name: (r.mark, r.detail, r.fix) for r in unit_results(exe)}
+
+    assert {n: m for n, (m, _, _) in rows().items()} == {"slurmagent-watch": "ok", "expiry timer": "ok"}
+    assert "last run ok" in rows()["expiry timer"][1]
+    fake.update("slurmagent-watch.service", ActiveState="failed", SubState="failed")
+    fake.update("slurmagent-expiry.service", Result="exit-code", ExecMainStatus="1")
+    r = rows()
+    assert r["slurmagent-watch"][0] == "FAIL" and "failed" in r["slurmagent-watch"][1]
+    assert "systemctl enable --now slurmagent-watch" in r["slurmagent-watch"][2]
+    assert r["expiry timer"][0] == "FAIL" and "last run failed (exit-code, exit 1)" in r["expiry timer"][1]
+    assert "compute_api = false" in r["expiry timer"][2]
+    fake.update("slurmagent-watch.service", UnitFileState="disabled")
+    fake.update("slurmagent-expiry.timer", UnitFileState="disabled", ActiveState="inactive")
+    r = rows()
+    assert "will not start at boot" in r["slurmagent-watch"][1]
+    assert r["expiry timer"][0] == "FAIL" and "nothing drains or flushes" in r["expiry timer"][1]
+    fake.remove("slurmagent-watch.service")
+    assert rows()["slurmagent-watch"][:2] == ("FAIL", "slurmagent-watch.service is not installed")
+    fake.down()  # a container: systemd does not run, nothing to judge
+    assert {n: m for n, (m, _, _) in rows().items()} == {"slurmagent-watch": "skip", "expiry timer": "skip"}
+
+
+def _closed_port_url() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))  # bound, never listening: refused at once
+    url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+    s.close()
+    return url
+
+
+def test_the_metrics_file_must_be_readable_by_node_exporter(tmp_path):
+    from slurmagent.commands.doctor_checks import metrics_file_result
+
+    none = _closed_port_url()
+    d = tmp_path / "state"
+    assert metrics_file_result(d / "slurmagent.prom", none).mark == "skip"  # not written yet
+    d.mkdir(mode=0o700)
+    d.chmod(0o700)
+    r = metrics_file_result(d / "slurmagent.prom", none)
+    assert r.mark == "FAIL" and "cannot list" in r.detail and f"chmod o+rx {d}" in r.fix
+    d.chmod(0o755)
+    (d / "slurmagent.prom").write_text("x 1\n")
+    (d / "slurmagent.prom").chmod(0o600)
+    assert metrics_file_result(d / "slurmagent.prom", none).mark == "FAIL"
+    (d / "slurmagent.prom").chmod(0o644)
+    r = metrics_file_result(d / "slurmagent.prom", none)
+    assert r.mark == "ok" and "no node_exporter answers" in r.detail
+
+
+@pytest.mark.parametrize("exposition, mark, words", [
+    ('node_textfile_scrape_error 0\nnode_textfile_mtime_seconds{file="{f}"} 1.7e9\n', "ok", "reads"),
+    ('node_textfile_scrape_error 1\nnode_textfile_mtime_seconds{file="{f}"} 1.7e9\n', "FAIL", "scrape_error 1"),
+    ('node_textfile_scrape_error 0\nnode_textfile_mtime_seconds{file="/other/x.prom"} 1.7e9\n', "FAIL",
+     "does not read"),
+    ("node_cpu_seconds_total 1\n", "FAIL", "no textfile collector"),
+])
+def test_node_exporter_says_whether_it_reads_the_file(tmp_path, exposition, mark, words):
+    """Where node_exporter answers on this host, its own metrics judge the file (a fake exporter here)."""
+    from slurmagent.commands.doctor_checks import metrics_file_result
+
+    d = tmp_path / "state"
+    d.mkdir()
+    d.chmod(0o755)
+    (d / "slurmagent.prom").write_text("x 1\n")
+    (d / "slurmagent.prom").chmod(0o644)
+    body = exposition.replace("{f}", str(d / "slurmagent.prom")).encode()
+
+    class Exporter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exporter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = metrics_file_result(d / "slurmagent.prom", f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.mark == mark and words in r.detail, r
+
+
+def test_slurm_conf_is_found_as_the_hooks_find_it_configless_cache_included(tmp_path):
+    """A configless node: no /etc/slurm/slurm.conf, no [slurm] conf; the cache slurmd keeps is read."""
+    from slurmagent.commands.doctor import install_still_needs, slurm_conf_results
+    from slurmagent.commands.doctor_checks import find_slurm_conf
+
+    search = (tmp_path / "run/slurm/conf/slurm.conf", tmp_path / "var/spool/slurmd/conf-cache/slurm.conf",
+              tmp_path / "etc/slurm/slurm.conf")
+    assert find_slurm_conf("", {}, search) == (None, list(search))
+    assert slurm_conf_results(None, list(search))[0].detail.startswith(f"cannot read a slurm.conf (tried {search[0]}")
+    search[1].parent.mkdir(parents=True)
+    search[1].write_text("PrologFlags=Alloc\n")
+    assert find_slurm_conf("", {}, search)[0] == search[1]
+    assert find_slurm_conf("", {"SLURM_CONF": str(tmp_path / "gone")}, search)[0] == search[1]
+    where, missing = install_still_needs(tmp_path)  # install --root: the same search under the root
+    assert where == str(search[1]) and not any("PrologFlags" in m for m in missing)
+    assert any(m.startswith("slurm.conf nohold_on_prolog_fail") for m in missing)

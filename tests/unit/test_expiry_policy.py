@@ -205,3 +205,25 @@ def test_the_api_is_read_again_when_the_event_changes_or_a_window_is_near():
     assert expiry_policy.api_answer_fresh(near, T0 + 200, 3600.0, "n1", window_soon_s=3600.0)
     assert not expiry_policy.api_answer_fresh(near, T0 + expiry_policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=3600.0)
     assert expiry_policy.api_answer_fresh(near, T0 + expiry_policy.STALE_RECHECK_S + 1, 3600.0, "n1", window_soon_s=1000.0)
+
+
+def test_read_failures_lasting_or_passing():
+    """A 403/404/400 turns expiry protection off at once; a malformed answer only several times in
+    a row; a 5xx or a timeout passes by itself and neither starts nor ends a row; an answer ends it."""
+    from slurmagent.policy.expiry import MALFORMED_LASTING_AFTER, read_failure_reason, read_failure_streak
+
+    assert [read_failure_reason(s, False, "x") for s in (401, 403, 404, 400, 429, 500, None)] == [
+        "permission", "permission", "not-found", "refused", "unavailable", "unavailable", "unavailable"]
+    assert read_failure_reason(None, True, "malformed response") == "malformed"
+    assert read_failure_reason(None, False, "instances.get: terminationTime 'x' is not a usable time") == "malformed"
+    assert read_failure_reason(None, False, "instances.get: no instance 'n1' in p/z") == "not-found"
+    assert read_failure_streak(None, "permission", 0.0)[1] == "permission"
+    rec, off = None, None
+    for _ in range(MALFORMED_LASTING_AFTER - 1):
+        rec, off = read_failure_streak(rec, "malformed", 0.0)
+        assert off is None
+        rec, off = read_failure_streak(rec, "unavailable", 0.0)  # in between: the row goes on
+        assert off is None and rec["count"] >= 1
+    rec, off = read_failure_streak(rec, "malformed", 0.0)
+    assert off == "malformed" and rec["count"] == MALFORMED_LASTING_AFTER
+    assert read_failure_streak(rec, None, 0.0) == (None, None)

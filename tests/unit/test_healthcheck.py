@@ -30,8 +30,20 @@ def test_recent_decision_window(tmp_path):
     assert recent_decision(log, "n1", 120, now) is None  # only an old prolog; watch lines do not count
     log.write_text(log.read_text() + _line("epilog", "n1", 30, now, "internal-error"))
     assert recent_decision(log, "n1", 120, now) is None  # an internal error checked nothing
-    log.write_text(log.read_text() + _line("epilog", "n2", 20, now) + _line("prolog", "n1", 50, now, "unhealthy"))
+    log.write_text(log.read_text() + _line("epilog", "n2", 20, now) + _line("prolog", "n1", 50, now))
     assert recent_decision(log, "n1", 120, now)["event"] == "prolog"
     assert recent_decision(log, "n1", 40, now) is None
     assert recent_decision(log, "n1", 0, now) is None  # window 0: never skip
     assert recent_decision(log, "n3", 120, now) is None
+
+
+def test_an_unhealthy_verdict_is_never_skipped_an_admin_may_have_resumed_the_node(tmp_path):
+    """The prolog drained the node, the admin resumed it at once: the next healthcheck looks again."""
+    log = tmp_path / "hooks.log"
+    now = time.time()
+    log.write_text(_line("prolog", "n1", 30, now, "unhealthy"))
+    assert recent_decision(log, "n1", 120, now) is None
+    log.write_text(_line("prolog", "n1", 60, now) + _line("watch", "n1", 20, now, "unhealthy"))
+    assert recent_decision(log, "n1", 120, now) is None  # a fault after the healthy prolog: look again
+    log.write_text(log.read_text() + _line("epilog", "n1", 10, now) + _line("watch", "n2", 5, now, "unhealthy"))
+    assert recent_decision(log, "n1", 120, now)["event"] == "epilog"  # healthy since; n2's fault is n2's

@@ -47,6 +47,7 @@ MODULE_LAYERS = {
 }
 SHARED_RUNTIMES = {"commands.health"}
 ONE_RUNTIME_FOLDERS = ("run",)  # the modules of `slurmagent run` are one runtime; each command is its own
+# (with its parts: `commands/doctor_checks.py` is doctor's, see runtime_of)
 MAX_TOP_MODULES, MAX_FOLDER_MODULES, MAX_LINES = 8, 16, 520
 DEVTOOLS = "devtools"
 DEVTOOLS_ENTRY = ("cli_dev", "demo")  # (module, function): the one product place that imports the harness
@@ -157,6 +158,8 @@ def runtime_of(mod: str) -> str:
     for folder in ONE_RUNTIME_FOLDERS:
         if mod.startswith(folder + "."):
             return folder
+    if mod.startswith("commands."):  # commands/<cmd>_<part>.py: a part of <cmd>, split off for length
+        return "commands." + mod.split(".", 1)[1].split("_", 1)[0]
     return mod
 
 
