@@ -44,8 +44,6 @@ from slurmagent.state.config import parse
 ALERTS = REPO / "contrib" / "prometheus" / "alerts.yml"
 ALERTS_TEST = REPO / "contrib" / "prometheus" / "alerts_test.yml"
 DASHBOARD = REPO / "contrib" / "grafana" / "slurmagent.json"
-# written by the expiry watch (branch m38-doctor); alerts.yml alerts on it
-EXPIRY_READ_FAILURES = "slurmagent_expiry_read_failures_total"
 NODE = "n1"
 # What Grafana would put in for its built-in variables; the data covers a few seconds, so
 # ranges only need two scrapes (1 s apart).
@@ -85,7 +83,7 @@ def test_dashboard_and_alerts_name_only_metrics_slurmagent_exports_and_filter_by
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert variables["node"]["includeAll"] and variables["node"]["allValue"] == ".*"
-    known = set(metrics.HELP) | {"slurmagent_build_info", EXPIRY_READ_FAILURES}
+    known = set(metrics.HELP) | {"slurmagent_build_info"}
     named = set(re.findall(r"slurmagent_[a-z_]+", ALERTS.read_text() + DASHBOARD.read_text()))
     assert named - known == set() and len(named) >= 15
     ids, cells = set(), set()
