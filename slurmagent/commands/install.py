@@ -236,6 +236,7 @@ def uninstall(root: Path = Path("/"), dry_run: bool = False, systemctl: Systemct
                 steps.append(Step(path, "remove"))
                 if not dry_run:
                     path.unlink()
+        steps += _remove_textfiles(root, dry_run)
         steps.append(Step(manifest.path, "remove", "the install manifest"))
         if not dry_run:
             manifest.path.unlink()
@@ -253,6 +254,19 @@ def uninstall(root: Path = Path("/"), dry_run: bool = False, systemctl: Systemct
         raise InstallError(f"cannot remove {exc.filename or root}: {exc.strerror or exc}") from None
     if units:
         steps += _systemctl(["daemon-reload"], systemctl, dry_run, "after the units went", fatal=False)
+    return steps
+
+
+def _remove_textfiles(root: Path, dry_run: bool) -> list[Step]:
+    """The metrics file the stopped units wrote where node_exporter reads: left there, node_exporter
+    would serve its last values for ever (a heartbeat that never moves, a node that looks watched)."""
+    steps = []
+    for rel in (*TEXTFILE_DIRS, OWN_TEXTFILE_DIR):
+        path = root / rel / TEXTFILE_NAME
+        if path.is_file():
+            steps.append(Step(path, "remove", "the metrics node_exporter served: no series of an uninstalled agent"))
+            if not dry_run:
+                path.unlink()
     return steps
 
 

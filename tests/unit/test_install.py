@@ -382,3 +382,25 @@ def test_a_node_exporter_installed_later_moves_an_untouched_config_there(tmp_pat
     install(tmp_path, binary="/opt/slurmagent/venv/bin/slurmagent")
     assert tomllib.loads(conf.read_text())["metrics"]["textfile"] == \
         "/var/lib/prometheus/node-exporter/slurmagent.prom"
+
+
+@pytest.mark.parametrize("node_exporter", [True, False], ids=["debian-node-exporter", "no-node-exporter"])
+def test_uninstall_removes_the_metrics_node_exporter_would_serve_for_ever(tmp_path, node_exporter):
+    """The units wrote slurmagent.prom at run time (not install's file): left behind, node_exporter
+    would serve an uninstalled node's last heartbeat as if it were watched."""
+    root = tmp_path / "r"
+    textdir = root / ("var/lib/prometheus/node-exporter" if node_exporter else "var/lib/slurmagent-metrics")
+    if node_exporter:
+        textdir.mkdir(parents=True)
+        (textdir / "other.prom").write_text("other_exporter_up 1\n")  # another collector's file stays
+    install(root)
+    (textdir / "slurmagent.prom").write_text('slurmagent_last_run_timestamp_seconds{component="watch"} 1.7e9\n')
+    dry = cli("install", "--root", str(root), "--uninstall", "--dry-run")
+    assert f"would remove   {textdir / 'slurmagent.prom'}" in " ".join(dry.stdout.splitlines()) and (textdir / "slurmagent.prom").exists()
+    out = cli("install", "--root", str(root), "--uninstall")
+    assert out.returncode == 0, out.stderr
+    assert not (textdir / "slurmagent.prom").exists()
+    if node_exporter:
+        assert (textdir / "other.prom").exists()
+    else:
+        assert not textdir.exists()  # our own directory, empty again, goes with the install
