@@ -34,7 +34,7 @@ def attached_nics(cache: Path, boot_id: str, timeout_s: float = metadata.DEFAULT
             return None, ""
         return [AttachedNic(int(n["index"]), str(n["mac"]), str(n.get("network", ""))) for n in entry["nics"]], ""
     try:
-        nics = parse_network_interfaces(metadata.get(PATH, timeout_s) or "[]")
+        nics = parse_network_interfaces(metadata.read(PATH, timeout_s, limit=1 << 20)[0])  # our own per-boot cache, not get()'s per process
         note, record = "", {"nics": [asdict(n) for n in nics]}
     except (metadata.MetadataError, ValueError, AttributeError) as exc:
         nics, note = None, f"no NIC list from the metadata server ({exc})"
