@@ -23,7 +23,6 @@ from typing import Mapping, Protocol
 
 from ..gpu import kernlog
 from ..core.checks import Finding, Limits, Report, Severity, count_unknown_finding, run_checks, timeout_report
-from ..core import node_checks as nc
 from ..core.node_catalogue import DCGM_DIAG, FILESYSTEM_FULL, GPU_NICS, LOCAL_MOUNTS, node_check_on, runs_in
 from ..state.config import Config
 from ..errors import NvmlTimeout
@@ -155,6 +154,7 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
         return runs_in(name, layer) and node_check_on(name, on, off)
 
     if runs(GPU_NICS):
+        from ..core import node_checks as nc  # the node checks' code only where they run: start-up speed
         from ..gcp import nics  # the metadata client (urllib) only where this check runs: start-up speed
 
         attached, note = nics.attached_nics(nics.cache_file(state), boot)
@@ -165,6 +165,7 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
             out.extend(nc.nic_findings(attached, nics.guest_links(src.sysfs)))
     mounts_on, full_on = runs(LOCAL_MOUNTS), runs(FILESYSTEM_FULL)
     if (mounts_on or full_on) and (h.mounts or h.ckpt_filesystem):
+        from ..core import node_checks as nc  # only with mounts configured: start-up speed of the healthy prolog
         from ..state import mounts  # only with mounts configured: start-up speed of the healthy prolog
 
         table = mounts.read_mounts(src.proc)
@@ -186,6 +187,7 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
 
 
 def _dcgm(cfg: Config, layer: str, level: int, state: Path, boot: str) -> list[Finding]:
+    from ..core import node_checks as nc  # only where DCGM runs in this layer: start-up speed
     from ..gpu.dcgm import run_diag  # only where DCGM runs in this layer: start-up speed
 
     timeout = cfg.health.dcgm_timeout_s if layer == "resume" else min(cfg.health.dcgm_timeout_s, HEALTHCHECK_DCGM_MAX_S)
