@@ -19,15 +19,15 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 from ..gpu import kernlog
 from ..core.checks import Finding, Limits, Report, Severity, count_unknown_finding, run_checks, timeout_report
 from ..core.node_catalogue import DCGM_DIAG, FILESYSTEM_FULL, GPU_NICS, LOCAL_MOUNTS, node_check_on, runs_in
 from ..state.config import Config
-from ..errors import NvmlTimeout
+from ..errors import NvmlTimeout, SlurmagentError
 from ..core.kernel_xid import KernelXid, map_to_gpus
-from ..slurm.commands import CONF_SEARCH, conf_candidates, gres_gpu_count
+from ..slurm.commands import CONF_SEARCH, Slurm, conf_candidates, gres_gpu_count
 from ..state.fsutil import UntrustedFile, atomic_write_text, read_state_file
 from ..state.host import BOOT_ID_PATH, boot_id
 from ..core.snapshot import NodeSnapshot, load
@@ -59,6 +59,11 @@ class NodeSources:
     sysfs: Path = Path("/sys")
     proc: Path = Path("/proc")
     boot_id_path: str = BOOT_ID_PATH
+    jobs_on_node: Callable[[Config, str], list[str]] | None = None  # None: squeue (`Slurm.jobs_on_node`)
+
+
+def _jobs_on_node(cfg: Config, node: str) -> list[str]:
+    return Slurm.from_config(cfg).jobs_on_node(node, ("RUNNING", "SUSPENDED", "COMPLETING"))
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,14 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
                                         h.full_warn_percent))
     level = h.dcgm_resume_level if layer == "resume" else h.dcgm_healthcheck_level
     if layer in ("healthcheck", "check", "resume") and level and node_check_on(DCGM_DIAG, on, off):
-        out.extend(_dcgm(cfg, layer, level, state, boot))
+        try:
+            jobs = (src.jobs_on_node or _jobs_on_node)(cfg, node)
+        except SlurmagentError as exc:
+            jobs = [f"unknown ({exc})"]
+        if not jobs:  # DCGM's diagnostics load the GPUs: never under a job
+            out.extend(_dcgm(cfg, layer, level, state, boot))
+        elif layer == "check":
+            out.append(Finding(DCGM_DIAG, Severity.WARN, None, f"not run: jobs on the node ({', '.join(jobs)})", None))
     return out
 
 

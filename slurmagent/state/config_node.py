@@ -31,8 +31,8 @@ class NodeHealthKeys:
                                    low=1, high=100)
     dcgmi: str = key("dcgmi", "DCGM's `dcgmi` binary (`dcgm-diag`; absent or its host engine down: not available)")
     dcgm_healthcheck_level: int = key(
-        0, "`dcgmi diag -r N` in `healthcheck` (0: off; 1 at most: slurmd kills it at 60 s; set it only "
-        "with `HealthCheckNodeState=IDLE`, never under a job)", low=0, high=1)
+        0, "`dcgmi diag -r N` in `healthcheck` (0: off; 1 at most: slurmd kills it at 60 s); skipped while "
+        "squeue lists a job on the node (never under a job)", low=0, high=1)
     dcgm_resume_level: int = key(
         2, "`dcgmi diag -r N` in `resume-if-healthy` (the node still drained; 0: off)", low=0, high=4)
     dcgm_timeout_s: float = key(

@@ -33,9 +33,10 @@ def config(tmp_path: Path, checks: dict | None = None, **health) -> object:
                   "checks": checks or {}})
 
 
-def sources(tmp_path: Path, boot: str = "boot-1") -> NodeSources:
+def sources(tmp_path: Path, boot: str = "boot-1", jobs: tuple[str, ...] = ()) -> NodeSources:
     (tmp_path / "boot_id").write_text(boot + "\n")
-    return NodeSources(sysfs=tmp_path / "sys", proc=tmp_path / "proc", boot_id_path=str(tmp_path / "boot_id"))
+    return NodeSources(sysfs=tmp_path / "sys", proc=tmp_path / "proc", boot_id_path=str(tmp_path / "boot_id"),
+                       jobs_on_node=lambda cfg, node: list(jobs))
 
 
 def netdev(tmp_path: Path, name: str, mac: str, operstate: str = "up") -> None:
@@ -235,6 +236,9 @@ def test_dcgm_never_runs_in_the_prolog_and_in_healthcheck_only_at_its_level(tmp_
     found = drains(node_findings(cfg, "n1", "healthcheck", sources(tmp_path)))
     assert found == ["dcgm-diag: level 1 failed Deployment/Permissions and OS Blocks (gpu 0,1,2,3,4,5,6,7): "
                      "Cannot open /dev/nvidiactl: permission denied"]
+    assert dcgmi() == ["diag -r 1 -j"]
+    assert node_findings(cfg, "n1", "healthcheck", sources(tmp_path, jobs=("42",))) == []  # never under a job
+    assert node_findings(dcgm_config(tmp_path), "n1", "resume", sources(tmp_path, jobs=("42",))) == []
     assert dcgmi() == ["diag -r 1 -j"]
     with pytest.raises(ConfigError, match="dcgm_healthcheck_level' = 2 is out of range"):
         dcgm_config(tmp_path, dcgm_healthcheck_level=2)
