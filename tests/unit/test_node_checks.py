@@ -299,3 +299,15 @@ def test_a_check_name_not_in_the_catalogue_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="'checks.off' names 'gpu-nic', not a check"):
         parse({"checks": {"off": ["gpu-nic"]}})
     assert parse({"checks": {"off": ["dcgm-diag"], "on": []}}).checks.off == ("dcgm-diag",)
+
+
+def test_the_drains_of_the_node_checks_are_repaired_as_hardware():
+    from slurmagent.core import reasons
+    from slurmagent.policy.repair import fault_behavior
+
+    for reason in ("slurmagent: gpu-nics: nic1 (42:01:c0:a8:01:02, gpu-net-1) attached but not in the guest",
+                   "slurmagent: local-mounts: /mnt/localssd is read-only (remounted after an I/O error?)",
+                   "slurmagent: repairing: dcgm-diag: level 2 failed Integration/PCIe (gpu 3)"):
+        assert reasons.repairable(reason), reason
+    assert fault_behavior("dcgm-diag") == "UNRECOVERABLE_GPU_ERROR"  # reportHostAsFaulty's reason: the GPU's
+    assert fault_behavior("gpu-nics") == fault_behavior("local-mounts") == "BEHAVIOR_UNSPECIFIED"
