@@ -311,3 +311,14 @@ def test_the_drains_of_the_node_checks_are_repaired_as_hardware():
         assert reasons.repairable(reason), reason
     assert fault_behavior("dcgm-diag") == "UNRECOVERABLE_GPU_ERROR"  # reportHostAsFaulty's reason: the GPU's
     assert fault_behavior("gpu-nics") == fault_behavior("local-mounts") == "BEHAVIOR_UNSPECIFIED"
+
+
+def test_the_probe_verdicts_a_sandbox_a_hang_and_a_full_disk():
+    rw_fs_ro_view = nc.Mount("/mnt/localssd", "ext4", "/dev/md0", ("ro", "relatime"), ("rw",))
+    sandbox = nc.mount_findings("/mnt/localssd", rw_fs_ro_view, nc.Probe("Read-only file system", "EROFS"))
+    assert [(f.severity, f.detail[:60]) for f in sandbox] == [
+        (Severity.WARN, "/mnt/localssd is read-only in this process's view only (a sa")]
+    rw = nc.Mount("/mnt/localssd", "ext4", "/dev/md0", ("rw",), ("rw",))
+    hung = nc.mount_findings("/mnt/localssd", rw, nc.Probe("no answer within 15 s", "ETIMEDOUT", timed_out=True))
+    assert drains(hung) == ["local-mounts: /mnt/localssd: write probe hung (no answer within 15 s)"]
+    assert nc.mount_findings("/mnt/localssd", rw, nc.Probe("No space left on device", "ENOSPC")) == []
