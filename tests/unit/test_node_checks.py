@@ -322,3 +322,21 @@ def test_the_probe_verdicts_a_sandbox_a_hang_and_a_full_disk():
     hung = nc.mount_findings("/mnt/localssd", rw, nc.Probe("no answer within 15 s", "ETIMEDOUT", timed_out=True))
     assert drains(hung) == ["local-mounts: /mnt/localssd: write probe hung (no answer within 15 s)"]
     assert nc.mount_findings("/mnt/localssd", rw, nc.Probe("No space left on device", "ENOSPC")) == []
+
+
+def test_healthcheck_drains_a_node_whose_local_ssd_is_gone(tmp_path):
+    """Through Slurm's HealthCheckProgram: the drain reason names the mount, the jobs stay (a
+    lost scratch array is not a lost GPU under a job)."""
+    from slurmagent.commands.healthcheck import run_healthcheck
+
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    mountinfo(tmp_path)
+    sc = FakeSlurm.cluster(2)
+    cfg = config(tmp_path, {"off": ["gpu-nics"]}, mounts=[str(ssd)])
+    err = io.StringIO()
+    code = run_healthcheck("n1", lambda: cfg, evaluator("healthcheck", sources(tmp_path)),
+                           lambda c: Slurm(runner=sc), skip_recent=0, stderr=err)
+    assert code == 1, err.getvalue()
+    assert sc.nodes["n1"]["Reason"] == f"slurmagent: local-mounts: {ssd} is not mounted"
+    assert "DRAIN" in sc.nodes["n1"]["State"]
