@@ -174,8 +174,11 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
         from ..state import mounts  # only with mounts configured: start-up speed of the healthy prolog
 
         table = mounts.read_mounts(src.proc)
+        if table is None:  # our own failure, not the disk's: said, never a drain
+            out.append(nc.not_available(LOCAL_MOUNTS, f"cannot read {src.proc}/self/mountinfo"))
+            table, mounts_on = {}, False
         for point in h.mounts:
-            mount = table.get(point) if table is not None else None
+            mount = table.get(point)
             probe, used = mounts.probe(point, h.timeout_s) if mount is not None and mounts_on else (None, None)
             if mounts_on:
                 out.extend(nc.mount_findings(point, mount, probe))
@@ -187,15 +190,24 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
                                         h.full_warn_percent))
     level = h.dcgm_resume_level if layer == "resume" else h.dcgm_healthcheck_level
     if layer in ("healthcheck", "check", "resume") and level and node_check_on(DCGM_DIAG, on, off):
+        out.extend(_dcgm_unless_busy(cfg, node, layer, level, src, state, boot))
+    return out
+
+
+def _dcgm_unless_busy(cfg: Config, node: str, layer: str, level: int, src: NodeSources, state: Path,
+                      boot: str) -> list[Finding]:
+    """`dcgmi diag` where DCGM is installed and no job is on the node (squeue asked only then)."""
+    from ..gpu.dcgm import installed  # only where DCGM runs in this layer: start-up speed
+
+    if installed(cfg.health.dcgmi):
         try:
             jobs = (src.jobs_on_node or _jobs_on_node)(cfg, node)
         except SlurmagentError as exc:
             jobs = [f"unknown ({exc})"]
-        if not jobs:  # DCGM's diagnostics load the GPUs: never under a job
-            out.extend(_dcgm(cfg, layer, level, state, boot))
-        elif layer == "check":
-            out.append(Finding(DCGM_DIAG, Severity.WARN, None, f"not run: jobs on the node ({', '.join(jobs)})", None))
-    return out
+        if jobs:  # DCGM's diagnostics load the GPUs: never under a job
+            return [Finding(DCGM_DIAG, Severity.WARN, None, f"not run: jobs on the node ({', '.join(jobs)})",
+                            None)] if layer == "check" else []
+    return _dcgm(cfg, layer, level, state, boot)
 
 
 def _dcgm(cfg: Config, layer: str, level: int, state: Path, boot: str) -> list[Finding]:

@@ -27,6 +27,10 @@ class DiagRun:
     error: str = ""  # it ran but gave no verdict (timeout, no JSON): a warning
 
 
+def installed(dcgmi: str) -> bool:
+    return shutil.which(dcgmi) is not None
+
+
 def run_diag(dcgmi: str, level: int, timeout_s: float) -> DiagRun:
     """One `dcgmi diag -r level -j`, killed past `timeout_s`."""
     exe = shutil.which(dcgmi)

@@ -142,6 +142,12 @@ def mountinfo(tmp_path: Path, *lines: tuple[str, str, str]) -> None:
     (tmp_path / "proc" / "self" / "mountinfo").write_text(text)
 
 
+def test_an_unreadable_mountinfo_is_not_a_drain(tmp_path):
+    found = node_findings(config(tmp_path, mounts=["/mnt/localssd"]), "n1", "prolog", sources(tmp_path))
+    assert [(f.severity, f.summary) for f in found] == [
+        (Severity.WARN, f"local-mounts: not available: cannot read {tmp_path / 'proc'}/self/mountinfo")]
+
+
 def test_a_mounted_writable_disk_passes_and_the_probe_leaves_nothing(tmp_path):
     ssd = tmp_path / "local ssd"
     ssd.mkdir()
