@@ -18,7 +18,7 @@ from typing import Any
 
 from ..core.checks import Limits  # the warning thresholds' defaults: one source
 from ..errors import ConfigError
-from .config_node import NodeHealthKeys, key as _key, validate_checks
+from .config_node import NodeHealthKeys, key as _key, validate_checks, validate_paths
 from .fsutil import UntrustedFile, read_trusted, untrusted_reason
 
 DEFAULT_PATH = "/etc/slurmagent/config.toml"
@@ -405,6 +405,7 @@ def parse(data: dict[str, Any], source: str = "config") -> Config:
             raise ConfigError(f"config {source}: unknown key '{key}'")
     cfg = Config(**kwargs)
     validate_checks(cfg.checks.on, cfg.checks.off, source)
+    validate_paths(cfg.health, source)
     return cfg
 
 

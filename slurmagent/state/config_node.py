@@ -40,6 +40,14 @@ class NodeHealthKeys:
         "past it: a warning", low=1, high=7200)
 
 
+def validate_paths(health: NodeHealthKeys, source: str) -> None:
+    """A mount point is absolute: a relative one would never be found mounted (a drain everywhere)."""
+    for dotted, paths in (("health.mounts", health.mounts), ("health.ckpt_filesystem", (health.ckpt_filesystem,))):
+        for path in paths:
+            if path and not path.startswith("/"):
+                raise ConfigError(f"config {source}: '{dotted}' entry {path!r} is not an absolute path")
+
+
 def validate_checks(on: tuple[str, ...], off: tuple[str, ...], source: str, known: tuple[str, ...] = ()) -> None:
     """`[checks] on/off` name catalogue checks only (ConfigError naming the key and the name)."""
     names = {s.name for s in NODE_CHECKS} | set(known)

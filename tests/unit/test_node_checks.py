@@ -346,3 +346,22 @@ def test_healthcheck_drains_a_node_whose_local_ssd_is_gone(tmp_path):
     assert code == 1, err.getvalue()
     assert sc.nodes["n1"]["Reason"] == f"slurmagent: local-mounts: {ssd} is not mounted"
     assert "DRAIN" in sc.nodes["n1"]["State"]
+
+
+def test_a_relative_mount_point_is_a_config_error():
+    with pytest.raises(ConfigError, match="'health.mounts' entry 'mnt/localssd' is not an absolute path"):
+        parse({"health": {"mounts": ["/mnt/a", "mnt/localssd"]}})
+
+
+def test_the_node_checks_are_in_the_catalogue_and_documented():
+    from slurmagent.core.catalogue import LAYERS
+    from slurmagent.core.node_catalogue import NODE_CHECKS
+
+    assert [s.name for s in NODE_CHECKS] == ["gpu-nics", "local-mounts", "filesystem-full", "dcgm-diag"]
+    health_md = (REPO / "docs" / "admin" / "health.md").read_text()
+    for spec in NODE_CHECKS:
+        assert set(spec.layers) <= set(LAYERS), spec
+        # the healthy prolog: cheap local reads only (no metadata server, no DCGM)
+        assert "prolog" not in spec.layers or spec.name in ("local-mounts", "filesystem-full"), spec
+        assert spec.severity in ("drain", "warn") and spec.default_on
+        assert f"| `{spec.name}` | {', '.join(spec.layers)} |" in health_md, spec.name
