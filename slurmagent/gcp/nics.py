@@ -3,13 +3,15 @@
 The metadata server is asked once per boot (`instance/network-interfaces/`, with the metadata
 adapter's deadline); the answer, or why there is none (off Google Cloud), is kept in
 `<state_dir>/network-interfaces.json` with the boot id, so the hooks and `healthcheck` read a
-file, not the network, and "not available" is said once per boot. Read by root, a file a user
+file, not the network, and "not available" is said once per boot (a 5xx/429 answer is not
+kept: asked again, and said, next time). Read by root, a file a user
 could have written is ignored (asked again).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from . import metadata
 
 CACHE_NAME = "network-interfaces.json"
 PATH = "instance/network-interfaces/?recursive=true&alt=json"
+# The server is there but failing (Google Cloud, briefly): not "off Google Cloud" for the whole boot.
+TRANSIENT = re.compile(r"HTTP (5\d\d|429)\b")
 
 
 def cache_file(state_dir: Path) -> Path:
@@ -37,8 +41,10 @@ def attached_nics(cache: Path, boot_id: str, timeout_s: float = metadata.DEFAULT
         nics = parse_network_interfaces(metadata.read(PATH, timeout_s, limit=1 << 20)[0])  # our own per-boot cache, not get()'s per process
         note, record = "", {"nics": [asdict(n) for n in nics]}
     except (metadata.MetadataError, ValueError, AttributeError) as exc:
-        nics, note = None, f"no NIC list from the metadata server ({exc})"
-        record = {"error": note}
+        note = f"no NIC list from the metadata server ({exc})"
+        if TRANSIENT.search(str(exc)):
+            return None, note  # a metadata server that is there but failing: asked again next time
+        nics, record = None, {"error": note}
     if boot_id:
         try:
             atomic_write_text(cache, json.dumps({"boot_id": boot_id, **record}, sort_keys=True) + "\n", 0o644)

@@ -123,6 +123,19 @@ def test_off_google_cloud_the_nic_check_says_not_available_once_and_passes(tmp_p
     assert evaluate(cfg, "n1", True, layer="healthcheck", node_sources=src).findings == []  # said once
 
 
+def test_a_failing_metadata_server_is_asked_again_not_taken_for_off_google_cloud(tmp_path, gcp):
+    netdev(tmp_path, "ens4", MAC0)
+    gcp.fail("metadata", 503)
+    cfg, src = config(tmp_path), sources(tmp_path)
+    first = node_findings(cfg, "n1", "healthcheck", src)
+    assert [f.summary[:61] for f in first] == ["gpu-nics: not available: no NIC list from the metadata server"]
+    assert "HTTP 503" in first[0].summary
+    assert drains(node_findings(cfg, "n1", "healthcheck", src)) == [
+        f"gpu-nics: nic1 ({MAC1}, gpu-net-1) attached but not in the guest",
+        f"gpu-nics: nic2 ({MAC2}, gpu-net-2) attached but not in the guest"]
+    assert asked_nics(gcp) == 2
+
+
 def test_the_nic_check_honours_its_kill_switch_and_its_layers(tmp_path, gcp):
     assert node_findings(config(tmp_path, {"off": ["gpu-nics"]}), "n1", "healthcheck", sources(tmp_path)) == []
     assert node_findings(config(tmp_path), "n1", "prolog", sources(tmp_path)) == []  # not in the healthy prolog
