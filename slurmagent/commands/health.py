@@ -181,7 +181,7 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
             mount = table.get(point)
             probe, used = mounts.probe(point, h.timeout_s) if mount is not None and mounts_on else (None, None)
             if mounts_on:
-                out.extend(nc.mount_findings(point, mount, probe))
+                out.extend(nc.mount_findings(point, mount, probe, idle=layer == "resume"))
             if full_on and mount is not None and not (probe and probe.timed_out):  # hung: not asked twice
                 used = used if used is not None else mounts.used_percent(point, h.timeout_s)
                 out.extend(nc.full_findings(point, used, h.full_warn_percent))

@@ -17,7 +17,8 @@ NODE_CHECKS: tuple[CheckSpec, ...] = (
               ("GCM", "NHC")),
     CheckSpec(LOCAL_MOUNTS, ("prolog", "epilog", "healthcheck", "resume"), "drain", True,
               "each `[health] mounts` entry is a mount, not remounted read-only, and takes a probe file "
-              "(create+fsync+unlink under a deadline); one that fails drains (hardware: repaired)",
+              "(create+fsync+unlink under a deadline); one that fails drains (hardware: repaired); a hung probe "
+              "drains in resume only, else warns",
               ("GCM", "NHC")),
     CheckSpec(FILESYSTEM_FULL, ("prolog", "epilog", "healthcheck", "resume"), "warn", True,
               "the mounts and `[health] ckpt_filesystem` below `[health] full_warn_percent` used: "

@@ -125,10 +125,12 @@ class Probe:
     timed_out: bool = False
 
 
-def mount_findings(point: str, mount: Mount | None, probe: Probe | None) -> list[Finding]:
+def mount_findings(point: str, mount: Mount | None, probe: Probe | None, idle: bool = False) -> list[Finding]:
     """A configured mount missing, read-only or not writable drains: hardware (a new VM brings a
     new local SSD array). A probe refused only by this process's read-only view (EROFS on a
-    filesystem that is read-write) is the sandbox's, a warning that says so."""
+    filesystem that is read-write) is the sandbox's, a warning that says so. A probe past its
+    deadline drains only on an `idle` node (resume-if-healthy: drained, nothing else writing):
+    beside a job's checkpoint writes an fsync may wait on their writeback (ext4's journal)."""
     if mount is None:
         return [Finding(LOCAL_MOUNTS, Severity.DRAIN, None, f"{point} is not mounted", point)]
     if mount.fs_read_only:
@@ -137,7 +139,8 @@ def mount_findings(point: str, mount: Mount | None, probe: Probe | None) -> list
     if probe is None or not probe.error:
         return []
     if probe.timed_out:
-        return [Finding(LOCAL_MOUNTS, Severity.DRAIN, None, f"{point}: write probe hung ({probe.error})", point)]
+        return [Finding(LOCAL_MOUNTS, Severity.DRAIN if idle else Severity.WARN, None,
+                        f"{point}: write probe hung ({probe.error})", point)]
     if probe.errno_name == "EROFS" and "ro" in mount.mount_options:
         return [Finding(LOCAL_MOUNTS, Severity.WARN, None,
                         f"{point} is read-only in this process's view only (a sandbox? give the unit "
