@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Protocol
@@ -50,7 +51,11 @@ class CountSources:
 
 
 SOURCES = CountSources()
-HEALTHCHECK_DCGM_MAX_S = 40.0  # slurmd kills a HealthCheckProgram at 60 s: the GPU checks and the drain come first
+# slurmd kills a HealthCheckProgram at 60 s: DCGM gets what is left of 45 s after the other
+# checks (at most 40 s, none under 5 s), the drain and the decision log the rest.
+HEALTHCHECK_BUDGET_S = 45.0
+HEALTHCHECK_DCGM_MAX_S = 40.0
+DCGM_MIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -128,13 +133,14 @@ def evaluate(cfg: Config, node: str, commit_cursor: bool, *, layer: str = "check
     """Run every check of `layer` (catalogue.LAYERS, or `check`: the admin's command, every
     layer's). With `commit_cursor` the XIDs read are marked judged (hooks, watch); without it
     (`check`) the kernel-log cursor is left where it was."""
+    started = time.monotonic()
     exp = expected(cfg, node)
     try:
         report = _evaluate(cfg, node, commit_cursor, exp.count)
     except NvmlTimeout:
         report = timeout_report(cfg.health.timeout_s, exp.count)
     if node_sources is not None or not cfg.health.snapshot:
-        report.findings.extend(node_findings(cfg, node, layer, node_sources or NodeSources()))
+        report.findings.extend(node_findings(cfg, node, layer, node_sources or NodeSources(), started))
     report.expected_source = exp.source or None
     if exp.count is None:  # never silently off: said in check, --json and the decision log
         report.findings.append(count_unknown_finding(exp.tried))
@@ -148,10 +154,11 @@ def evaluator(layer: str, node_sources: NodeSources | None = None):
     return run
 
 
-def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[Finding]:
+def node_findings(cfg: Config, node: str, layer: str, src: NodeSources, started: float | None = None) -> list[Finding]:
     """The node checks that run in `layer` and are switched on. "Not available" (off Google
     Cloud, no DCGM) is a warning said once per boot (always in `check`), never a failure."""
     h, on, off = cfg.health, cfg.checks.on, cfg.checks.off
+    started = time.monotonic() if started is None else started
     state, boot = cfg.state_path(node), boot_id(src.boot_id_path)
     out: list[Finding] = []
 
@@ -190,12 +197,12 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources) -> list[
                                         h.full_warn_percent))
     level = h.dcgm_resume_level if layer == "resume" else h.dcgm_healthcheck_level
     if layer in ("healthcheck", "check", "resume") and level and node_check_on(DCGM_DIAG, on, off):
-        out.extend(_dcgm_unless_busy(cfg, node, layer, level, src, state, boot))
+        out.extend(_dcgm_unless_busy(cfg, node, layer, level, src, state, boot, started))
     return out
 
 
 def _dcgm_unless_busy(cfg: Config, node: str, layer: str, level: int, src: NodeSources, state: Path,
-                      boot: str) -> list[Finding]:
+                      boot: str, started: float) -> list[Finding]:
     """`dcgmi diag` where DCGM is installed and no job is on the node (squeue asked only then)."""
     from ..gpu.dcgm import installed  # only where DCGM runs in this layer: start-up speed
 
@@ -207,14 +214,19 @@ def _dcgm_unless_busy(cfg: Config, node: str, layer: str, level: int, src: NodeS
         if jobs:  # DCGM's diagnostics load the GPUs: never under a job
             return [Finding(DCGM_DIAG, Severity.WARN, None, f"not run: jobs on the node ({', '.join(jobs)})",
                             None)] if layer == "check" else []
-    return _dcgm(cfg, layer, level, state, boot)
+    timeout = cfg.health.dcgm_timeout_s
+    if layer != "resume":
+        timeout = min(timeout, HEALTHCHECK_DCGM_MAX_S, started + HEALTHCHECK_BUDGET_S - time.monotonic())
+        if timeout < DCGM_MIN_S:
+            return [Finding(DCGM_DIAG, Severity.WARN, None, "not run: the other checks took the health check's "
+                            f"time (slurmd kills it at 60 s; {timeout:.0f} s left)", None)]
+    return _dcgm(cfg, layer, level, state, boot, timeout)
 
 
-def _dcgm(cfg: Config, layer: str, level: int, state: Path, boot: str) -> list[Finding]:
+def _dcgm(cfg: Config, layer: str, level: int, state: Path, boot: str, timeout: float) -> list[Finding]:
     from ..core import node_checks as nc  # only where DCGM runs in this layer: start-up speed
     from ..gpu.dcgm import run_diag  # only where DCGM runs in this layer: start-up speed
 
-    timeout = cfg.health.dcgm_timeout_s if layer == "resume" else min(cfg.health.dcgm_timeout_s, HEALTHCHECK_DCGM_MAX_S)
     run = run_diag(cfg.health.dcgmi, level, timeout)
     if run.unavailable:
         return [nc.not_available(DCGM_DIAG, run.unavailable)] if _first_this_boot(state, boot, "dcgm") or layer == "check" else []

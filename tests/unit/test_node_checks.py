@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,8 @@ def test_dcgm_never_runs_in_the_prolog_and_in_healthcheck_only_at_its_level(tmp_
     assert found == ["dcgm-diag: level 1 failed Deployment/Permissions and OS Blocks (gpu 0,1,2,3,4,5,6,7): "
                      "Cannot open /dev/nvidiactl: permission denied"]
     assert dcgmi() == ["diag -r 1 -j"]
+    late = node_findings(cfg, "n1", "healthcheck", sources(tmp_path), started=time.monotonic() - 41)
+    assert [f.summary[:69] for f in late] == ["dcgm-diag: not run: the other checks took the health check's time (sl"]
     assert node_findings(cfg, "n1", "healthcheck", sources(tmp_path, jobs=("42",))) == []  # never under a job
     assert node_findings(dcgm_config(tmp_path), "n1", "resume", sources(tmp_path, jobs=("42",))) == []
     assert dcgmi() == ["diag -r 1 -j"]
