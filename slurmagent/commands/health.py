@@ -6,22 +6,30 @@ gres in slurm.conf/gres.conf at `[slurm] conf`, $SLURM_CONF, the configless cach
 (`slurm.commands.CONF_SEARCH`), /etc/slurm; else the larger of the machine type's GPUs (from
 the per-boot cache `expiry-watch` writes) and the NVIDIA GPUs on the PCI bus. None of them: a
 `gpu-count-unknown` warning that names what was tried, never silence.
+
+Then the node's own checks (`node_findings`: GPU NICs, local mounts, full filesystems, DCGM
+diagnostics), each where its catalogue spec says (`layer`) unless `[checks]` switches it. They
+read this machine, so a replay snapshot (`[health] snapshot`: a simulated node, e.g. one of the
+local cluster's) runs them only over sources a caller gives (`NodeSources`: the tests' fakes).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 from ..gpu import kernlog
-from ..core.checks import Limits, Report, count_unknown_finding, run_checks, timeout_report
+from ..core.checks import Finding, Limits, Report, Severity, count_unknown_finding, run_checks, timeout_report
+from ..core.node_catalogue import DCGM_DIAG, FILESYSTEM_FULL, GPU_NICS, LOCAL_MOUNTS, node_check_on, runs_in
 from ..state.config import Config
-from ..errors import NvmlTimeout
+from ..errors import NvmlTimeout, SlurmagentError
 from ..core.kernel_xid import KernelXid, map_to_gpus
-from ..slurm.commands import CONF_SEARCH, conf_candidates, gres_gpu_count
+from ..slurm.commands import CONF_SEARCH, Slurm, conf_candidates, gres_gpu_count
+from ..state.fsutil import UntrustedFile, atomic_write_text, read_state_file
 from ..state.host import BOOT_ID_PATH, boot_id
 from ..core.snapshot import NodeSnapshot, load
 
@@ -43,6 +51,24 @@ class CountSources:
 
 
 SOURCES = CountSources()
+# slurmd kills a HealthCheckProgram at 60 s: DCGM gets what is left of 45 s after the other
+# checks (at most 40 s, none under 5 s), the drain and the decision log the rest.
+HEALTHCHECK_BUDGET_S = 45.0
+HEALTHCHECK_DCGM_MAX_S = 40.0
+DCGM_MIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class NodeSources:
+    """Where the node checks read this machine: data, so tests point them at a fake tree."""
+    sysfs: Path = Path("/sys")
+    proc: Path = Path("/proc")
+    boot_id_path: str = BOOT_ID_PATH
+    jobs_on_node: Callable[[Config, str], list[str]] | None = None  # None: squeue (`Slurm.jobs_on_node`)
+
+
+def _jobs_on_node(cfg: Config, node: str) -> list[str]:
+    return Slurm.from_config(cfg).jobs_on_node(node, ("RUNNING", "SUSPENDED", "COMPLETING"))
 
 
 @dataclass(frozen=True)
@@ -102,18 +128,126 @@ def kernel_source(cfg: Config, node: str | None) -> kernlog.Source:
     return kernlog.source_for(cfg.node_path(cfg.health.kernel_log, node))
 
 
-def evaluate(cfg: Config, node: str, commit_cursor: bool) -> Report:
-    """Run every check. With `commit_cursor` the XIDs read are marked judged (hooks, watch);
-    without it (`check`) the kernel-log cursor is left where it was."""
+def evaluate(cfg: Config, node: str, commit_cursor: bool, *, layer: str = "check",
+             node_sources: NodeSources | None = None) -> Report:
+    """Run every check of `layer` (catalogue.LAYERS, or `check`: the admin's command, every
+    layer's). With `commit_cursor` the XIDs read are marked judged (hooks, watch); without it
+    (`check`) the kernel-log cursor is left where it was."""
+    started = time.monotonic()
     exp = expected(cfg, node)
     try:
         report = _evaluate(cfg, node, commit_cursor, exp.count)
     except NvmlTimeout:
         report = timeout_report(cfg.health.timeout_s, exp.count)
+    if node_sources is not None or not cfg.health.snapshot:
+        report.findings.extend(node_findings(cfg, node, layer, node_sources or NodeSources(), started))
     report.expected_source = exp.source or None
     if exp.count is None:  # never silently off: said in check, --json and the decision log
         report.findings.append(count_unknown_finding(exp.tried))
     return report
+
+
+def evaluator(layer: str, node_sources: NodeSources | None = None):
+    """`evaluate` for one layer, in the hooks' (cfg, node, commit_cursor) signature."""
+    def run(cfg: Config, node: str, commit_cursor: bool) -> Report:
+        return evaluate(cfg, node, commit_cursor, layer=layer, node_sources=node_sources)
+    return run
+
+
+def node_findings(cfg: Config, node: str, layer: str, src: NodeSources, started: float | None = None) -> list[Finding]:
+    """The node checks that run in `layer` and are switched on. "Not available" (off Google
+    Cloud, no DCGM) is a warning said once per boot (always in `check`), never a failure."""
+    h, on, off = cfg.health, cfg.checks.on, cfg.checks.off
+    started = time.monotonic() if started is None else started
+    state, boot = cfg.state_path(node), boot_id(src.boot_id_path)
+    out: list[Finding] = []
+
+    def runs(name: str) -> bool:
+        return runs_in(name, layer) and node_check_on(name, on, off)
+
+    if runs(GPU_NICS):
+        from ..core import node_checks as nc  # the node checks' code only where they run: start-up speed
+        from ..gcp import nics  # the metadata client (urllib) only where this check runs: start-up speed
+
+        attached, note = nics.attached_nics(nics.cache_file(state), boot)
+        if attached is None:
+            if note or layer == "check":
+                out.append(nc.not_available(GPU_NICS, note or "no NIC list from the metadata server this boot"))
+        else:
+            out.extend(nc.nic_findings(attached, nics.guest_links(src.sysfs)))
+    mounts_on, full_on = runs(LOCAL_MOUNTS), runs(FILESYSTEM_FULL)
+    if (mounts_on or full_on) and (h.mounts or h.ckpt_filesystem):
+        from ..core import node_checks as nc  # only with mounts configured: start-up speed of the healthy prolog
+        from ..state import mounts  # only with mounts configured: start-up speed of the healthy prolog
+
+        table = mounts.read_mounts(src.proc)
+        if table is None:  # our own failure, not the disk's: said, never a drain
+            out.append(nc.not_available(LOCAL_MOUNTS, f"cannot read {src.proc}/self/mountinfo"))
+            table, mounts_on = {}, False
+        for point in h.mounts:
+            mount = table.get(point)
+            probe, used = mounts.probe(point, h.timeout_s) if mount is not None and mounts_on else (None, None)
+            if mounts_on:
+                out.extend(nc.mount_findings(point, mount, probe, idle=layer == "resume"))
+            if full_on and mount is not None and not (probe and probe.timed_out):  # hung: not asked twice
+                used = used if used is not None else mounts.used_percent(point, h.timeout_s)
+                out.extend(nc.full_findings(point, used, h.full_warn_percent))
+        if full_on and h.ckpt_filesystem and h.ckpt_filesystem not in h.mounts:
+            out.extend(nc.full_findings(h.ckpt_filesystem, mounts.used_percent(h.ckpt_filesystem, h.timeout_s),
+                                        h.full_warn_percent))
+    level = h.dcgm_resume_level if layer == "resume" else h.dcgm_healthcheck_level
+    if layer in ("healthcheck", "check", "resume") and level and node_check_on(DCGM_DIAG, on, off):
+        out.extend(_dcgm_unless_busy(cfg, node, layer, level, src, state, boot, started))
+    return out
+
+
+def _dcgm_unless_busy(cfg: Config, node: str, layer: str, level: int, src: NodeSources, state: Path,
+                      boot: str, started: float) -> list[Finding]:
+    """`dcgmi diag` where DCGM is installed and no job is on the node (squeue asked only then)."""
+    from ..gpu.dcgm import installed  # only where DCGM runs in this layer: start-up speed
+
+    if installed(cfg.health.dcgmi):
+        try:
+            jobs = (src.jobs_on_node or _jobs_on_node)(cfg, node)
+        except SlurmagentError as exc:
+            jobs = [f"unknown ({exc})"]
+        if jobs:  # DCGM's diagnostics load the GPUs: never under a job
+            return [Finding(DCGM_DIAG, Severity.WARN, None, f"not run: jobs on the node ({', '.join(jobs)})",
+                            None)] if layer == "check" else []
+    timeout = cfg.health.dcgm_timeout_s
+    if layer != "resume":
+        timeout = min(timeout, HEALTHCHECK_DCGM_MAX_S, started + HEALTHCHECK_BUDGET_S - time.monotonic())
+        if timeout < DCGM_MIN_S:
+            return [Finding(DCGM_DIAG, Severity.WARN, None, "not run: the other checks took the health check's "
+                            f"time (slurmd kills it at 60 s; {timeout:.0f} s left)", None)]
+    return _dcgm(cfg, layer, level, state, boot, timeout)
+
+
+def _dcgm(cfg: Config, layer: str, level: int, state: Path, boot: str, timeout: float) -> list[Finding]:
+    from ..core import node_checks as nc  # only where DCGM runs in this layer: start-up speed
+    from ..gpu.dcgm import run_diag  # only where DCGM runs in this layer: start-up speed
+
+    run = run_diag(cfg.health.dcgmi, level, timeout)
+    if run.unavailable:
+        return [nc.not_available(DCGM_DIAG, run.unavailable)] if _first_this_boot(state, boot, "dcgm") or layer == "check" else []
+    if run.error or run.result is None:
+        return [Finding(DCGM_DIAG, Severity.WARN, None, run.error or "no result", None)]
+    return nc.diag_findings(level, run.result)
+
+
+def _first_this_boot(state: Path, boot: str, what: str) -> bool:
+    """True the first time this boot (a mark `<state_dir>/said-<what>` holds the boot id)."""
+    mark = state / f"said-{what}"
+    try:
+        if read_state_file(mark).decode().strip() == boot:
+            return False
+    except (UntrustedFile, OSError, UnicodeDecodeError):
+        pass
+    try:
+        atomic_write_text(mark, boot + "\n", 0o644, durable=False)
+    except OSError:
+        pass
+    return True
 
 
 def _evaluate(cfg: Config, node: str, commit_cursor: bool, expected: int | None) -> Report:

@@ -118,7 +118,9 @@ def run_healthcheck(
             metrics.for_node(cfg, node).heartbeat("healthcheck")  # it ran: its heartbeat stays fresh on a busy node
             return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
         if health is None:
-            from .health import evaluate as health  # NVML and the checks: only past the skip, for start-up speed
+            from .health import evaluator  # NVML and the checks: only past the skip, for start-up speed
+
+            health = evaluator("healthcheck")
         report = health(cfg, node, True)
         if report.healthy:
             warnings = [f.summary for f in report.findings]

@@ -495,7 +495,9 @@ def run_resume_if_healthy(cfg: Config, node: str | None = None, *, out: TextIO =
     view = wait_registered(slurm, node, float(wait_s if wait_s is not None else cfg.repair.resume_wait_s),
                            RESUME_POLL_S, boot_time())
     if health is None:
-        from .health import evaluate as health  # the checks only when this command runs: start-up speed
+        from .health import evaluator  # the checks only when this command runs: start-up speed
+
+        health = evaluator("resume")  # the node still drained: DCGM's longer diagnostics run here
     report = health(cfg, node, True)
     if report.healthy:
         if view.ours:

@@ -91,11 +91,12 @@ def get(path: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, optional: bool = Fal
     return value
 
 
-def read(path: str, timeout_s: float, *, wait_s: float = 0.0, last_etag: str = "") -> tuple[str, str]:
+def read(path: str, timeout_s: float, *, wait_s: float = 0.0, last_etag: str = "", limit: int = 4096) -> tuple[str, str]:
     """GET computeMetadata/v1/<path> -> (value, ETag), no cache (these keys change).
 
     With `wait_s` > 0: `wait_for_change=true&timeout_sec=wait_s` (and `last_etag`): the
-    server answers on a change or after wait_s; the socket deadline is wait_s + timeout_s."""
+    server answers on a change or after wait_s; the socket deadline is wait_s + timeout_s.
+    `limit`: the most bytes read (a recursive listing is longer than a notice)."""
     host = metadata_host()
     query = ""
     if wait_s > 0:
@@ -105,7 +106,7 @@ def read(path: str, timeout_s: float, *, wait_s: float = 0.0, last_etag: str = "
         query = "?" + urllib.parse.urlencode(q)
     try:
         with _open(path, timeout_s + wait_s, query) as resp:
-            return resp.read(4096).decode("utf-8", "replace").strip(), resp.headers.get("ETag", "")
+            return resp.read(limit).decode("utf-8", "replace").strip(), resp.headers.get("ETag", "")
     except urllib.error.HTTPError as exc:
         raise MetadataError(f"metadata server {host}: HTTP {exc.code} for {path!r}") from None
     except (urllib.error.URLError, OSError, TimeoutError) as exc:

@@ -21,7 +21,7 @@ from .breaker import Breaker
 PERFORMANCE_RULES = frozenset({"hw-slowdown", "pcie-width", "nvlink-down", "nvml-timeout"})
 SDC_RULES = frozenset({"sdc", "silent-data-corruption"})  # e.g. an admin's `slurmagent: sdc: loss spike on rank 3`
 GPU_LOSS_RULES = frozenset({"gpu-lost", "gpu-count", "nvml-error", "ecc-uncorrectable", "row-remap-failure",
-                            "row-remap-pending", "retired-pages-pending", "recovery-action"})
+                            "row-remap-pending", "retired-pages-pending", "recovery-action", "dcgm-diag"})
 
 # --- reasons -> repair calls ----------------------------------------------------------
 

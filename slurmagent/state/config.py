@@ -18,21 +18,15 @@ from typing import Any
 
 from ..core.checks import Limits  # the warning thresholds' defaults: one source
 from ..errors import ConfigError
+from .config_node import NodeHealthKeys, key as _key, validate_checks, validate_paths
 from .fsutil import UntrustedFile, read_trusted, untrusted_reason
 
 DEFAULT_PATH = "/etc/slurmagent/config.toml"
 ENV_VAR = "SLURMAGENT_CONFIG"
 
 
-def _key(default: Any, doc: str, choices: tuple[str, ...] = (), *, low: float | None = None,
-         high: float | None = None, regex: bool = False) -> Any:
-    """A config key; a number's `low`..`high` (inclusive) is checked at load and shown in docs/admin/configuration.md;
-    `regex`: each string must compile (checked at load, not when a node first matches)."""
-    return field(default=default, metadata={"doc": doc, "choices": choices, "range": (low, high), "regex": regex})
-
-
 @dataclass(frozen=True)
-class HealthConfig:
+class HealthConfig(NodeHealthKeys):
     """[health]: where the health check reads and what it warns or drains on."""
     snapshot: str = _key("", "replay snapshot to read instead of NVML (`%n` = node name)")
     expected_gpus: int = _key(
@@ -317,6 +311,13 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ChecksConfig:
+    """[checks]: the kill switches of the catalogue's checks (`slurmagent check --list`)."""
+    off: tuple[str, ...] = _key((), "names of default-on checks not to run")
+    on: tuple[str, ...] = _key((), "names of default-off checks to run")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole config file, one field per section."""
     state_dir: str = _key("/var/lib/slurmagent", "journal, kernel-log cursor, expiry state (`%n` = node name)")
@@ -330,6 +331,7 @@ class Config:
     watch: WatchConfig = field(default_factory=WatchConfig)
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
     source: str = field(default="(defaults)", metadata={"internal": True})
 
     def node_path(self, template: str, node: str | None) -> str:
@@ -352,6 +354,7 @@ _SECTION_CLASSES = {
     "watch": WatchConfig,
     "run": RunConfig,
     "metrics": MetricsConfig,
+    "checks": ChecksConfig,
 }
 
 
@@ -407,7 +410,10 @@ def parse(data: dict[str, Any], source: str = "config") -> Config:
             kwargs[key] = _section(_SECTION_CLASSES[key], key, value, source)
         else:
             raise ConfigError(f"config {source}: unknown key '{key}'")
-    return Config(**kwargs)
+    cfg = Config(**kwargs)
+    validate_checks(cfg.checks.on, cfg.checks.off, source)
+    validate_paths(cfg.health, source)
+    return cfg
 
 
 def _section(cls: type, name: str, table: dict[str, Any], source: str) -> Any:

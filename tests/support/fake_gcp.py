@@ -421,6 +421,11 @@ class FakeGcp:
         self.calls.append(Call("metadata", "GET", path, {}, None))
         if h.headers.get("Metadata-Flavor") != "Google":
             return self._send_text(h, 403, "Missing Metadata-Flavor:Google header.")
+        with self._lock:
+            queued = self.failures.get("metadata")
+            code = queued.pop(0) if queued else None
+        if code:
+            return self._send_text(h, code, f"injected {code} for metadata")
         value = self.metadata.get(path.strip("/"))
         if value is None:
             return self._send_text(h, 404, "not found")

@@ -146,3 +146,14 @@ def test_sandbox_keeps_what_the_command_needs(unit):
         assert last(keys, "ProtectKernelLogs") == "yes"
         assert last(keys, "CapabilityBoundingSet") == ""
         assert last(keys, "MemoryDenyWriteExecute") == "yes"
+
+
+def test_the_resume_unit_lets_the_node_checks_run():
+    """resume-if-healthy runs the node checks with the node still drained: the local SSD array's
+    probe file is writable (absent: ignored), and the unit outlives the registration wait, the
+    GPU check and DCGM's level 2 (each at its configured deadline)."""
+    keys = service(SOURCE / "slurmagent-resume.service")
+    assert "-/mnt/localssd" in " ".join(keys["ReadWritePaths"]).split()
+    cfg = Config()
+    longest = cfg.repair.resume_wait_s + cfg.health.timeout_s + cfg.health.dcgm_timeout_s + 2 * cfg.slurm.timeout_s
+    assert float(last(keys, "TimeoutStartSec")) > longest
