@@ -496,7 +496,6 @@ def run_resume_if_healthy(cfg: Config, node: str | None = None, *, out: TextIO =
                            RESUME_POLL_S, boot_time())
     if health is None:
         from .health import evaluator  # the checks only when this command runs: start-up speed
-
         health = evaluator("resume")  # the node still drained: DCGM's longer diagnostics run here
     report = health(cfg, node, True)
     if report.healthy:
