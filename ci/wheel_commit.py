@@ -17,15 +17,20 @@ GIT_TIMEOUT_S = 30
 
 
 def checkout_commit(source: Path) -> str | None:
-    """`<12 hex digits>` of HEAD, `.dirty` after it when tracked files differ from it; None outside a checkout."""
+    """`<12 hex digits>` of HEAD, `.dirty` after it when tracked files differ from it; None when
+    `source` is not a checkout's top (an sdist unpacked inside another repository names no commit
+    of that repository; a checkout owned by another user is still read: `safe.directory`)."""
     def git(*args: str) -> str | None:
         try:
-            proc = subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True,
-                                  timeout=GIT_TIMEOUT_S)
+            proc = subprocess.run(["git", "-c", f"safe.directory={source}", "-C", str(source), *args],
+                                  capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return proc.stdout.strip() if proc.returncode == 0 else None
 
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != source.resolve():
+        return None
     head = git("rev-parse", "--short=12", "HEAD")
     if not head:
         return None

@@ -7,7 +7,6 @@ Domain errors (SlurmagentError) become one line on stderr and their exit code he
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import traceback
@@ -17,6 +16,7 @@ import click
 
 from .state import config as config_mod
 from .errors import SlurmagentError, SlurmUnreachable
+from .cli_check import command_node, echo_json
 
 
 class State:
@@ -51,56 +51,6 @@ def cli(ctx: click.Context, config_path: str | None, debug: bool) -> None:
     ctx.obj = State(config_path, debug)
 
 
-def echo_json(doc: object) -> None:
-    """A `--json` answer; an object says which slurmagent wrote it (`version`)."""
-    from .state.build import version  # start-up speed
-
-    if isinstance(doc, dict) and "version" not in doc:
-        doc = {"version": version(), **doc}
-    click.echo(json.dumps(doc, indent=1, default=str))
-
-
-def _node_name(node: str | None) -> str:
-    from .state.host import node_name  # start-up speed
-    from .slurm.commands import valid_node_name  # start-up speed
-
-    name = node_name(node)
-    if not valid_node_name(name):  # it names state paths and scontrol arguments
-        raise SlurmagentError(f"not a Slurm node name: {name!r} (--node or $SLURMD_NODENAME)")
-    return name
-
-
-@cli.command()
-@click.option("--snapshot", "snapshot_file", metavar="FILE", help="judge this replay snapshot instead of this node")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-@click.option("--node", metavar="NAME", help="node name (default $SLURMD_NODENAME or the host name)")
-@click.pass_obj
-def check(state: State, snapshot_file: str | None, as_json: bool, node: str | None) -> None:
-    """Run the health checks and print findings (exit 0 healthy, 1 unhealthy)."""
-    from dataclasses import replace
-
-    from .commands.health import evaluate  # start-up speed
-
-    cfg = state.config()
-    name = _node_name(node)
-    if snapshot_file:
-        cfg = replace(cfg, health=replace(cfg.health, snapshot=snapshot_file, kernel_log_enabled=False))
-    report = evaluate(cfg, name, commit_cursor=False)
-    if as_json:
-        echo_json({"node": name, **report.to_dict()})
-    else:
-        verdict = "healthy" if report.healthy else "UNHEALTHY"
-        seen = f"{report.gpus_seen} GPU(s)" + (f", {report.expected_gpus} expected" if report.expected_gpus is not None else "")
-        click.echo(f"{name}: {verdict} ({seen})")
-        for f in report.findings:
-            click.echo(f"  {f.severity.name:<5} {f.summary}")
-        if not report.healthy:
-            from .core.reasons import reason_for  # start-up speed
-
-            click.echo(f"  drain reason: {reason_for(report)}")
-    sys.exit(0 if report.healthy else 1)
-
-
 def _check_output_file(output: str) -> None:
     """`-o FILE` names a file in a directory that exists (never created here)."""
     path = Path(output)
@@ -131,7 +81,7 @@ def snapshot(state: State, output: str | None) -> None:
     cfg = state.config()
     if output:  # before the GPU read: a bad path is said at once
         _check_output_file(output)
-    snap = read_snapshot_with_deadline(cfg.health.timeout_s, hostname=_node_name(None))
+    snap = read_snapshot_with_deadline(cfg.health.timeout_s, hostname=command_node(None))
     if output:
         try:  # a reader never sees half a snapshot; no directory is created for a typo
             atomic_write_text(output, snap.to_json(), parents=False)
@@ -293,7 +243,7 @@ def watch(state: State, node: str | None, interval: float, no_nvml: bool) -> Non
     from .commands.watch import run_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
-    sys.exit(run_watch(cfg, _node_name(node), interval=interval, use_nvml=not no_nvml))
+    sys.exit(run_watch(cfg, command_node(node), interval=interval, use_nvml=not no_nvml))
 
 
 @cli.command()
@@ -305,7 +255,7 @@ def healthcheck(state: State, node: str | None, skip_recent: float | None) -> No
     """For Slurm's HealthCheckProgram: check this node, drain on failure (0 healthy, 1 unhealthy)."""
     from .commands.healthcheck import run_healthcheck  # start-up speed
 
-    code = run_healthcheck(_node_name(node), lambda: state.config(for_root_hook=os.geteuid() == 0),
+    code = run_healthcheck(command_node(node), lambda: state.config(for_root_hook=os.geteuid() == 0),
                            skip_recent=skip_recent)
     sys.exit(code)
 
@@ -371,7 +321,7 @@ def resume_if_healthy(state: State, node: str | None, wait_s: float | None) -> N
     """At boot: resume this node if it is healthy and drained by slurmagent (exit 1: unhealthy)."""
     from .commands.repair import run_resume_if_healthy  # start-up speed
 
-    sys.exit(run_resume_if_healthy(state.config(for_root_hook=os.geteuid() == 0), _node_name(node),
+    sys.exit(run_resume_if_healthy(state.config(for_root_hook=os.geteuid() == 0), command_node(node),
                                    out=sys.stdout, wait_s=wait_s))
 
 
@@ -412,7 +362,7 @@ def journal_cmd(state: State, replay: bool, as_json: bool, node: str | None) -> 
     """Show (or replay) this node's journal of pending actions (exit 1: some are pending)."""
     from .commands.journal import run_journal  # start-up speed
 
-    sys.exit(run_journal(state.config(), _node_name(node), replay=replay, as_json=as_json, out=sys.stdout))
+    sys.exit(run_journal(state.config(), command_node(node), replay=replay, as_json=as_json, out=sys.stdout))
 
 
 @cli.command()
@@ -466,14 +416,16 @@ def expiry_watch(state: State, once: bool, node: str | None, interval: float) ->
     from .commands.expiry import run_expiry_watch  # start-up speed
 
     cfg = state.config(for_root_hook=os.geteuid() == 0)
-    sys.exit(run_expiry_watch(cfg, _node_name(node), once=once, interval_s=interval))
+    sys.exit(run_expiry_watch(cfg, command_node(node), once=once, interval_s=interval))
 
 
 from .cli_bucket import ckpt, report  # noqa: E402 - the commands that read a prefix live beside: this module's size
+from .cli_check import check  # noqa: E402 - beside, for this module's size
 from .cli_dev import demo  # noqa: E402 - the dev harness's command: shown only from a checkout
 
 cli.add_command(ckpt)
 cli.add_command(report)
+cli.add_command(check)
 cli.add_command(demo)
 
 

@@ -144,6 +144,10 @@ def run_doctor(config_path: str | None, *, clock: Callable[[], float] = time.tim
             cfg = config_mod.Config()
     src = health.SOURCES
     conf, tried = find_slurm_conf(cfg.slurm.conf, os.environ if src.env is None else src.env, src.conf_search)
+    if cfg.slurm.conf and conf != Path(cfg.slurm.conf):  # the search went on: say so, never pass it over
+        results.append(Result("[slurm] conf", False, f"{cfg.slurm.conf} is not a readable file"
+                              + (f"; read {conf} instead" if conf else ""),
+                              "set [slurm] conf to the slurm.conf slurmd reads, or remove it to search"))
     results.extend(slurm_conf_results(conf, tried))
     node = node_name()
     if not valid_node_name(node):  # it names state paths
@@ -234,9 +238,13 @@ def external_results(cfg: config_mod.Config, *, clock: Callable[[], float] = tim
     return rows
 
 
+LOCAL_CHECKS = ("job channel", "slurmagent-watch", "metrics file")  # this host's own: hung is a problem (1), not an outage (3)
+
+
 def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]]],
                 deadline_s: float) -> list[Result]:
-    """Run each check in a daemon thread; whatever has not answered by the deadline fails.
+    """Run each check in a daemon thread; whatever has not answered by the deadline fails (a
+    remote service: unreachable, exit 3; this host's own, `LOCAL_CHECKS`: a problem, exit 1).
     A check may give several lines (the Compute API and its permissions)."""
     slots: list[Result | list[Result] | None] = [None] * len(checks)
 
@@ -257,7 +265,7 @@ def run_bounded(checks: list[tuple[str, str, Callable[[], Result | list[Result]]
     out: list[Result] = []
     for slot, (name, fix, _) in zip(slots, checks):
         if slot is None:
-            slot = Result(name, False, f"no answer within {deadline_s:g} s", fix, unreachable=True)
+            slot = Result(name, False, f"no answer within {deadline_s:g} s", fix, unreachable=name not in LOCAL_CHECKS)
         out.extend(slot if isinstance(slot, list) else [slot])
     return out
 

@@ -108,10 +108,16 @@ def controller_results(scontrol: str, timeout_s: float, conf: Path | None) -> li
     return [head, Result(SLURM_FEATURES, ok, one_line(detail), "" if ok else FIX_SLURM_METRICS, skipped=skipped)]
 
 
+def http_get(url: str, timeout_s: float):
+    """GET `url` directly: an `http_proxy` in root's environment must not stand between doctor
+    and slurmctld or node_exporter (a proxy answers for a controller that is down)."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=timeout_s)
+
+
 def get_fails(url: str, timeout_s: float) -> str | None:
     """None when `GET url` answers (any status but a 5xx: 401/403 is a restricted endpoint), else why not."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s):
+        with http_get(url, timeout_s):
             return None
     except urllib.error.HTTPError as exc:
         return None if exc.code < 500 else f"HTTP {exc.code}"
@@ -216,7 +222,7 @@ def exporter_view(url: str, textfile: Path) -> Result | None:
     """What node_exporter's own metrics say of the textfile; None when it does not answer."""
     name = "metrics file"
     try:
-        with urllib.request.urlopen(url, timeout=CALL_TIMEOUT_S) as resp:  # noqa: S310 - loopback
+        with http_get(url, CALL_TIMEOUT_S) as resp:
             lines = resp.read(16 * 1024 * 1024).decode("utf-8", "replace").splitlines()
     except (OSError, ValueError):
         return None

@@ -173,7 +173,7 @@ class ExpiryWatch:
             lookup_failed=bool(res.errors), drain_lead_s=float(ex.drain_lead_s), flush_lead_s=float(ex.flush_lead_s),
             max_time_s=self._max_time_s if ex.drain_at_max_time else None)
         res.actions.extend(d.notes)
-        if api is not None or res.read_failure is not None:
+        if ex.compute_api:  # kept across runs that did not ask the API (a fresh answer, the metadata server down)
             streak = old.get(expiry_policy.READ_FAILURES_KEY) if old.get("boot_id") == self.boot_id else None
             if res.read_failure is not None:
                 streak, res.protection_off = expiry_policy.read_failure_streak(streak, res.read_failure or None, now)

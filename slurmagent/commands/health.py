@@ -23,12 +23,16 @@ from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
 from ..gpu import kernlog
+from ..core import catalogue, gpu_occupancy as occ
+from ..core.catalogue import RULE_CHECK
 from ..core.checks import Finding, Limits, Report, Severity, count_unknown_finding, run_checks, timeout_report
 from ..core.node_catalogue import DCGM_DIAG, FILESYSTEM_FULL, GPU_NICS, LOCAL_MOUNTS, node_check_on, runs_in
+from ..core.snapshot import CudaProbe
 from ..state.config import Config
 from ..errors import NvmlTimeout, SlurmagentError
 from ..core.kernel_xid import KernelXid, map_to_gpus
 from ..slurm.commands import CONF_SEARCH, Slurm, conf_candidates, gres_gpu_count
+from ..slurm.job_processes import job_of_pid
 from ..state.fsutil import UntrustedFile, atomic_write_text, read_state_file
 from ..state.host import BOOT_ID_PATH, boot_id
 from ..core.snapshot import NodeSnapshot, load
@@ -65,6 +69,7 @@ class NodeSources:
     proc: Path = Path("/proc")
     boot_id_path: str = BOOT_ID_PATH
     jobs_on_node: Callable[[Config, str], list[str]] | None = None  # None: squeue (`Slurm.jobs_on_node`)
+    statvfs: Callable[[str], os.statvfs_result] = os.statvfs  # how full a filesystem is
 
 
 def _jobs_on_node(cfg: Config, node: str) -> list[str]:
@@ -128,29 +133,41 @@ def kernel_source(cfg: Config, node: str | None) -> kernlog.Source:
     return kernlog.source_for(cfg.node_path(cfg.health.kernel_log, node))
 
 
-def evaluate(cfg: Config, node: str, commit_cursor: bool, *, layer: str = "check",
-             node_sources: NodeSources | None = None) -> Report:
-    """Run every check of `layer` (catalogue.LAYERS, or `check`: the admin's command, every
-    layer's). With `commit_cursor` the XIDs read are marked judged (hooks, watch); without it
-    (`check`) the kernel-log cursor is left where it was."""
+@dataclass(frozen=True)
+class Seams:
+    """What the checks beyond NVML's state ask outside the snapshot (tests pass fakes)."""
+    owner_of: Callable[[int], str | None] = job_of_pid
+    running: Callable[[Config, str], set[str]] = lambda cfg, node: set(Slurm.from_config(cfg).jobs_on_node(node))
+    cuda: Callable[[float], CudaProbe] | None = None  # None: libcuda in a forked child (gpu/cuda.py)
+    sleep: Callable[[float], None] = time.sleep
+
+
+def evaluate(cfg: Config, node: str, commit_cursor: bool, layer: str | None = None, job: str | None = None,
+             seams: Seams = Seams(), node_sources: NodeSources | None = None) -> Report:
+    """Run every check of `layer` (None: `slurmagent check`, every enabled check) that `[checks]`
+    leaves on. With `commit_cursor` the XIDs read are marked judged (hooks, watch); without it
+    (`check`) the kernel-log cursor is left where it was. `job`: the hook's job."""
     started = time.monotonic()
     exp = expected(cfg, node)
     try:
-        report = _evaluate(cfg, node, commit_cursor, exp.count)
+        snap = read_snapshot(cfg, node)
+        report = _evaluate(cfg, node, commit_cursor, exp.count, snap)
+        report.findings.extend(beyond_nvml(cfg, node, snap, layer, job, seams))
     except NvmlTimeout:
         report = timeout_report(cfg.health.timeout_s, exp.count)
     if node_sources is not None or not cfg.health.snapshot:
-        report.findings.extend(node_findings(cfg, node, layer, node_sources or NodeSources(), started))
+        report.findings.extend(node_findings(cfg, node, layer or "check", node_sources or NodeSources(), started))
     report.expected_source = exp.source or None
     if exp.count is None:  # never silently off: said in check, --json and the decision log
         report.findings.append(count_unknown_finding(exp.tried))
+    report.findings = [f for f in report.findings if f.rule not in RULE_CHECK or _runs(cfg, RULE_CHECK[f.rule], layer)]
     return report
 
 
 def evaluator(layer: str, node_sources: NodeSources | None = None):
     """`evaluate` for one layer, in the hooks' (cfg, node, commit_cursor) signature."""
     def run(cfg: Config, node: str, commit_cursor: bool) -> Report:
-        return evaluate(cfg, node, commit_cursor, layer=layer, node_sources=node_sources)
+        return evaluate(cfg, node, commit_cursor, layer, node_sources=node_sources)
     return run
 
 
@@ -186,14 +203,14 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources, started:
             table, mounts_on = {}, False
         for point in h.mounts:
             mount = table.get(point)
-            probe, used = mounts.probe(point, h.timeout_s) if mount is not None and mounts_on else (None, None)
+            probe, used = mounts.probe(point, h.timeout_s, src.statvfs) if mount is not None and mounts_on else (None, None)
             if mounts_on:
                 out.extend(nc.mount_findings(point, mount, probe, idle=layer == "resume"))
             if full_on and mount is not None and not (probe and probe.timed_out):  # hung: not asked twice
-                used = used if used is not None else mounts.used_percent(point, h.timeout_s)
+                used = used if used is not None else mounts.used_percent(point, h.timeout_s, src.statvfs)
                 out.extend(nc.full_findings(point, used, h.full_warn_percent))
         if full_on and h.ckpt_filesystem and h.ckpt_filesystem not in h.mounts:
-            out.extend(nc.full_findings(h.ckpt_filesystem, mounts.used_percent(h.ckpt_filesystem, h.timeout_s),
+            out.extend(nc.full_findings(h.ckpt_filesystem, mounts.used_percent(h.ckpt_filesystem, h.timeout_s, src.statvfs),
                                         h.full_warn_percent))
     level = h.dcgm_resume_level if layer == "resume" else h.dcgm_healthcheck_level
     if layer in ("healthcheck", "check", "resume") and level and node_check_on(DCGM_DIAG, on, off):
@@ -250,8 +267,59 @@ def _first_this_boot(state: Path, boot: str, what: str) -> bool:
     return True
 
 
-def _evaluate(cfg: Config, node: str, commit_cursor: bool, expected: int | None) -> Report:
-    snap = read_snapshot(cfg, node)
+def _runs(cfg: Config, check: str, layer: str | None) -> bool:
+    """The catalogue's answer, and `cuda-init` in the prolog where `[health] cuda_in_prolog` asks for it."""
+    on, off = cfg.checks.on, cfg.checks.off
+    if check == "cuda-init" and layer == "prolog" and cfg.health.cuda_in_prolog:
+        return catalogue.enabled(check, on, off)
+    return catalogue.runs(check, layer, on, off)
+
+
+def beyond_nvml(cfg: Config, node: str, snap: NodeSnapshot | None, layer: str | None, job: str | None,
+                seams: Seams = Seams()) -> list[Finding]:
+    """Leftover processes, orphaned memory, the NVSwitch fabric, CUDA's start. What a GPU process
+    belongs to is asked only when there is one (nothing costs more on a clean node)."""
+    if snap is None or snap.nvml_error:
+        return []
+    on, off = cfg.checks.on, cfg.checks.off
+
+    def occupancy(snap: NodeSnapshot) -> list[Finding]:
+        found: list[Finding] = []
+        if catalogue.runs("gpu-orphaned-memory", layer, on, off):
+            found += occ.orphaned_memory(snap, cfg.health.orphaned_memory_mib)
+        pids = occ.gpu_pids(snap)
+        if pids and catalogue.runs("gpu-leftover-processes", layer, on, off):
+            owners = {pid: seams.owner_of(pid) for pid in pids}
+            running: set[str] | None = set()
+            if any(owner is not None and owner != job for owner in owners.values()):
+                try:
+                    running = seams.running(cfg, node)
+                except SlurmagentError:
+                    running = None
+            found += occ.leftover_processes(snap, owners, running, cfg.health.gpu_process_allowlist, job,
+                                            epilog=layer == "epilog")
+        return found
+
+    out = occupancy(snap)
+    if layer is not None and cfg.health.leftover_grace_s > 0 and any(f.severity is Severity.DRAIN for f in out):
+        seams.sleep(cfg.health.leftover_grace_s)  # the previous job's CUDA teardown: judge a second reading
+        out = occupancy(read_snapshot(cfg, node))
+    if catalogue.runs("nvswitch-fabric", layer, on, off):
+        out += occ.fabric(snap)
+    if _runs(cfg, "cuda-init", layer):
+        if cfg.health.snapshot:  # a replay judges what the file says, never this machine's CUDA
+            probe = snap.cuda
+        elif seams.cuda is not None:
+            probe = seams.cuda(cfg.health.cuda_timeout_s)
+        else:
+            from ..gpu.cuda import probe_with_deadline  # only where the check runs: start-up speed
+
+            probe = probe_with_deadline(cfg.health.cuda_timeout_s)
+        out += occ.cuda(probe, len(snap.gpus))
+    return out
+
+
+def _evaluate(cfg: Config, node: str, commit_cursor: bool, expected: int | None, snap: NodeSnapshot) -> Report:
     xids: list[tuple[int | None, int, str]] = []
     limits = Limits.from_health(cfg.health)
     if cfg.health.kernel_log_enabled:

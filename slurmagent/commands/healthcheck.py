@@ -19,6 +19,7 @@ Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -39,7 +40,6 @@ from ..core.timefmt import parse_log_time
 
 TAIL_BYTES = 64 * 1024
 RECENT_EVENTS = ("prolog", "epilog")
-CONCLUSIVE = ("healthy", "unhealthy")  # an internal error checked nothing: do not skip on it
 FOLLOW_MAX_S = 30.0  # the flushed jobs' deadline here: slurmd kills a health check after 60 s (check + drain first)
 
 HealthFn = Callable[[Config, str, bool], Report]
@@ -88,9 +88,9 @@ def recent_decision(log_path: Path, node: str, within_s: float, now: float | Non
             return None  # lines are in time order: nothing newer further up
         if record.get("node") != node:
             continue
-        if record.get("verdict") == "unhealthy":
-            return None  # the newest verdict is a fault: the next check must look
-        if record.get("event") in RECENT_EVENTS and record.get("verdict") in CONCLUSIVE:
+        if record.get("verdict") not in (None, "healthy"):
+            return None  # the newest verdict is a fault or checked nothing (an internal error): look
+        if record.get("event") in RECENT_EVENTS and record.get("verdict") == "healthy":
             return record
     return None
 
@@ -118,9 +118,9 @@ def run_healthcheck(
             metrics.for_node(cfg, node).heartbeat("healthcheck")  # it ran: its heartbeat stays fresh on a busy node
             return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
         if health is None:
-            from .health import evaluator  # NVML and the checks: only past the skip, for start-up speed
+            from .health import evaluate  # NVML and the checks: only past the skip, for start-up speed
 
-            health = evaluator("healthcheck")
+            health = functools.partial(evaluate, layer="healthcheck")
         report = health(cfg, node, True)
         if report.healthy:
             warnings = [f.summary for f in report.findings]

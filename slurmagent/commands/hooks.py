@@ -135,9 +135,9 @@ def _ended_job_series(ctx: HookContext) -> tuple[str, ...]:
     attempt sets them again."""
     if ctx.hook != "epilog" or not ctx.job_id:
         return ()
-    from ..policy.job_requests import PER_JOB  # the epilog only: start-up speed
+    from ..policy.job_requests import PER_JOB, job_series  # the epilog only: start-up speed
 
-    return tuple(f'{name}{{{label}="{ctx.job_id}"}}' for name in PER_JOB for label in ("job_id", "job"))
+    return job_series(PER_JOB, ctx.job_id)
 
 
 def _internal_error(ctx: HookContext, cfg: Config | None, log: DecisionLog, exc: BaseException,

@@ -47,6 +47,7 @@ from ..actions.executor import JournalExecutor
 from ..actions.eviction import FaultEviction
 from ..actions.fault import FaultResponse, respond_to_fault
 from ..gpu import kernlog
+from ..core import catalogue
 from ..core.checks import Finding, Report, Severity, count_unknown_finding, xid_finding
 from ..state import metrics
 from ..state.config import Config
@@ -382,6 +383,8 @@ class Watcher:
 
         Raises SlurmagentError when the drain failed (the caller keeps the events)."""
         judged: list[tuple[XidEvent, Finding, bool]] = []
+        if not catalogue.runs("gpu-xid", "watch", self.cfg.checks.on, self.cfg.checks.off):
+            return None  # `[checks] off = ["gpu-xid"]`: the watch judges nothing
         for e in events:
             judged.append((e, xid_finding(e.xid, e.gpu, e.detail), self._duplicate(e)))
         drains = [f for _, f, _ in judged if f.severity is Severity.DRAIN]

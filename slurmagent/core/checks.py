@@ -25,6 +25,8 @@ RULE_ORDER = (
     "nvml-error",
     "gpu-lost",
     "gpu-count",
+    "cuda-init",
+    "nvswitch-fabric",
     "xid",
     "recovery-action",
     "ecc-uncorrectable",
@@ -34,6 +36,8 @@ RULE_ORDER = (
     "nvlink-down",
     "pcie-width",
     "hw-slowdown",
+    "gpu-leftover-processes",
+    "gpu-orphaned-memory",
 )
 
 RECOVERY_ACTIONS = {0: "none", 1: "gpu reset", 2: "node reboot", 3: "drain p2p", 4: "drain and reset"}

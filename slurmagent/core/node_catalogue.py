@@ -1,9 +1,9 @@
 """The node's own checks beyond the GPUs (issue 39): GPU NICs, local mounts, full
-filesystems, DCGM diagnostics. Their specs join catalogue.CATALOGUE at the merge."""
+filesystems, DCGM diagnostics; catalogue.CATALOGUE lists them after the GPU checks."""
 
 from __future__ import annotations
 
-from .catalogue import CheckSpec, enabled
+from .check_spec import CheckSpec
 
 GPU_NICS = "gpu-nics"
 LOCAL_MOUNTS = "local-mounts"
@@ -33,7 +33,10 @@ NODE_CHECKS: tuple[CheckSpec, ...] = (
 
 
 def node_check_on(name: str, on: tuple[str, ...], off: tuple[str, ...]) -> bool:
-    return enabled(name, on, off, NODE_CHECKS)
+    """Whether a node check runs at all under the `[checks]` switches (catalogue.enabled's rule)."""
+    if name in off:
+        return False
+    return name in on or any(s.name == name and s.default_on for s in NODE_CHECKS)
 
 
 def runs_in(name: str, layer: str) -> bool:

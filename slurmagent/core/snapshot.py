@@ -62,6 +62,37 @@ class NvLink:
 
 
 @dataclass
+class Memory:
+    """Frame buffer of one GPU in MiB (NVML's v2 memory info: `used` leaves out `reserved`)."""
+    total_mib: int | None = None
+    used_mib: int | None = None
+    reserved_mib: int | None = None
+
+
+@dataclass
+class GpuProcess:
+    """A compute process on one GPU (nvmlDeviceGetComputeRunningProcesses)."""
+    pid: int
+    used_mib: int | None = None
+    name: str | None = None  # /proc/PID/comm when readable
+    user: str | None = None
+
+
+@dataclass
+class Fabric:
+    """The GPU's NVSwitch fabric (nvmlDeviceGetGpuFabricInfo[V]); absent where the GPU has none."""
+    state: str | None = None  # "not_started" | "in_progress" | "completed"
+    status: str | None = None  # NVML return name of the fabric's probe, "NVML_SUCCESS" when fine
+
+
+@dataclass
+class CudaProbe:
+    """What `cuInit` + `cuDeviceGetCount` answered (the `cuda-init` check; a snapshot may carry it)."""
+    devices: int | None = None
+    error: str | None = None  # CUDA_ERROR_* name, "timeout" or "libcuda: ..." when it failed
+
+
+@dataclass
 class XidEvent:
     """One XID seen on a GPU."""
     xid: int
@@ -88,6 +119,9 @@ class GpuState:
     clocks_event_reasons: list[str] | None = None
     recovery_action: int | None = None
     xid_events: list[XidEvent] = field(default_factory=list)
+    memory: Memory = field(default_factory=Memory)
+    processes: list[GpuProcess] | None = None  # None: not measured
+    fabric: Fabric | None = None  # None: no fabric (or not measured)
 
 
 @dataclass
@@ -98,6 +132,7 @@ class NodeSnapshot:
     nvml_error: str | None = None
     gpus: list[GpuState] = field(default_factory=list)
     schema: int = SCHEMA
+    cuda: CudaProbe | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _prune(
@@ -107,6 +142,7 @@ class NodeSnapshot:
                 "driver_version": self.driver_version,
                 "nvml_error": self.nvml_error,
                 "gpus": [_gpu_to_dict(g) for g in self.gpus],
+                "cuda": None if self.cuda is None else _prune(vars(self.cuda)),
             },
             keep=("nvml_error",),
         )
@@ -130,6 +166,7 @@ class NodeSnapshot:
                 driver_version=_opt(data, "driver_version", str, "snapshot"),
                 nvml_error=_opt(data, "nvml_error", str, "snapshot"),
                 gpus=[_gpu_from_dict(g, i) for i, g in enumerate(gpus_raw)],
+                cuda=_cuda_from(data.get("cuda")),
             )
         except (TypeError, ValueError) as exc:
             raise SnapshotError(f"{source}: {exc}") from None
@@ -162,7 +199,7 @@ def load(path: str | os.PathLike[str]) -> NodeSnapshot:
 
 # --- conversion helpers -------------------------------------------------------------------
 
-_SUB = {"ecc": Ecc, "remapped_rows": RemappedRows, "retired_pages": RetiredPages, "pcie": Pcie}
+_SUB = {"ecc": Ecc, "remapped_rows": RemappedRows, "retired_pages": RetiredPages, "pcie": Pcie, "memory": Memory}
 
 
 def _gpu_to_dict(g: GpuState) -> dict[str, Any]:
@@ -186,6 +223,10 @@ def _gpu_to_dict(g: GpuState) -> dict[str, Any]:
     out["recovery_action"] = g.recovery_action
     if g.xid_events:
         out["xid_events"] = [_prune(vars(e)) for e in g.xid_events]
+    if g.processes is not None:
+        out["processes"] = [_prune(vars(p)) for p in g.processes]
+    if g.fabric is not None:
+        out["fabric"] = _prune(vars(g.fabric))
     return _prune(out)
 
 
@@ -244,7 +285,32 @@ def _gpu_from_dict(d: Any, position: int) -> GpuState:
         kwargs["xid_events"].append(
             XidEvent(xid=e["xid"], time=_opt(e, "time", str, at), detail=_opt(e, "detail", str, at))
         )
+    procs = d.get("processes")
+    if procs is not None:
+        if not isinstance(procs, list):
+            raise TypeError(f"{where}.processes must be a list")
+        kwargs["processes"] = []
+        for i, p in enumerate(procs):
+            at = f"{where}.processes[{i}]"
+            if not isinstance(p, dict) or not isinstance(p.get("pid"), int) or isinstance(p.get("pid"), bool):
+                raise TypeError(f"{at} needs an integer 'pid'")
+            kwargs["processes"].append(GpuProcess(p["pid"], _opt(p, "used_mib", int, at), _opt(p, "name", str, at),
+                                                  _opt(p, "user", str, at)))
+    fabric = d.get("fabric")
+    if fabric is not None:
+        if not isinstance(fabric, dict):
+            raise TypeError(f"{where}.fabric must be an object")
+        at = f"{where}.fabric"
+        kwargs["fabric"] = Fabric(_opt(fabric, "state", str, at), _opt(fabric, "status", str, at))
     return GpuState(**kwargs)
+
+
+def _cuda_from(raw: Any) -> CudaProbe | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TypeError("cuda must be an object")
+    return CudaProbe(_opt(raw, "devices", int, "cuda"), _opt(raw, "error", str, "cuda"))
 
 
 def _build(cls: Any, raw: dict[str, Any], where: str) -> Any:

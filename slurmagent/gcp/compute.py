@@ -14,18 +14,15 @@ google.cloud.compute_v1).
   `scheduling.terminationTime`, else `lastStartTimestamp + scheduling.maxRunDuration`) and
   the scheduling facts around it (provisioning model, termination action, host maintenance
   policy, `resourceStatus.upcomingMaintenance`, whether it is a GPU VM).
-* `wait`: the extended operation is polled here through Zone/RegionOperationsClient built
-  with the same endpoint and credentials: the clients' own poller calls Google's default
-  endpoint whatever `client_options` say, so the local fake could never answer it.
+* `wait`: the operation is polled through Zone/RegionOperationsClient on the same endpoint and
+  credentials (the clients' own poller calls Google's endpoint whatever `client_options` say).
 
 Every request has a timeout (capped by the caller's deadline) and `retry=None` so the
 library's 600 s default retry cannot outlive it; 429, 5xx and connection failures are
 retried here with jittered exponential backoff (honouring Retry-After); 403/404 and other
-4xx are not. A mutation carries a `requestId`, so a retry or a replay from the journal
-cannot make the API act twice.
+4xx are not. A mutation carries a `requestId`: a retry or a journal replay cannot act twice.
 
-Credentials: an `http://127.0.0.1` / `localhost` endpoint (tests, the fake) gets anonymous
-credentials; anything else gets Application Default Credentials.
+Credentials: anonymous for an `http://127.0.0.1` / `localhost` endpoint, else Application Default.
 """
 
 from __future__ import annotations
@@ -72,9 +69,7 @@ class ComputeError(SlurmagentError):
     def retriable(self) -> bool:
         return self.status is None or self.status in RETRIABLE
 
-    @property
-    def no_answer(self) -> bool:  # network, timeout, 429/5xx after the retries: an outage, not a verdict
-        return self.retriable and not self.answered
+    no_answer = property(lambda self: self.retriable and not self.answered)  # an outage, not a verdict
 
     @property
     def refused(self) -> bool:
@@ -204,7 +199,9 @@ class Compute:
                 if response is not None:
                     retry_after = _retry_after(getattr(response, "headers", {}) or {})
             except auth_errors as exc:
-                raise ComputeError(f"{method}: no usable Google credentials: {exc}", 401) from None
+                if not _token_unreachable(exc, transport_errors):
+                    raise ComputeError(f"{method}: no usable Google credentials: {exc}", 401) from None
+                err = ComputeError(f"{method}: no access token yet: {exc}", None)  # the metadata server, not IAM
             except transport_errors as exc:
                 err = ComputeError(f"{method}: {type(exc).__name__}: {exc}", None)
             except malformed as exc:
@@ -510,11 +507,13 @@ def op_ref(op: Any, scope: str, location: str) -> OpRef:
 def _retry_after(headers: Any) -> float | None:
     try:
         value = headers.get("Retry-After") or headers.get("retry-after")
-    except AttributeError:
+        return None if value is None else max(0.0, float(value))
+    except (AttributeError, ValueError):
         return None
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
+
+
+def _token_unreachable(exc: BaseException, transport_errors: tuple[type[BaseException], ...]) -> bool:
+    """A token refresh that failed on the way (the metadata server slow or restarting), not a
+    refusal: retried and counted as transport, never as a lasting permission failure."""
+    cause = exc.__cause__ or (exc.args[0] if exc.args else None)
+    return bool(getattr(exc, "retryable", False)) or isinstance(cause, transport_errors)

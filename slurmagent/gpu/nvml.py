@@ -21,15 +21,21 @@ A read with a hard deadline (a child process that is abandoned when the driver h
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
+import pwd
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import SlurmagentError
 from ..core.kernel_xid import normalize_pci
-from ..core.snapshot import Ecc, GpuState, NodeSnapshot, NvLink, Pcie, RemappedRows, RetiredPages
+from ..core.snapshot import (Ecc, Fabric, GpuProcess, GpuState, Memory, NodeSnapshot, NvLink, Pcie, RemappedRows,
+                             RetiredPages)
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +205,70 @@ def _fill_gpu(nv: Any, h: Any, gpu: GpuState) -> None:
         mask = _query(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", h)
     gpu.clocks_event_reasons = None if mask is None else decode_clocks_event_reasons(int(mask), nv)
     gpu.recovery_action = _read_recovery_action(nv, h)
+    gpu.memory = _read_memory(nv, h)
+    gpu.processes = _read_processes(nv, h)
+    gpu.fabric = _read_fabric(nv, h)
+
+
+_MIB = 1 << 20
+_FABRIC_STATES = {1: "not_started", 2: "in_progress", 3: "completed"}  # 0: not supported (no fabric)
+
+
+def _read_memory(nv: Any, h: Any) -> Memory:
+    """v2 memory info (used leaves reserved out); a binding or driver without it: v1, no reserved."""
+    version = getattr(nv, "nvmlMemory_v2", None)
+    info = _query(nv, "nvmlDeviceGetMemoryInfo", h, version) if version is not None else None
+    reserved = None if info is None else getattr(info, "reserved", None)
+    if info is None:
+        info = _query(nv, "nvmlDeviceGetMemoryInfo", h)
+    if info is None:
+        return Memory()
+    return Memory(total_mib=int(info.total) // _MIB, used_mib=int(info.used) // _MIB,
+                  reserved_mib=None if reserved is None else int(reserved) // _MIB)
+
+
+def _read_processes(nv: Any, h: Any, proc: str = "/proc") -> list[GpuProcess] | None:
+    """The GPU's compute processes with their memory, name and user (from /proc, when readable)."""
+    found = _query(nv, "nvmlDeviceGetComputeRunningProcesses", h)
+    if found is None:
+        return None
+    out = []
+    for p in found:
+        used = getattr(p, "usedGpuMemory", None)
+        name, user = process_identity(int(p.pid), proc)
+        out.append(GpuProcess(int(p.pid), None if used is None else int(used) // _MIB, name, user))
+    return sorted(out, key=lambda p: p.pid)
+
+
+def process_identity(pid: int, proc: str = "/proc") -> tuple[str | None, str | None]:
+    """(command name, user name) of a pid; None for what cannot be read (gone, another namespace)."""
+    try:
+        name = Path(proc, str(pid), "comm").read_text().strip() or None
+        uid = os.stat(Path(proc, str(pid))).st_uid
+    except (OSError, ValueError):
+        return None, None
+    try:
+        return name, pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return name, str(uid)
+
+
+def _read_fabric(nv: Any, h: Any) -> Fabric | None:
+    """nvmlDeviceGetGpuFabricInfoV (or the older nvmlDeviceGetGpuFabricInfo); None without a fabric."""
+    for func, struct in (("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t"),
+                         ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t")):
+        cls = getattr(nv, struct, None)
+        if cls is None or getattr(nv, func, None) is None:
+            continue
+        info = cls()
+        if _query(nv, func, h, ctypes.byref(info)) is None:
+            return None
+        state = _FABRIC_STATES.get(int(info.state))
+        if state is None:
+            return None
+        return Fabric(state=state, status=error_name(SimpleNamespace(value=int(info.status)), nv)
+                      if int(info.status) else "NVML_SUCCESS")
+    return None
 
 
 def _read_ecc(nv: Any, h: Any) -> Ecc:

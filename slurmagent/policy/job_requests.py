@@ -100,6 +100,12 @@ class JobRequest:
     pid: int = 0  # drain: the rank's process on this node the asker found stopped (root looks itself)
 
 
+def job_series(names, job: str) -> tuple[str, ...]:
+    """The prefixes of job `job`'s series of these metrics, to clear when it ends (`{job=` too:
+    the label's name up to 0.1.0, left in an upgraded node's metrics.json)."""
+    return tuple(f'{name}{{{label}="{job}"}}' for name in names for label in ("job_id", "job"))
+
+
 def nesting(raw: bytes) -> int:
     """How deep `[`/`{` nest in ``raw`` outside JSON strings (a linear scan, no recursion)."""
     depth = deepest = 0
@@ -214,8 +220,7 @@ def metric_update(req: JobRequest) -> tuple[dict, dict, tuple[str, ...] | None]:
             return (base, (("part", part),))
         return (name, (("job_id", req.job),)) if name in PER_JOB else (name, ())
 
-    clear = tuple(f'{name}{{{label}="{req.job}"}}' for name in PER_JOB for label in ("job_id", "job")) \
-        if req.clear else None
+    clear = job_series(PER_JOB, req.job) if req.clear else None
     add = {key(n): v for n, v in req.add.items() if n not in ROOT_COUNTED}
     return {key(n): v for n, v in req.set_.items()}, add, clear
 

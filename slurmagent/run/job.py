@@ -20,6 +20,7 @@ from typing import Mapping
 from ..checkpoint.manifest import Manifest, entry_content_id
 from ..checkpoint.scan import scan_checkpoint_dir
 from ..errors import SlurmagentError
+from ..policy import job_requests
 from ..slurm import env as slurm_env
 from ..slurm.model import FAULT_FLUSH_SIGNAL
 from ..state.host import node_name
@@ -268,9 +269,8 @@ def job_gauges(job: str, lag_s: float, store, now: float) -> dict[tuple, float]:
 
 
 def job_series(job: str) -> tuple[str, ...]:
-    """The prefixes of this job's gauge series, removed when the attempt ends (`{job=` too: the
-    label's name up to 0.1.0, left in an upgraded node's metrics.json)."""
-    return tuple(f'{name}{{{label}="{job}"}}' for name in JOB_GAUGES for label in ("job_id", "job"))
+    """The prefixes of this job's gauge series, removed when the attempt ends."""
+    return job_requests.job_series(JOB_GAUGES, job)
 
 
 FAULT_GRACE_S = 5.0  # a fault flush waits at most this long for the trainer (instead of --grace)

@@ -20,6 +20,7 @@ never the caller itself.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -230,3 +231,22 @@ def checkpoint_writers(ckpt_dir: str | os.PathLike, job_id: str = "", sessions: 
     appending (a log: it only grows)."""
     held = JobProcesses(job_id, sessions).open_for_writing(ckpt_dir)
     return torn_files(held, ckpt_dir), appending_files(held, ckpt_dir)
+
+
+_CGROUP_JOB = re.compile(rb"/job_([0-9]+)(?:/|$)", re.MULTILINE)
+
+
+def job_of_pid(pid: int, proc: str = "/proc") -> str | None:
+    """The Slurm job a process belongs to, by its cgroup path (`.../job_<id>/...`) or its environment
+    (`SLURM_JOB_ID`); None when it names none or is gone (node checks: leftover GPU processes)."""
+    facts = _process_facts(pid, proc)
+    if facts is None:
+        return None
+    _, _, _, cgroup, environ = facts
+    found = _CGROUP_JOB.search(cgroup)
+    if found:
+        return found.group(1).decode()
+    for item in environ.split(b"\0"):
+        if item.startswith(b"SLURM_JOB_ID=") and item[13:].isdigit():
+            return item[13:].decode()
+    return None

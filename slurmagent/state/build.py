@@ -16,6 +16,7 @@ at `pip wheel .`); an editable install or a checkout on PYTHONPATH reads the che
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -56,15 +57,15 @@ def checkout_head(repo: Path) -> str | None:
     try:
         git = repo / ".git"
         if git.is_file():  # a worktree or a submodule: `gitdir: <path>`
-            git = repo / git.read_text(encoding="utf-8").partition("gitdir:")[2].strip()
-        head = (git / "HEAD").read_text(encoding="utf-8").strip()
+            git = repo / _small_text(git).partition("gitdir:")[2].strip()
+        head = _small_text(git / "HEAD").strip()
         if not head.startswith("ref: "):  # detached
             return _sha(head)
         ref = head[5:]
-        common = git / (git / "commondir").read_text(encoding="utf-8").strip() if (git / "commondir").is_file() else git
+        common = git / _small_text(git / "commondir").strip() if (git / "commondir").is_file() else git
         for base in (git, common):
             if (base / ref).is_file():
-                return _sha((base / ref).read_text(encoding="utf-8").strip())
+                return _sha(_small_text(base / ref).strip())
         with open(common / "packed-refs", encoding="utf-8") as packed:
             for line in packed:
                 sha, _, name = line.strip().partition(" ")
@@ -73,6 +74,17 @@ def checkout_head(repo: Path) -> str | None:
     except OSError:
         pass
     return None
+
+
+def _small_text(path: Path, limit: int = 4096) -> str:
+    """A small regular file's text: a FIFO or a device named like git's files never blocks the prolog."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return os.read(fd, limit).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
 
 
 def _sha(text: str) -> str | None:

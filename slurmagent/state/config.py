@@ -16,11 +16,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..core.catalogue import CATALOGUE
 from ..core.checks import Limits  # the warning thresholds' defaults: one source
 from ..errors import ConfigError
-from .config_node import NodeHealthKeys, key as _key, validate_checks, validate_paths
+from .config_node import NodeHealthKeys, key as _key, validate_paths
 from .fsutil import UntrustedFile, read_trusted, untrusted_reason
 
+CHECK_NAMES = frozenset(spec.name for spec in CATALOGUE)
 DEFAULT_PATH = "/etc/slurmagent/config.toml"
 ENV_VAR = "SLURMAGENT_CONFIG"
 
@@ -51,6 +53,15 @@ class HealthConfig(NodeHealthKeys):
         120.0, "`healthcheck` exits 0 at once when a healthy prolog/epilog decision was logged this recently and no "
         "unhealthy verdict since (0 = always check)"
     , low=0, high=86400)
+    leftover_grace_s: float = _key(10.0, "GPU processes no running job owns are read again after this long (the "
+                                   "previous job's CUDA teardown) before `gpu-leftover-processes` drains", low=0, high=600)
+    gpu_process_allowlist: tuple[str, ...] = _key(
+        ("nvidia-cuda-mps-server", "nvidia-cuda-mps-control", "nv-hostengine", "dcgm-exporter"),
+        "process names (`/proc/PID/comm`) allowed on a GPU outside any job")
+    orphaned_memory_mib: int = _key(1024, "`gpu-orphaned-memory` drains when a GPU's used memory (reserved memory apart) "
+                                    "exceeds its processes' by more than this", low=1, high=10**7)
+    cuda_timeout_s: float = _key(10.0, "deadline of the `cuda-init` check (cuInit in a child)", low=0.5, high=600)
+    cuda_in_prolog: bool = _key(False, "also run `cuda-init` in the prolog (it costs the driver's CUDA start)")
 
 
 @dataclass(frozen=True)
@@ -303,18 +314,18 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class ChecksConfig:
+    """[checks]: the kill switches of the health checks (`slurmagent check --list`)."""
+    off: tuple[str, ...] = _key((), "names of default-on checks not to run")
+    on: tuple[str, ...] = _key((), "names of default-off checks to run")
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     """[metrics]: the Prometheus textfile."""
     textfile: str = _key("", "Prometheus textfile-collector file; default `<state_dir>/slurmagent.prom` (`%n` = node name), "
                          "which node_exporter cannot read (0750 root): `install`'s config sets it to node_exporter's "
                          "textfile directory")
-
-
-@dataclass(frozen=True)
-class ChecksConfig:
-    """[checks]: the kill switches of the catalogue's checks (`slurmagent check --list`)."""
-    off: tuple[str, ...] = _key((), "names of default-on checks not to run")
-    on: tuple[str, ...] = _key((), "names of default-off checks to run")
 
 
 @dataclass(frozen=True)
@@ -411,7 +422,6 @@ def parse(data: dict[str, Any], source: str = "config") -> Config:
         else:
             raise ConfigError(f"config {source}: unknown key '{key}'")
     cfg = Config(**kwargs)
-    validate_checks(cfg.checks.on, cfg.checks.off, source)
     validate_paths(cfg.health, source)
     return cfg
 
@@ -423,6 +433,9 @@ def _section(cls: type, name: str, table: dict[str, Any], source: str) -> Any:
         if key not in known:
             raise ConfigError(f"config {source}: unknown key '{name}.{key}'")
         out[key] = _coerce(cls, key, value, source, f"{name}.{key}")
+        unknown = [n for n in out[key] if n not in CHECK_NAMES] if cls is ChecksConfig else []
+        if unknown:
+            raise ConfigError(f"config {source}: '{name}.{key}' names no check: {unknown[0]!r} (slurmagent check --list)")
     return cls(**out)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.node_catalogue import NODE_CHECKS
 from ..errors import ConfigError
 
 
@@ -46,13 +45,3 @@ def validate_paths(health: NodeHealthKeys, source: str) -> None:
         for path in paths:
             if path and not path.startswith("/"):
                 raise ConfigError(f"config {source}: '{dotted}' entry {path!r} is not an absolute path")
-
-
-def validate_checks(on: tuple[str, ...], off: tuple[str, ...], source: str, known: tuple[str, ...] = ()) -> None:
-    """`[checks] on/off` name catalogue checks only (ConfigError naming the key and the name)."""
-    names = {s.name for s in NODE_CHECKS} | set(known)
-    for dotted, listed in (("checks.on", on), ("checks.off", off)):
-        for name in listed:
-            if name not in names:
-                raise ConfigError(f"config {source}: '{dotted}' names {name!r}, not a check "
-                                  "(`slurmagent check --list`)")

@@ -157,38 +157,55 @@ def read_state_file(path: str | os.PathLike[str]) -> bytes:
     return read_fd(open_state_file(path))
 
 
+def open_root_dir(path: str | os.PathLike[str]) -> int:
+    """The directory `path` as a file descriptor, refused (EPERM) unless root owns it and no one
+    else can write it. Root then writes through the descriptor: a service account that owns the
+    parent (`/var/lib/prometheus` is prometheus's) may swap the name, never what root writes into."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    why = _unsafe_stat(os.fstat(fd))
+    if why:
+        os.close(fd)
+        raise PermissionError(errno.EPERM, f"{os.fspath(path)} is {why}", os.fspath(path))
+    return fd
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644, durable: bool = True,
-                      parents: bool = True) -> None:
+                      parents: bool = True, root_dir: bool = False) -> None:
     """Write to a temp name in the same directory, fsync, rename, fsync the directory:
     a reader sees the old file or the new one, never half of either. `durable=False` skips
     the fsyncs for files that may be lost in a crash (metrics); `parents=False` creates no
-    directory (a user's output path: a typo must not create a tree)."""
+    directory (a user's output path: a typo must not create a tree); `root_dir`: as root,
+    only into a directory root owns and only root can write (`open_root_dir`)."""
     path = Path(path)
     if parents:
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    if root_dir and os.geteuid() == 0:
+        dfd = open_root_dir(path.parent)
+    else:
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        tmp = f".{path.name}.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)  # a crashed writer's: O_EXCL below never opens a planted link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
         try:
-            write_all(fd, text.encode("utf-8"))
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # a full disk must not keep the half-written temp file
-            os.unlink(tmp)
-        raise
-    if not durable:
-        return
-    with contextlib.suppress(OSError):
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            try:
+                write_all(fd, text.encode("utf-8"))
+                os.fchmod(fd, mode)  # the umask's bits back, on what was opened (not by name)
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk must not keep the half-written temp file
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        if durable:
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def replace_private(path: Path, text: str) -> None:

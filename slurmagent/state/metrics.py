@@ -114,15 +114,16 @@ class Metrics:
             values[_key("slurmagent_build_info", {"version": version()})] = 1.0
             if values == before and self.textfile.exists():
                 return  # nothing changed (e.g. a journal backlog still 0 after a replay): no rewrite
-            self._write_textfile(values)
             atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
+            if not self._write_textfile(values):  # stored first: a shown counter never goes back
+                atomic_write_text(self.store, json.dumps(values, sort_keys=True), 0o640, durable=False)
         finally:
             os.close(fd)
 
-    def _write_textfile(self, values: dict[str, float]) -> None:
-        """The `.prom` file; a failure is counted in `values` (stored next) and said once."""
+    def _write_textfile(self, values: dict[str, float]) -> bool:
+        """The `.prom` file; a failure is counted in `values` (then stored) and said once."""
         try:
-            atomic_write_text(self.textfile, render(values), 0o644, durable=False)
+            atomic_write_text(self.textfile, render(values), 0o644, durable=False, root_dir=True)
         except OSError as exc:
             reason = errno.errorcode.get(exc.errno or 0, "OSError")
             k = _key(WRITE_FAILURES, {"reason": reason})
@@ -132,9 +133,10 @@ class Metrics:
             if _read_said(self.said) != msg:
                 self.say(msg)
                 atomic_write_text(self.said, msg, 0o640, durable=False)
-            return
+            return False
         with contextlib.suppress(FileNotFoundError):
             self.said.unlink()  # written again: the next failure is said again
+        return True
 
     def update(self, set_: dict[tuple[str, tuple], float] | None = None,
                add: dict[tuple[str, tuple], float] | None = None, replace_prefix: str | tuple[str, ...] | None = None,
@@ -212,7 +214,7 @@ def render(values: dict[str, float]) -> str:
 
 def _read_said(path: Path) -> str:
     try:
-        return path.read_text()
+        return read_state_file(path)[:4096].decode()
     except (OSError, UnicodeDecodeError):
         return ""
 

@@ -25,17 +25,17 @@ def read_mounts(proc: Path = Path("/proc")) -> dict[str, Mount] | None:
         return None
 
 
-def _used(point: str) -> float | None:
+def _used(point: str, statvfs=os.statvfs) -> float | None:
     try:
-        st = os.statvfs(point)
+        st = statvfs(point)
     except OSError:
         return None
     total = st.f_blocks - st.f_bfree + st.f_bavail  # root's reserve is not the user's
     return 100.0 * (st.f_blocks - st.f_bfree) / total if total else None
 
 
-def _probe_now(point: str) -> tuple[Probe, float | None]:
-    used = _used(point)
+def _probe_now(point: str, statvfs) -> tuple[Probe, float | None]:
+    used = _used(point, statvfs)
     name = f".slurmagent-probe-{secrets.token_hex(8)}"
     try:
         dirfd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -65,15 +65,15 @@ def _within(fn, deadline_s: float, name: str):
     return box
 
 
-def probe(point: str, deadline_s: float) -> tuple[Probe, float | None]:
+def probe(point: str, deadline_s: float, statvfs=os.statvfs) -> tuple[Probe, float | None]:
     """(the write probe's result, percent of the filesystem used or None), within `deadline_s`."""
-    box = _within(lambda: _probe_now(point), deadline_s, f"mount-probe {point}")
+    box = _within(lambda: _probe_now(point, statvfs), deadline_s, f"mount-probe {point}")
     if not box:
         return Probe(f"no answer within {deadline_s:g} s", "ETIMEDOUT", timed_out=True), None
     return box[0]
 
 
-def used_percent(point: str, deadline_s: float) -> float | None:
+def used_percent(point: str, deadline_s: float, statvfs=os.statvfs) -> float | None:
     """How full the filesystem under `point` is (None: cannot tell within `deadline_s`)."""
-    box = _within(lambda: _used(point), deadline_s, f"statvfs {point}")
+    box = _within(lambda: _used(point, statvfs), deadline_s, f"statvfs {point}")
     return box[0] if box else None

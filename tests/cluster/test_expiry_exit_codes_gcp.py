@@ -111,3 +111,25 @@ def test_metadata_only_stays_green_without_any_compute_permission(gcp, tmp_path)
     code, err = once(cfg)
     state = json.loads((tmp_path / "state" / NODE / "expiry.json").read_text())
     assert code == 0 and state.get("source") == "preempted", (err, state)
+
+
+def test_a_malformed_row_outlasts_a_run_that_could_not_ask_the_api(gcp, tmp_path, monkeypatch):
+    """The project comes from the metadata server; a run while it is down asks no API, and the
+    row of malformed answers goes on after it (before, that run forgot the row: never lasting)."""
+    from slurmagent.gcp import metadata
+
+    cfg = parse({"state_dir": str(tmp_path / "state" / "%n"), "hooks": {"syslog": False},
+                 "gcp": {"compute_endpoint": gcp.url},
+                 "expiry": {"publish_run_file": False, "api_timeout_s": 5, "refresh_s": 1, "metadata_timeout_s": 1}})
+    gcp.scheduling[NODE]["scheduling"]["terminationTime"] = "not a time"
+    assert once(cfg)[0] == 0
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # nothing listens: the metadata server is down
+    metadata.reset_cache()
+    calls = len(gcp.calls_of("instances.get"))
+    once(cfg)
+    assert len(gcp.calls_of("instances.get")) == calls  # the API was not asked
+    monkeypatch.setenv("GCE_METADATA_HOST", gcp.host)
+    metadata.reset_cache()
+    codes = [once(cfg)[0] for _ in range(MALFORMED_LASTING_AFTER - 1)]
+    assert codes == [0] * (MALFORMED_LASTING_AFTER - 2) + [1]
+    assert counters(tmp_path) == {f'{COUNTER}{{reason="malformed"}}': 1.0}

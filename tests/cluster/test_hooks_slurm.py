@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from support import REPO, cluster_config_text, wait_for, xid_snapshot_dict
+from support import REPO, cluster_config_text, healthy_snapshot_dict, wait_for, xid_snapshot_dict
 
 pytestmark = pytest.mark.slurm
 
@@ -136,3 +136,28 @@ def test_hung_nvml_read_returns_within_deadline(slurm, tmp_path):
     assert "nvml-timeout" in proc.stderr
     node = slurm.cluster.node("n3")
     assert "DRAIN" in node["State"] and node["Reason"].startswith("slurmagent: nvml-timeout")
+
+
+def test_leftover_gpu_process_drains_n1_at_the_next_prolog_and_the_job_completes_on_n2(slurm, tmp_path):
+    """A previous job's process still on n1's GPU 2 (in n1's `%n` snapshot; its pid belongs to no
+    job here): the next job's prolog drains n1 naming the GPU and the pid, and the job runs on n2."""
+    c = slurm.cluster
+    leftover = healthy_snapshot_dict(hostname="n1")
+    leftover["gpus"][2]["processes"] = [{"pid": 4194000, "used_mib": 4000, "name": "python", "user": "alice"}]
+    leftover["gpus"][2]["memory"] = {"total_mib": 81559, "used_mib": 4001, "reserved_mib": 544}
+    slurm.set_snapshot("n1", leftover)
+    out = tmp_path / "out"
+    c.run(["scontrol", "update", "nodename=n2,n3", "state=drain", "reason=test: hold"])
+    job_id = c.sbatch("-o", str(out), "--wrap", "echo ran on $SLURMD_NODENAME")
+    wait_for(lambda: "DRAIN" in c.node("n1")["State"], 60, "the prolog to drain n1")  # after the 10 s grace
+    c.resume("n2")
+
+    job, seen = watch_job(c, job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=90)
+
+    assert job["JobState"] == "COMPLETED", seen
+    assert job["NodeList"] == "n2"
+    assert "ran on n2" in out.read_text()
+    assert c.node("n1")["Reason"].startswith(
+        "slurmagent: gpu-leftover-processes: gpu 2 pid 4194000 (python, alice) holds 4000 MiB")
+    prolog = [d for d in slurm.decisions("n1") if d.get("job") == job_id and d["event"] == "prolog"]
+    assert prolog and prolog[0]["rule"] == "gpu-leftover-processes" and prolog[0]["gpu"] == 2

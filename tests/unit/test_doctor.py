@@ -14,6 +14,7 @@ import http.server
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -30,6 +31,19 @@ def test_external_checks_are_bounded_even_when_one_never_returns():
     assert [(r.name, r.ok, r.detail, r.fix) for r in rows] == [
         ("fast", True, "fine", ""), ("stuck", False, "no answer within 2 s", "fix-b"),
         ("broken", False, "ZeroDivisionError: division by zero", "fix-c")]
+
+
+
+def test_a_hung_check_of_this_host_is_a_problem_a_hung_service_is_an_outage():
+    """Exit 3 says "a service did not answer, the verdict is incomplete"; systemctl or the job
+    channel hanging on this host is this host's problem: exit 1."""
+    from slurmagent.commands.doctor import Result, exit_code, run_bounded
+
+    ok = ("fast", "fix-a", lambda: Result("fast", True, "fine"))
+    local = run_bounded([ok, ("slurmagent-watch", "fix-b", lambda: time.sleep(60))], deadline_s=0.5)
+    remote = run_bounded([ok, ("metadata server", "fix-c", lambda: time.sleep(60))], deadline_s=0.5)
+    assert [r.detail for r in local + remote] == ["fine", "no answer within 0.5 s"] * 2
+    assert (exit_code(local), exit_code(remote)) == (1, 3)
 
 
 # --- Prolog / Epilog / HealthCheckProgram: judged from the files they run ------------------
@@ -235,9 +249,15 @@ def test_the_metrics_file_must_be_readable_by_node_exporter(tmp_path):
      "does not read"),
     ("node_cpu_seconds_total 1\n", "FAIL", "no textfile collector"),
 ])
-def test_node_exporter_says_whether_it_reads_the_file(tmp_path, exposition, mark, words):
-    """Where node_exporter answers on this host, its own metrics judge the file (a fake exporter here)."""
+def test_node_exporter_says_whether_it_reads_the_file(tmp_path, monkeypatch, exposition, mark, words):
+    """Where node_exporter answers on this host, its own metrics judge the file (a fake exporter
+    here), asked directly: root's `http_proxy` (here a closed port) is not in the way."""
     from slurmagent.commands.doctor_checks import metrics_file_result
+
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's own opener read the environment once
 
     d = tmp_path / "state"
     d.mkdir()
@@ -282,3 +302,23 @@ def test_slurm_conf_is_found_as_the_hooks_find_it_configless_cache_included(tmp_
     where, missing = install_still_needs(tmp_path)  # install --root: the same search under the root
     assert where == str(search[1]) and not any("PrologFlags" in m for m in missing)
     assert any(m.startswith("slurm.conf nohold_on_prolog_fail") for m in missing)
+
+
+def test_a_configured_slurm_conf_that_cannot_be_read_is_said_not_passed_over(tmp_path, monkeypatch):
+    """`[slurm] conf` names a file that is not there (a typo, a Toolkit path of another version):
+    doctor says so in its own line, even when the search finds another slurm.conf to judge."""
+    from slurmagent.commands import doctor, health
+
+    other = tmp_path / "etc" / "slurm.conf"
+    other.parent.mkdir()
+    other.write_text("Prolog=/x\n")
+    monkeypatch.setattr(health, "SOURCES", health.CountSources(conf_search=(other,), env={}))
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
+    cfg = tmp_path / "slurmagent.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\n[slurm]\nconf = "{tmp_path}/typo/slurm.conf"\n')
+    rows = {r.name: r for r in doctor.run_doctor(str(cfg), external_deadline_s=1)}
+    row = rows["[slurm] conf"]
+    assert not row.ok and row.detail == f"{tmp_path}/typo/slurm.conf is not a readable file; read {other} instead"
+    assert doctor.exit_code(list(rows.values())) != 0
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\n[slurm]\nconf = "{other}"\n')
+    assert "[slurm] conf" not in {r.name for r in doctor.run_doctor(str(cfg), external_deadline_s=1)}

@@ -47,3 +47,14 @@ def test_an_unhealthy_verdict_is_never_skipped_an_admin_may_have_resumed_the_nod
     assert recent_decision(log, "n1", 120, now) is None  # a fault after the healthy prolog: look again
     log.write_text(log.read_text() + _line("epilog", "n1", 10, now) + _line("watch", "n2", 5, now, "unhealthy"))
     assert recent_decision(log, "n1", 120, now)["event"] == "epilog"  # healthy since; n2's fault is n2's
+
+
+def test_an_internal_error_after_a_healthy_verdict_is_never_skipped(tmp_path):
+    """A healthy prolog, then an epilog that checked nothing (NVML hung, say): what is known is
+    older than the error, so the next healthcheck looks."""
+    log = tmp_path / "hooks.log"
+    now = time.time()
+    log.write_text(_line("prolog", "n1", 60, now) + _line("epilog", "n1", 20, now, "internal-error"))
+    assert recent_decision(log, "n1", 120, now) is None
+    log.write_text(log.read_text() + _line("epilog", "n1", 10, now))
+    assert recent_decision(log, "n1", 120, now)["event"] == "epilog"

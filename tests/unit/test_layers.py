@@ -42,7 +42,7 @@ MODULE_LAYERS = {
     "run.agent_reports": STATE,  # merges node reports into a manifest (the manifest format is local state)
     "slurm.commands": ADAPTERS, "slurm.hookfiles": ADAPTERS, "slurm.job_processes": ADAPTERS,
     "trainer": RUNTIMES,
-    "cli": FACE, "cli_bucket": FACE, "cli_dev": FACE, "entry": FACE, "hookmain": FACE,
+    "cli": FACE, "cli_bucket": FACE, "cli_check": FACE, "cli_dev": FACE, "entry": FACE, "hookmain": FACE,
     "": FACE,  # the package front: `slurmagent.__version__`, read on first use from state.build
 }
 SHARED_RUNTIMES = {"commands.health"}

@@ -6,7 +6,10 @@ slurmd's log swallowed, and no count)."""
 from __future__ import annotations
 
 import io
+import os
 import time
+
+import pytest
 
 from support import healthy_snapshot_dict, wait_for, write_json
 from support.fakes.slurm import FakeSlurm
@@ -64,6 +67,34 @@ def test_a_failed_textfile_write_is_counted_and_said_once_until_it_works_again(t
     textdir.write_text("broken again")
     m.heartbeat("healthcheck")  # broken again after a write that worked: said again
     assert len(said) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's own rule: CI and the lanes run as root")
+@pytest.mark.parametrize("owner, mode", [(0, 0o777), (0, 0o775), (65534, 0o755)])
+def test_root_writes_no_textfile_into_a_directory_another_user_can_change(tmp_path, owner, mode):
+    """node_exporter's directory sits in one its service user owns (/var/lib/prometheus): root
+    writes only into a textfile directory that root owns and only root can write; any other is
+    a counted, said failure, and nothing lands there (a planted link cannot take root's write)."""
+    said: list[str] = []
+    textdir = tmp_path / "node-exporter"
+    textdir.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("root's file\n")
+    planted = textdir / f".slurmagent.prom.{os.getpid()}.tmp"
+    os.link(victim, planted)  # what a user who can write the directory would leave there
+    os.chown(textdir, owner, 0)
+    textdir.chmod(mode)
+    m = Metrics(tmp_path / "state", textdir / "slurmagent.prom", say=said.append)
+    m.update(add={("slurmagent_requeues_total", ()): 1}, component="prolog")
+    assert victim.read_text() == "root's file\n" and not (textdir / "slurmagent.prom").exists()
+    assert read_values(tmp_path / "state")[f'{WRITE_FAILURES}{{reason="EPERM"}}'] == 1
+    assert len(said) == 1 and ("writable by non-root users" in said[0] or "owned by uid 65534" in said[0])
+
+    os.chown(textdir, 0, 0)
+    textdir.chmod(0o755)  # root's own again: written, and the planted link is not followed
+    m.heartbeat("prolog")
+    assert "slurmagent_requeues_total 1\n" in (textdir / "slurmagent.prom").read_text()
+    assert victim.read_text() == "root's file\n" and (textdir / "slurmagent.prom").stat().st_mode & 0o777 == 0o644
 
 
 def test_a_nodes_metrics_say_it_on_stderr(tmp_path, capsys):

@@ -4,8 +4,10 @@ configured mounts, full filesystems and `dcgmi diag`, over a fake sysfs tree, a 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -203,14 +205,24 @@ def test_a_full_filesystem_is_a_warning_never_a_drain(tmp_path):
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     mountinfo(tmp_path, (str(ssd), "rw", "rw"))
-    cfg = config(tmp_path, {"off": ["gpu-nics"]}, mounts=[str(ssd)], ckpt_filesystem=str(tmp_path),
-                 full_warn_percent=1)  # any real filesystem is 1 % used
-    report = evaluate(cfg, "n1", True, layer="healthcheck", node_sources=sources(tmp_path))
+    asked = []
+
+    def statvfs(point):  # 97 of 100 blocks used, 1 of the 3 free kept for root: 98 %
+        asked.append(point)
+        return os.statvfs_result((4096, 4096, 100, 3, 2, 0, 0, 0, 0, 255))
+
+    src = dataclasses.replace(sources(tmp_path), statvfs=statvfs)
+    cfg = config(tmp_path, {"off": ["gpu-nics"]}, mounts=[str(ssd)], ckpt_filesystem=str(tmp_path))
+    report = evaluate(cfg, "n1", True, layer="healthcheck", node_sources=src)
     assert report.healthy
     assert sorted(f.rule for f in report.findings) == ["filesystem-full", "filesystem-full"]
-    assert all("% used (warn at 1%)" in f.detail for f in report.findings)
-    cfg = config(tmp_path, {"off": ["gpu-nics", "filesystem-full"]}, mounts=[str(ssd)], full_warn_percent=1)
-    assert evaluate(cfg, "n1", True, layer="healthcheck", node_sources=sources(tmp_path)).findings == []
+    assert sorted(f.detail for f in report.findings) == sorted(
+        f"{p} is 98% used (warn at 95%)" for p in (ssd, tmp_path))
+    assert set(asked) == {str(ssd), str(tmp_path)}
+    cfg = config(tmp_path, {"off": ["gpu-nics"]}, mounts=[str(ssd)], full_warn_percent=99)
+    assert evaluate(cfg, "n1", True, layer="healthcheck", node_sources=src).findings == []
+    cfg = config(tmp_path, {"off": ["gpu-nics", "filesystem-full"]}, mounts=[str(ssd)])
+    assert evaluate(cfg, "n1", True, layer="healthcheck", node_sources=src).findings == []
 
 
 def test_mountinfo_unescapes_and_reads_the_superblock_options():
@@ -318,7 +330,7 @@ def test_resume_if_healthy_with_a_failing_level_2_leaves_the_node_drained_naming
 
 
 def test_a_check_name_not_in_the_catalogue_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="'checks.off' names 'gpu-nic', not a check"):
+    with pytest.raises(ConfigError, match=r"'checks.off' names no check: 'gpu-nic' \(slurmagent check --list\)"):
         parse({"checks": {"off": ["gpu-nic"]}})
     assert parse({"checks": {"off": ["dcgm-diag"], "on": []}}).checks.off == ("dcgm-diag",)
 

@@ -35,7 +35,7 @@ def git(src: Path, *args: str) -> str:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> tuple[Path, str]:
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(REPO / name, src / name)
     for name in ("slurmagent", "hooks", "systemd", "contrib", "ci"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -149,3 +149,29 @@ def test_a_checkout_names_the_commit_it_has_checked_out(tmp_path):
     git(repo, "pack-refs", "--all")  # the branches' refs now only in .git/packed-refs
     assert not (repo / ".git/refs/heads/other").exists()
     assert shown(repo) == one and shown(tmp_path / "wt") == two
+
+
+def test_an_sdist_builds_a_wheel_that_names_no_commit_even_inside_another_checkout(wheel, tmp_path):
+    """The sdist carries the build step (ci/wheel_commit.py, MANIFEST.in); unpacked, it is no
+    checkout, so its wheel names no commit, not even the HEAD of a repository it was unpacked in."""
+    need_tool("git", install="apt-get install git", chroot_lanes_lack=True)
+    src = wheel[0].parent.parent
+    built = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                            "print(b.build_sdist(sys.argv[1]))", str(tmp_path / "sdist")],
+                           cwd=src, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (sdist,) = (tmp_path / "sdist").glob("slurmagent-*.tar.gz")
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    git(outer, "init", "-q")
+    git(outer, "commit", "-q", "--allow-empty", "-m", "someone else's repository")
+    shutil.unpack_archive(sdist, outer)
+    (tree,) = outer.glob("slurmagent-*")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "-w", str(tmp_path / "dist"), str(tree)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (whl,) = (tmp_path / "dist").glob("slurmagent-*.whl")
+    with zipfile.ZipFile(whl) as z:
+        assert "slurmagent/build_commit.txt" not in z.namelist()
+        assert f"slurmagent-{VERSION}.dist-info/METADATA" in z.namelist()

@@ -242,7 +242,7 @@ def test_failed_save_keeps_old_file_and_removes_temp(tmp_path, monkeypatch) -> N
     old = NodeSnapshot.from_dict(healthy_snapshot_dict())
     save(old, path)
 
-    def boom(src, dst):
+    def boom(src, dst, **dir_fds):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(snapshot_mod.os, "replace", boom)

@@ -1,0 +1,111 @@
+"""Does CUDA start? `cuInit(0)` + `cuDeviceGetCount` through the driver library (libcuda, via
+ctypes: no CUDA toolkit), in a forked child that is SIGKILLed at the deadline, so a driver that
+hangs in cuInit never hangs the caller, and the caller's own process never holds a CUDA context.
+
+The library comes from an injectable loader (tests pass a fake library object). Why: a GPU
+can answer NVML while CUDA fails (NVSwitch fabric not initialised: `CUDA_ERROR_SYSTEM_NOT_READY`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import time
+from typing import Any, Callable
+
+from ..core.gpu_occupancy import LIBCUDA_MISSING
+from ..core.snapshot import CudaProbe
+
+LIBCUDA = "libcuda.so.1"
+# CUresult names for when cuGetErrorName itself is missing (cuda.h)
+_NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3: "CUDA_ERROR_NOT_INITIALIZED",
+          4: "CUDA_ERROR_DEINITIALIZED", 100: "CUDA_ERROR_NO_DEVICE", 101: "CUDA_ERROR_INVALID_DEVICE",
+          802: "CUDA_ERROR_SYSTEM_NOT_READY", 803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 999: "CUDA_ERROR_UNKNOWN"}
+
+
+def load_libcuda() -> Any:
+    return ctypes.CDLL(LIBCUDA)
+
+
+def error_name(lib: Any, code: int) -> str:
+    name = ctypes.c_char_p()
+    with contextlib.suppress(Exception):
+        if lib.cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
+            return name.value.decode("ascii", "replace")
+    return _NAMES.get(code, f"CUDA_ERROR_{code}")
+
+
+def probe(loader: Callable[[], Any] = load_libcuda) -> CudaProbe:
+    """In this process: cuInit and the device count (use `probe_with_deadline` from a hook)."""
+    try:
+        lib = loader()
+    except OSError as exc:
+        return CudaProbe(error=f"{LIBCUDA_MISSING}: {exc}")
+    code = int(lib.cuInit(0))
+    if code:
+        return CudaProbe(error=error_name(lib, code))
+    count = ctypes.c_int(0)
+    code = int(lib.cuDeviceGetCount(ctypes.byref(count)))
+    if code:
+        return CudaProbe(error=error_name(lib, code))
+    return CudaProbe(devices=int(count.value))
+
+
+def probe_with_deadline(timeout_s: float, loader: Callable[[], Any] = load_libcuda) -> CudaProbe:
+    """`probe` in a forked child; past the deadline it is killed and the answer is `timeout`.
+    For single-threaded callers (hooks, healthcheck, resume-if-healthy)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        code = 0
+        try:
+            os.close(read_fd)
+            try:
+                answer = vars(probe(loader))
+            except BaseException as exc:  # carried to the parent and raised there: a bug, never "CUDA broken"
+                answer = {"bug": f"{type(exc).__name__}: {exc}"}
+            data = json.dumps(answer).encode()
+            while data:
+                data = data[os.write(write_fd, data):]
+        except BaseException:
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                if deadline - time.monotonic() <= 0:
+                    return CudaProbe(error=f"timeout: cuInit did not answer within {timeout_s:g} s")
+                continue
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            _reap(pid, time.monotonic() + 2.0)
+    try:
+        answer = json.loads(b"".join(chunks))
+    except ValueError:  # died in the driver (a signal) before answering: CUDA cannot start here
+        return CudaProbe(error="probe crashed: the child died without answering")
+    if "bug" in answer:
+        raise RuntimeError(f"cuda probe raised {answer['bug']}")
+    return CudaProbe(devices=answer.get("devices"), error=answer.get("error"))
+
+
+def _reap(pid: int, until: float) -> None:
+    while time.monotonic() < until:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.005)
