@@ -74,14 +74,15 @@ def os_error_line(exc: OSError) -> str:
 @click.option("-o", "--output", metavar="FILE", help="write here instead of stdout")
 @click.pass_obj
 def snapshot(state: State, output: str | None) -> None:
-    """Capture this node's GPU state in the replay format."""
-    from .gpu.nvml_deadline import read_snapshot_with_deadline  # start-up speed
+    """Capture this node's GPU state in the replay format (with what `cuInit` answers, unless
+    `[checks] off` names cuda-init: a replay judges CUDA from the file)."""
+    from .commands.health import capture_snapshot  # start-up speed
     from .state.fsutil import atomic_write_text  # start-up speed
 
     cfg = state.config()
     if output:  # before the GPU read: a bad path is said at once
         _check_output_file(output)
-    snap = read_snapshot_with_deadline(cfg.health.timeout_s, hostname=command_node(None))
+    snap = capture_snapshot(cfg, command_node(None))
     if output:
         try:  # a reader never sees half a snapshot; no directory is created for a typo
             atomic_write_text(output, snap.to_json(), parents=False)

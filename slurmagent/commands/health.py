@@ -315,8 +315,22 @@ def beyond_nvml(cfg: Config, node: str, snap: NodeSnapshot | None, layer: str | 
             from ..gpu.cuda import probe_with_deadline  # only where the check runs: start-up speed
 
             probe = probe_with_deadline(cfg.health.cuda_timeout_s)
-        out += occ.cuda(probe, len(snap.gpus))
+        out += occ.cuda(probe, len(snap.gpus), sandboxed=layer == "resume")
     return out
+
+
+def capture_snapshot(cfg: Config, node: str, read: Callable[..., NodeSnapshot] | None = None,
+                     cuda: Callable[[float], CudaProbe] | None = None) -> NodeSnapshot:
+    """`slurmagent snapshot`: NVML's answers and, unless `[checks] off` names cuda-init, what
+    cuInit answers (a replay judges CUDA from the file, never the replaying machine's)."""
+    if read is None:
+        from ..gpu.nvml_deadline import read_snapshot_with_deadline as read  # start-up speed
+    snap = read(cfg.health.timeout_s, hostname=node)
+    if snap.nvml_error is None and catalogue.runs("cuda-init", None, cfg.checks.on, cfg.checks.off):
+        if cuda is None:
+            from ..gpu.cuda import probe_with_deadline as cuda  # start-up speed
+        snap.cuda = cuda(cfg.health.cuda_timeout_s)
+    return snap
 
 
 def _evaluate(cfg: Config, node: str, commit_cursor: bool, expected: int | None, snap: NodeSnapshot) -> Report:

@@ -10,6 +10,7 @@ from .checks import Finding, Severity
 from .snapshot import CudaProbe, NodeSnapshot
 
 LIBCUDA_MISSING = "libcuda-missing"  # prefix of CudaProbe.error when the library cannot be loaded
+UVM_UNREACHABLE = "nvidia-uvm cannot be opened"  # in CudaProbe.error after a failed cuInit
 
 
 def gpu_pids(snap: NodeSnapshot) -> set[int]:
@@ -85,12 +86,18 @@ def fabric(snap: NodeSnapshot) -> list[Finding]:
     return out
 
 
-def cuda(probe: CudaProbe | None, nvml_gpus: int) -> list[Finding]:
-    """cuInit failing, or seeing fewer devices than NVML: the GPUs answer NVML but cannot run CUDA."""
+def cuda(probe: CudaProbe | None, nvml_gpus: int, sandboxed: bool = False) -> list[Finding]:
+    """cuInit failing, or seeing fewer devices than NVML: the GPUs answer NVML but cannot run CUDA.
+    `sandboxed` (the resume unit: its device list is fixed at start, it cannot load nvidia-uvm):
+    a failure with nvidia-uvm unreachable is the sandbox's, a warning; the next healthcheck,
+    outside any sandbox, loads the module and judges CUDA."""
     if probe is None:
         return []
     if probe.error and probe.error.startswith(LIBCUDA_MISSING):
         return [Finding("cuda-init", Severity.WARN, None, f"not checked: {probe.error}", probe.error)]
+    if probe.error and sandboxed and UVM_UNREACHABLE in probe.error:
+        return [Finding("cuda-init", Severity.WARN, None, f"not checked in this unit's sandbox: {probe.error}; "
+                        "healthcheck checks CUDA", probe.error)]
     if probe.error:
         return [Finding("cuda-init", Severity.DRAIN, None, f"CUDA cannot start ({probe.error})", probe.error)]
     if probe.devices is not None and probe.devices < nvml_gpus:

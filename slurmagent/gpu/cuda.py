@@ -17,10 +17,11 @@ import signal
 import time
 from typing import Any, Callable
 
-from ..core.gpu_occupancy import LIBCUDA_MISSING
+from ..core.gpu_occupancy import LIBCUDA_MISSING, UVM_UNREACHABLE
 from ..core.snapshot import CudaProbe
 
 LIBCUDA = "libcuda.so.1"
+UVM_DEVICE = "/dev/nvidia-uvm"  # cuInit needs it; the nvidia-uvm module is loaded on the first CUDA use
 # CUresult names for when cuGetErrorName itself is missing (cuda.h)
 _NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3: "CUDA_ERROR_NOT_INITIALIZED",
           4: "CUDA_ERROR_DEINITIALIZED", 100: "CUDA_ERROR_NO_DEVICE", 101: "CUDA_ERROR_INVALID_DEVICE",
@@ -39,14 +40,20 @@ def error_name(lib: Any, code: int) -> str:
     return _NAMES.get(code, f"CUDA_ERROR_{code}")
 
 
-def probe(loader: Callable[[], Any] = load_libcuda) -> CudaProbe:
-    """In this process: cuInit and the device count (use `probe_with_deadline` from a hook)."""
+def probe(loader: Callable[[], Any] = load_libcuda, uvm: str = UVM_DEVICE) -> CudaProbe:
+    """In this process: cuInit and the device count (use `probe_with_deadline` from a hook). A
+    failed cuInit says whether `uvm` could be opened: where it cannot (a sandbox whose device
+    list was made before nvidia-uvm was loaded), the failure is the sandbox's, not the GPUs'."""
     try:
         lib = loader()
     except OSError as exc:
         return CudaProbe(error=f"{LIBCUDA_MISSING}: {exc}")
     code = int(lib.cuInit(0))
     if code:
+        try:
+            os.close(os.open(uvm, os.O_RDWR | os.O_CLOEXEC))
+        except OSError as exc:
+            return CudaProbe(error=f"{error_name(lib, code)}; {UVM_UNREACHABLE} ({uvm}: {exc.strerror})")
         return CudaProbe(error=error_name(lib, code))
     count = ctypes.c_int(0)
     code = int(lib.cuDeviceGetCount(ctypes.byref(count)))
@@ -55,7 +62,7 @@ def probe(loader: Callable[[], Any] = load_libcuda) -> CudaProbe:
     return CudaProbe(devices=int(count.value))
 
 
-def probe_with_deadline(timeout_s: float, loader: Callable[[], Any] = load_libcuda) -> CudaProbe:
+def probe_with_deadline(timeout_s: float, loader: Callable[[], Any] = load_libcuda, uvm: str = UVM_DEVICE) -> CudaProbe:
     """`probe` in a forked child; past the deadline it is killed and the answer is `timeout`.
     For single-threaded callers (hooks, healthcheck, resume-if-healthy)."""
     read_fd, write_fd = os.pipe()
@@ -65,7 +72,7 @@ def probe_with_deadline(timeout_s: float, loader: Callable[[], Any] = load_libcu
         try:
             os.close(read_fd)
             try:
-                answer = vars(probe(loader))
+                answer = vars(probe(loader, uvm))
             except BaseException as exc:  # carried to the parent and raised there: a bug, never "CUDA broken"
                 answer = {"bug": f"{type(exc).__name__}: {exc}"}
             data = json.dumps(answer).encode()

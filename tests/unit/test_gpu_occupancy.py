@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import io
+import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -259,6 +261,26 @@ def test_live_probe_sees_fewer_devices_than_nvml(tmp_path) -> None:
     assert beyond_nvml(cfg, "n1", snap, "resume", None, rec.seams()) == [] and rec.probes == 1
 
 
+def test_a_cuinit_failure_without_nvidia_uvm_drains_except_inside_the_resume_units_sandbox(tmp_path) -> None:
+    """After a boot nvidia-uvm is loaded by the first CUDA user; the resume unit's device list was
+    made before that and it may not load modules: there, cuInit failing with /dev/nvidia-uvm
+    unreachable is the sandbox's (a warning; the node is judged by the other checks and the next
+    healthcheck). Outside it (healthcheck runs as slurmd's root), the same failure drains."""
+    probe = cuda.probe(lambda: FakeLibcuda(init=999), str(tmp_path / "nvidia-uvm"))
+    assert probe.error == f"CUDA_ERROR_UNKNOWN; {occ.UVM_UNREACHABLE} ({tmp_path}/nvidia-uvm: No such file or directory)"
+    cfg = config(tmp_path, healthy_snapshot_dict(8))
+    cfg = type(cfg)(**{**vars(cfg), "health": type(cfg.health)(**{**vars(cfg.health), "snapshot": ""})})
+    snap = NodeSnapshot.from_dict(healthy_snapshot_dict(8))
+    resume = beyond_nvml(cfg, "n1", snap, "resume", None, Recorder(probe=probe).seams())
+    assert [(f.severity, f.detail) for f in resume] == [
+        (Severity.WARN, f"not checked in this unit's sandbox: {probe.error}; healthcheck checks CUDA")]
+    healthcheck = beyond_nvml(cfg, "n1", snap, "healthcheck", None, Recorder(probe=probe).seams())
+    assert [(f.severity, f.detail) for f in healthcheck] == [(Severity.DRAIN, f"CUDA cannot start ({probe.error})")]
+    sealed = cuda.probe(lambda: FakeLibcuda(init=802), str(tmp_path / "nvidia-uvm"))  # any code: said the same way
+    assert occ.cuda(sealed, 8, sandboxed=True)[0].severity is Severity.WARN
+    assert occ.cuda(CudaProbe(error="CUDA_ERROR_SYSTEM_NOT_READY"), 8, sandboxed=True)[0].severity is Severity.DRAIN
+
+
 def test_no_libcuda_only_warns() -> None:
     found = occ.cuda(CudaProbe(error=f"{occ.LIBCUDA_MISSING}: libcuda.so.1: cannot open"), 8)
     assert [f.severity for f in found] == [Severity.WARN]
@@ -287,9 +309,10 @@ class FakeLibcuda:
 
 
 def test_probe_through_a_fake_libcuda() -> None:
-    assert cuda.probe(lambda: FakeLibcuda()) == CudaProbe(devices=8)
-    assert cuda.probe(lambda: FakeLibcuda(init=802)) == CudaProbe(error="CUDA_ERROR_SYSTEM_NOT_READY")
-    assert cuda.probe(lambda: FakeLibcuda(init=100)) == CudaProbe(error="CUDA_ERROR_NO_DEVICE")
+    uvm = os.devnull  # opens: the failures below are CUDA's own
+    assert cuda.probe(lambda: FakeLibcuda(), uvm) == CudaProbe(devices=8)
+    assert cuda.probe(lambda: FakeLibcuda(init=802), uvm) == CudaProbe(error="CUDA_ERROR_SYSTEM_NOT_READY")
+    assert cuda.probe(lambda: FakeLibcuda(init=100), uvm) == CudaProbe(error="CUDA_ERROR_NO_DEVICE")
 
     def missing():
         raise OSError("libcuda.so.1: cannot open shared object file")
@@ -410,3 +433,26 @@ def test_kill_switch_of_an_nvml_family(tmp_path) -> None:
     assert not evaluate(parse({"health": base}, "t"), "n1", False, layer="prolog").healthy
     cfg = parse({"health": base, "checks": {"off": ["gpu-xid"]}}, "t")
     assert evaluate(cfg, "n1", False, layer="prolog").findings == []
+
+
+def test_a_snapshot_records_what_cuinit_answered_unless_the_check_is_off(tmp_path) -> None:
+    """`slurmagent snapshot` on a GPU machine (gpu-probe.sh) keeps CUDA's answer in the replay file."""
+    from slurmagent.commands.health import capture_snapshot
+    from slurmagent.state.config import parse as parse_config
+
+    asked: list[float] = []
+
+    def read(timeout_s, hostname):
+        return NodeSnapshot.from_dict(healthy_snapshot_dict(8))
+
+    def probe(timeout_s):
+        asked.append(timeout_s)
+        return CudaProbe(error="CUDA_ERROR_SYSTEM_NOT_READY")
+
+    cfg = parse_config({"state_dir": str(tmp_path), "health": {"cuda_timeout_s": 7}})
+    snap = capture_snapshot(cfg, "n1", read, probe)
+    assert asked == [7] and json.loads(snap.to_json())["cuda"] == {"error": "CUDA_ERROR_SYSTEM_NOT_READY"}
+    off = parse_config({"state_dir": str(tmp_path), "checks": {"off": ["cuda-init"]}})
+    assert capture_snapshot(off, "n1", read, probe).cuda is None and asked == [7]
+    broken = NodeSnapshot.from_dict({**healthy_snapshot_dict(0), "nvml_error": "NVML_ERROR_DRIVER_NOT_LOADED"})
+    assert capture_snapshot(cfg, "n1", lambda t, hostname: broken, probe).cuda is None and asked == [7]

@@ -155,5 +155,9 @@ def test_the_resume_unit_lets_the_node_checks_run():
     keys = service(SOURCE / "slurmagent-resume.service")
     assert "-/mnt/localssd" in " ".join(keys["ReadWritePaths"]).split()
     cfg = Config()
-    longest = cfg.repair.resume_wait_s + cfg.health.timeout_s + cfg.health.dcgm_timeout_s + 2 * cfg.slurm.timeout_s
+    longest = (cfg.repair.resume_wait_s + cfg.health.timeout_s + cfg.health.dcgm_timeout_s + cfg.health.cuda_timeout_s
+               + 2 * cfg.slurm.timeout_s)
     assert float(last(keys, "TimeoutStartSec")) > longest
+    # cuda-init's cuInit runs here: libcuda's NUMA policy / affinity calls (@resources) are not denied
+    denied = " ".join(f for f in keys["SystemCallFilter"] if f.startswith("~")).split()
+    assert "~@privileged" in denied and "@resources" not in denied, denied
