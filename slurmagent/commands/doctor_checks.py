@@ -23,6 +23,7 @@ from ..errors import SlurmagentError
 from ..slurm import env as slurm_env
 from ..slurm.commands import CONF_SEARCH, Slurm, conf_candidates, run_argv
 from ..slurm.features import SlurmFeatures, controller_address, doctor_line
+from ..state.fsutil import root_dir_problem
 
 CALL_TIMEOUT_S = 4.0  # one scontrol / systemctl / HTTP request
 SLURM_CONTROLLER = "slurm controller"
@@ -254,6 +255,11 @@ def textfile_modes(textfile: Path) -> Result:
     if not textfile.parent.is_dir():
         return Result(name, True, f"{textfile.parent} does not exist yet: the first check writes {textfile.name} there",
                       skipped=True)
+    why = root_dir_problem(os.lstat(textfile.parent)) if os.geteuid() == 0 else None
+    if why:  # root's writes go only into its own directory (state/fsutil.open_root_dir)
+        return Result(name, False, f"root writes no metrics into {textfile.parent}: {why}",
+                      f"chown root:root {textfile.parent} && chmod 0755 {textfile.parent}, or set [metrics] textfile "
+                      "to a file in a directory only root can write; see docs/admin/observability.md")
     mode = os.stat(textfile.parent).st_mode
     if (mode & (stat.S_IROTH | stat.S_IXOTH)) != (stat.S_IROTH | stat.S_IXOTH):
         return Result(name, False, f"node_exporter cannot list {textfile.parent} (mode {stat.S_IMODE(mode):o})", fix)

@@ -140,6 +140,7 @@ class Seams:
     running: Callable[[Config, str], set[str]] = lambda cfg, node: set(Slurm.from_config(cfg).jobs_on_node(node))
     cuda: Callable[[float], CudaProbe] | None = None  # None: libcuda in a forked child (gpu/cuda.py)
     sleep: Callable[[float], None] = time.sleep
+    boot: Callable[[], str] = boot_id  # this boot's id: CUDA is judged once per boot outside a sandbox
 
 
 def evaluate(cfg: Config, node: str, commit_cursor: bool, layer: str | None = None, job: str | None = None,
@@ -160,7 +161,8 @@ def evaluate(cfg: Config, node: str, commit_cursor: bool, layer: str | None = No
     report.expected_source = exp.source or None
     if exp.count is None:  # never silently off: said in check, --json and the decision log
         report.findings.append(count_unknown_finding(exp.tried))
-    report.findings = [f for f in report.findings if f.rule not in RULE_CHECK or _runs(cfg, RULE_CHECK[f.rule], layer)]
+    report.findings = [f for f in report.findings if f.rule not in RULE_CHECK or _runs(cfg, RULE_CHECK[f.rule], layer)
+                       or (f.rule == "cuda-init" and layer == "prolog")]  # the boot's first: beyond_nvml decided
     return report
 
 
@@ -268,7 +270,7 @@ def _first_this_boot(state: Path, boot: str, what: str) -> bool:
 
 
 def _runs(cfg: Config, check: str, layer: str | None) -> bool:
-    """The catalogue's answer, and `cuda-init` in the prolog where `[health] cuda_in_prolog` asks for it."""
+    """The catalogue's answer, and `cuda-init` in every prolog where `[health] cuda_in_prolog` asks for it."""
     on, off = cfg.checks.on, cfg.checks.off
     if check == "cuda-init" and layer == "prolog" and cfg.health.cuda_in_prolog:
         return catalogue.enabled(check, on, off)
@@ -306,7 +308,10 @@ def beyond_nvml(cfg: Config, node: str, snap: NodeSnapshot | None, layer: str | 
         out = occupancy(read_snapshot(cfg, node))
     if catalogue.runs("nvswitch-fabric", layer, on, off):
         out += occ.fabric(snap)
-    if _runs(cfg, "cuda-init", layer):
+    state, boot = cfg.state_path(node), ""
+    if layer == "prolog" and cfg.health.cuda_first_prolog and catalogue.enabled("cuda-init", on, off):
+        boot = seams.boot()  # the first prolog of a boot judges CUDA unless something did already
+    if _runs(cfg, "cuda-init", layer) or (boot and not _cuda_judged(state, boot)):
         if cfg.health.snapshot:  # a replay judges what the file says, never this machine's CUDA
             probe = snap.cuda
         elif seams.cuda is not None:
@@ -315,8 +320,29 @@ def beyond_nvml(cfg: Config, node: str, snap: NodeSnapshot | None, layer: str | 
             from ..gpu.cuda import probe_with_deadline  # only where the check runs: start-up speed
 
             probe = probe_with_deadline(cfg.health.cuda_timeout_s)
-        out += occ.cuda(probe, len(snap.gpus), sandboxed=layer == "resume")
+        found = occ.cuda(probe, len(snap.gpus), sandboxed=layer == "resume")
+        if probe is not None and layer is not None and (not found or (probe.error or "").startswith(occ.LIBCUDA_MISSING)):
+            _mark_cuda_judged(state, boot or seams.boot())
+        out += found
     return out
+
+
+CUDA_JUDGED = "cuda-judged"  # <state_dir>/cuda-judged: the boot id whose CUDA a check found working
+
+
+def _cuda_judged(state: Path, boot: str) -> bool:
+    try:
+        return read_state_file(state / CUDA_JUDGED).decode().strip() == boot
+    except (UntrustedFile, OSError, UnicodeDecodeError):
+        return False
+
+
+def _mark_cuda_judged(state: Path, boot: str) -> None:
+    if boot:
+        try:
+            atomic_write_text(state / CUDA_JUDGED, boot + "\n", 0o644, durable=False)
+        except OSError:
+            pass
 
 
 def capture_snapshot(cfg: Config, node: str, read: Callable[..., NodeSnapshot] | None = None,

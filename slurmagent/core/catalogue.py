@@ -44,7 +44,8 @@ _GPU_CHECKS: tuple[CheckSpec, ...] = (
               "systems without a fabric report nothing", ()),
     CheckSpec("cuda-init", ("healthcheck", "resume"), "drain", True,
               "cuInit and cuDeviceGetCount through libcuda in a child under [health] cuda_timeout_s fail, or see "
-              "fewer devices than NVML (prolog only with [health] cuda_in_prolog)", ()),
+              "fewer devices than NVML (prolog: the first of each boot until CUDA was found working, every one with "
+              "[health] cuda_in_prolog)", ()),
 )
 
 CATALOGUE: tuple[CheckSpec, ...] = _GPU_CHECKS + NODE_CHECKS

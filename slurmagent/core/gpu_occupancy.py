@@ -89,15 +89,15 @@ def fabric(snap: NodeSnapshot) -> list[Finding]:
 def cuda(probe: CudaProbe | None, nvml_gpus: int, sandboxed: bool = False) -> list[Finding]:
     """cuInit failing, or seeing fewer devices than NVML: the GPUs answer NVML but cannot run CUDA.
     `sandboxed` (the resume unit: its device list is fixed at start, it cannot load nvidia-uvm):
-    a failure with nvidia-uvm unreachable is the sandbox's, a warning; the next healthcheck,
-    outside any sandbox, loads the module and judges CUDA."""
+    CUDA_ERROR_UNKNOWN with nvidia-uvm unreachable is the sandbox's, a warning; the first prolog
+    of the boot, outside any sandbox, loads the module and judges CUDA (`cuda_first_prolog`)."""
     if probe is None:
         return []
     if probe.error and probe.error.startswith(LIBCUDA_MISSING):
         return [Finding("cuda-init", Severity.WARN, None, f"not checked: {probe.error}", probe.error)]
-    if probe.error and sandboxed and UVM_UNREACHABLE in probe.error:
+    if probe.error and sandboxed and probe.error.startswith("CUDA_ERROR_UNKNOWN") and UVM_UNREACHABLE in probe.error:
         return [Finding("cuda-init", Severity.WARN, None, f"not checked in this unit's sandbox: {probe.error}; "
-                        "healthcheck checks CUDA", probe.error)]
+                        "the first prolog checks CUDA", probe.error)]
     if probe.error:
         return [Finding("cuda-init", Severity.DRAIN, None, f"CUDA cannot start ({probe.error})", probe.error)]
     if probe.devices is not None and probe.devices < nvml_gpus:

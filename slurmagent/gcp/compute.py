@@ -513,7 +513,8 @@ def _retry_after(headers: Any) -> float | None:
 
 
 def _token_unreachable(exc: BaseException, transport_errors: tuple[type[BaseException], ...]) -> bool:
-    """A token refresh that failed on the way (the metadata server slow or restarting), not a
-    refusal: retried and counted as transport, never as a lasting permission failure."""
+    """A token refresh that failed on the way (the metadata server slow, restarting, 5xx), not a
+    refusal (a 4xx: the VM has no service account): retried and counted as transport."""
     cause = exc.__cause__ or (exc.args[0] if exc.args else None)
-    return bool(getattr(exc, "retryable", False)) or isinstance(cause, transport_errors)
+    refused = re.search(r"Status: 4\d\d", str(cause))  # google-auth's words for a 4xx: no service account
+    return bool(getattr(exc, "retryable", False)) or (isinstance(cause, transport_errors) and not refused)

@@ -21,6 +21,7 @@ from ..core.gpu_occupancy import LIBCUDA_MISSING, UVM_UNREACHABLE
 from ..core.snapshot import CudaProbe
 
 LIBCUDA = "libcuda.so.1"
+HIDING = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY")  # unset for the probe
 UVM_DEVICE = "/dev/nvidia-uvm"  # cuInit needs it; the nvidia-uvm module is loaded on the first CUDA use
 # CUresult names for when cuGetErrorName itself is missing (cuda.h)
 _NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3: "CUDA_ERROR_NOT_INITIALIZED",
@@ -71,6 +72,8 @@ def probe_with_deadline(timeout_s: float, loader: Callable[[], Any] = load_libcu
         code = 0
         try:
             os.close(read_fd)
+            for name in HIDING:  # a job's or srun's view of the GPUs is not the node's
+                os.environ.pop(name, None)
             try:
                 answer = vars(probe(loader, uvm))
             except BaseException as exc:  # carried to the parent and raised there: a bug, never "CUDA broken"

@@ -61,7 +61,10 @@ class HealthConfig(NodeHealthKeys):
     orphaned_memory_mib: int = _key(1024, "`gpu-orphaned-memory` drains when a GPU's used memory (reserved memory apart) "
                                     "exceeds its processes' by more than this", low=1, high=10**7)
     cuda_timeout_s: float = _key(10.0, "deadline of the `cuda-init` check (cuInit in a child)", low=0.5, high=600)
-    cuda_in_prolog: bool = _key(False, "also run `cuda-init` in the prolog (it costs the driver's CUDA start)")
+    cuda_in_prolog: bool = _key(False, "also run `cuda-init` in every prolog (it costs the driver's CUDA start)")
+    cuda_first_prolog: bool = _key(
+        True, "the first prolog of each boot runs `cuda-init` unless a check found CUDA working this boot "
+        "(the resume unit's sandbox cannot load nvidia-uvm after a boot: the first job's prolog judges it)")
 
 
 @dataclass(frozen=True)

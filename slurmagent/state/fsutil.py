@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -157,12 +158,29 @@ def read_state_file(path: str | os.PathLike[str]) -> bytes:
     return read_fd(open_state_file(path))
 
 
+def root_dir_problem(st: os.stat_result) -> str | None:
+    """Why root must not write by name into the directory `st` describes (None: root's own)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory" + (" (a symbolic link: name the directory itself)" if stat.S_ISLNK(st.st_mode) else "")
+    if st.st_uid != 0:
+        return f"owned by uid {st.st_uid}, not root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # sticky or not: others could plant names there
+        return f"writable by non-root users (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
 def open_root_dir(path: str | os.PathLike[str]) -> int:
     """The directory `path` as a file descriptor, refused (EPERM) unless root owns it and no one
     else can write it. Root then writes through the descriptor: a service account that owns the
     parent (`/var/lib/prometheus` is prometheus's) may swap the name, never what root writes into."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    why = _unsafe_stat(os.fstat(fd))
+    try:
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        why = root_dir_problem(os.lstat(path))
+        raise PermissionError(errno.EPERM, f"{os.fspath(path)} is {why}", os.fspath(path)) from None
+    why = root_dir_problem(os.fstat(fd))
     if why:
         os.close(fd)
         raise PermissionError(errno.EPERM, f"{os.fspath(path)} is {why}", os.fspath(path))
@@ -181,10 +199,10 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644
         path.parent.mkdir(parents=True, exist_ok=True)
     if root_dir and os.geteuid() == 0:
         dfd = open_root_dir(path.parent)
-    else:
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    else:  # O_PATH: a directory one may write but not list (0733) still takes the file
+        dfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        tmp = f".{path.name}.{os.getpid()}.tmp"
+        tmp = f".{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp"  # one writer per name
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dfd)  # a crashed writer's: O_EXCL below never opens a planted link
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
@@ -203,7 +221,11 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644
             raise
         if durable:
             with contextlib.suppress(OSError):
-                os.fsync(dfd)
+                sync_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    os.fsync(sync_fd)
+                finally:
+                    os.close(sync_fd)
     finally:
         os.close(dfd)
 

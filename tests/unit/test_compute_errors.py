@@ -3,11 +3,15 @@ yet is an outage (retried, counted as transport), a refused credential is lastin
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 from google.auth import exceptions as auth_exc
 
+from support import REPO
 from slurmagent.gcp.compute import Compute, ComputeError
 
 
@@ -68,3 +72,45 @@ def test_a_refused_credential_is_a_lasting_401_asked_once():
 
 def _far() -> float:
     return time.monotonic() + 30
+
+
+VM_WITHOUT_A_SERVICE_ACCOUNT = r'''
+import http.server, os, sys, threading, time
+
+class NoAccount(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(404)
+        self.send_header("Metadata-Flavor", "Google")
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(b"service account not found")
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoAccount)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+os.environ["GCE_METADATA_HOST"] = f"127.0.0.1:{server.server_port}"  # google-auth reads it at import
+from google.auth.compute_engine import credentials
+from google.auth.transport.requests import Request
+from slurmagent.gcp.compute import Compute, ComputeError
+
+def fn(**kw):
+    credentials.Credentials().refresh(Request())
+
+try:
+    Compute("p", "http://127.0.0.1:9", deadline_s=5, retries=3, backoff_s=0.001)._call("instances.get", fn, time.monotonic() + 30)
+except ComputeError as exc:
+    print(exc.status, exc)
+'''
+
+
+def test_a_vm_without_a_service_account_is_a_lasting_401_not_an_outage():
+    """google-auth's compute_engine credentials wrap the metadata server's 404 in the same
+    RefreshError(TransportError) as an outage: its words tell them apart (real library, a local
+    metadata server answering 404)."""
+    proc = subprocess.run([sys.executable, "-c", VM_WITHOUT_A_SERVICE_ACCOUNT], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    status, _, message = proc.stdout.strip().partition(" ")
+    assert status == "401" and "no usable Google credentials" in message and "Status: 404" in message, proc.stdout

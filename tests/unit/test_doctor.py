@@ -11,6 +11,7 @@ stuck check's 60 s.
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import threading
 import time
@@ -240,6 +241,10 @@ def test_the_metrics_file_must_be_readable_by_node_exporter(tmp_path):
     (d / "slurmagent.prom").chmod(0o644)
     r = metrics_file_result(d / "slurmagent.prom", none)
     assert r.mark == "ok" and "no node_exporter answers" in r.detail
+    if os.geteuid() == 0:  # root writes only into a directory only root can write: said as the writer refuses it
+        d.chmod(0o775)
+        r = metrics_file_result(d / "slurmagent.prom", none)
+        assert r.mark == "FAIL" and f"root writes no metrics into {d}: writable by non-root users" in r.detail, r
 
 
 @pytest.mark.parametrize("exposition, mark, words", [

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -239,15 +240,17 @@ def test_no_fabric_reports_nothing_and_old_snapshots_still_read(tmp_path) -> Non
 # --- CUDA --------------------------------------------------------------------------------------
 
 
-def test_cuda_runs_in_healthcheck_not_in_the_prolog_unless_configured(tmp_path) -> None:
+def test_cuda_runs_in_healthcheck_and_in_a_prolog_only_first_in_a_boot_or_when_configured(tmp_path) -> None:
     data = healthy_snapshot_dict(8)
     data["cuda"] = {"error": "CUDA_ERROR_SYSTEM_NOT_READY"}
-    cfg = config(tmp_path, data)
+    cfg = config(tmp_path, data, cuda_first_prolog=False)
     assert evaluate(cfg, "n1", False, layer="prolog", job="7", seams=Recorder().seams()).healthy
     report = evaluate(cfg, "n1", False, layer="healthcheck", seams=Recorder().seams())
     assert report.worst.summary == "cuda-init: CUDA cannot start (CUDA_ERROR_SYSTEM_NOT_READY)"
-    cfg = config(tmp_path, data, cuda_in_prolog=True)
+    cfg = config(tmp_path, data, cuda_first_prolog=False, cuda_in_prolog=True)
     assert not evaluate(cfg, "n1", False, layer="prolog", job="7", seams=Recorder().seams()).healthy
+    first = evaluate(config(tmp_path, data), "n1", False, layer="prolog", job="7", seams=Recorder().seams())
+    assert first.worst.summary == "cuda-init: CUDA cannot start (CUDA_ERROR_SYSTEM_NOT_READY)"  # the boot's first
 
 
 def test_live_probe_sees_fewer_devices_than_nvml(tmp_path) -> None:
@@ -273,12 +276,42 @@ def test_a_cuinit_failure_without_nvidia_uvm_drains_except_inside_the_resume_uni
     snap = NodeSnapshot.from_dict(healthy_snapshot_dict(8))
     resume = beyond_nvml(cfg, "n1", snap, "resume", None, Recorder(probe=probe).seams())
     assert [(f.severity, f.detail) for f in resume] == [
-        (Severity.WARN, f"not checked in this unit's sandbox: {probe.error}; healthcheck checks CUDA")]
+        (Severity.WARN, f"not checked in this unit's sandbox: {probe.error}; the first prolog checks CUDA")]
     healthcheck = beyond_nvml(cfg, "n1", snap, "healthcheck", None, Recorder(probe=probe).seams())
     assert [(f.severity, f.detail) for f in healthcheck] == [(Severity.DRAIN, f"CUDA cannot start ({probe.error})")]
-    sealed = cuda.probe(lambda: FakeLibcuda(init=802), str(tmp_path / "nvidia-uvm"))  # any code: said the same way
-    assert occ.cuda(sealed, 8, sandboxed=True)[0].severity is Severity.WARN
-    assert occ.cuda(CudaProbe(error="CUDA_ERROR_SYSTEM_NOT_READY"), 8, sandboxed=True)[0].severity is Severity.DRAIN
+    for code in (802, 100):  # not what a missing nvidia-uvm answers: the GPUs', wherever it is asked
+        sealed = cuda.probe(lambda: FakeLibcuda(init=code), str(tmp_path / "nvidia-uvm"))
+        assert occ.cuda(sealed, 8, sandboxed=True)[0].severity is Severity.DRAIN, sealed
+
+
+def test_the_first_prolog_of_a_boot_judges_cuda_unless_a_check_found_it_working(tmp_path) -> None:
+    """After a boot the resume unit may only warn (its sandbox cannot load nvidia-uvm): the first
+    job's prolog, slurmd's root, runs cuda-init; once a check found CUDA working this boot, the
+    prologs do not pay for it again; a new boot asks again."""
+    cfg = config(tmp_path, healthy_snapshot_dict(8))
+    cfg = type(cfg)(**{**vars(cfg), "health": type(cfg.health)(**{**vars(cfg.health), "snapshot": ""})})
+    snap = NodeSnapshot.from_dict(healthy_snapshot_dict(8))
+    boot = ["boot-1"]
+
+    def prolog(probe: CudaProbe, layer: str = "prolog") -> tuple[list, int]:
+        rec = Recorder(probe=probe)
+        seams = dataclasses.replace(rec.seams(), boot=lambda: boot[0])
+        return [(f.severity, f.detail) for f in beyond_nvml(cfg, "n1", snap, layer, "7", seams)], rec.probes
+
+    sandboxed = CudaProbe(error=f"CUDA_ERROR_UNKNOWN; {occ.UVM_UNREACHABLE} (/dev/nvidia-uvm: No such file or directory)")
+    assert prolog(sandboxed, "resume") == ([(Severity.WARN, f"not checked in this unit's sandbox: {sandboxed.error}; "
+                                                            "the first prolog checks CUDA")], 1)
+    assert prolog(CudaProbe(devices=7)) == ([(Severity.DRAIN, "CUDA sees 7 of the 8 GPUs NVML sees")], 1)
+    assert prolog(CudaProbe(devices=8)) == ([], 1)  # found working: marked for this boot
+    assert prolog(CudaProbe(devices=7)) == ([], 0)  # not asked again this boot
+    boot[0] = "boot-2"
+    assert prolog(CudaProbe(devices=8), "resume") == ([], 1)  # the resume unit could judge it this time
+    assert prolog(CudaProbe(devices=7)) == ([], 0)
+    boot[0] = "boot-3"
+    off = type(cfg)(**{**vars(cfg), "health": type(cfg.health)(**{**vars(cfg.health), "cuda_first_prolog": False})})
+    rec = Recorder(probe=CudaProbe(devices=7))
+    assert beyond_nvml(off, "n1", snap, "prolog", "7", dataclasses.replace(rec.seams(), boot=lambda: "boot-3")) == []
+    assert rec.probes == 0
 
 
 def test_no_libcuda_only_warns() -> None:
@@ -298,7 +331,8 @@ class FakeLibcuda:
         return self.init
 
     def cuDeviceGetCount(self, ref) -> int:
-        ref._obj.value = self.devices
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # as libcuda: a job's view hides the others
+        ref._obj.value = self.devices if visible is None else len(visible.split(","))
         return 0
 
     def cuGetErrorName(self, code: int, ref) -> int:
@@ -318,6 +352,15 @@ def test_probe_through_a_fake_libcuda() -> None:
         raise OSError("libcuda.so.1: cannot open shared object file")
 
     assert cuda.probe(missing).error.startswith(occ.LIBCUDA_MISSING)
+
+
+def test_the_probe_counts_the_nodes_gpus_not_the_callers_view(monkeypatch) -> None:
+    """`slurmagent snapshot` inside `srun --gpus=1`, or a prolog given the job's GPUs: the probe
+    sees every GPU of the node, so a replay never drains on "fewer devices than NVML"."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert cuda.probe(lambda: FakeLibcuda()) == CudaProbe(devices=1)  # what the child must not see
+    assert cuda.probe_with_deadline(5.0, lambda: FakeLibcuda()) == CudaProbe(devices=8)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the caller's own environment is left alone
 
 
 def test_probe_with_deadline_answers_and_a_hang_is_a_timeout() -> None:

@@ -70,7 +70,7 @@ def test_a_failed_textfile_write_is_counted_and_said_once_until_it_works_again(t
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="root's own rule: CI and the lanes run as root")
-@pytest.mark.parametrize("owner, mode", [(0, 0o777), (0, 0o775), (65534, 0o755)])
+@pytest.mark.parametrize("owner, mode", [(0, 0o777), (0, 0o1777), (0, 0o775), (65534, 0o755)])
 def test_root_writes_no_textfile_into_a_directory_another_user_can_change(tmp_path, owner, mode):
     """node_exporter's directory sits in one its service user owns (/var/lib/prometheus): root
     writes only into a textfile directory that root owns and only root can write; any other is
@@ -88,13 +88,24 @@ def test_root_writes_no_textfile_into_a_directory_another_user_can_change(tmp_pa
     m.update(add={("slurmagent_requeues_total", ()): 1}, component="prolog")
     assert victim.read_text() == "root's file\n" and not (textdir / "slurmagent.prom").exists()
     assert read_values(tmp_path / "state")[f'{WRITE_FAILURES}{{reason="EPERM"}}'] == 1
-    assert len(said) == 1 and ("writable by non-root users" in said[0] or "owned by uid 65534" in said[0])
+    assert len(said) == 1 and ("writable by non-root users" in said[0] or "owned by uid 65534, not root" in said[0])
 
     os.chown(textdir, 0, 0)
     textdir.chmod(0o755)  # root's own again: written, and the planted link is not followed
     m.heartbeat("prolog")
     assert "slurmagent_requeues_total 1\n" in (textdir / "slurmagent.prom").read_text()
     assert victim.read_text() == "root's file\n" and (textdir / "slurmagent.prom").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's own rule: CI and the lanes run as root")
+def test_a_textfile_directory_named_through_a_link_is_refused_with_what_to_name(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    said: list[str] = []
+    Metrics(tmp_path / "state", tmp_path / "link" / "slurmagent.prom", say=said.append).heartbeat("prolog")
+    assert not (real / "slurmagent.prom").exists()
+    assert len(said) == 1 and "a symbolic link: name the directory itself" in said[0], said
 
 
 def test_a_nodes_metrics_say_it_on_stderr(tmp_path, capsys):
