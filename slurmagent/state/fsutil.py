@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import _thread  # get_native_id without importing threading (the healthy prolog's start-up)
 import contextlib
 import errno
 import os
 import stat
 import tempfile
-import threading
 from pathlib import Path
 
 
@@ -202,7 +202,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644
     else:  # O_PATH: a directory one may write but not list (0733) still takes the file
         dfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        tmp = f".{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp"  # one writer per name
+        tmp = f".{path.name}.{os.getpid()}.{_thread.get_native_id()}.tmp"  # one writer per name
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dfd)  # a crashed writer's: O_EXCL below never opens a planted link
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
