@@ -26,7 +26,7 @@ from ..gpu import kernlog
 from ..core import catalogue, gpu_occupancy as occ
 from ..core.catalogue import RULE_CHECK
 from ..core.checks import Finding, Limits, Report, Severity, count_unknown_finding, run_checks, timeout_report
-from ..core.node_catalogue import DCGM_DIAG, FILESYSTEM_FULL, GPU_NICS, LOCAL_MOUNTS, node_check_on, runs_in
+from ..core.node_catalogue import DCGM_DIAG, FILESYSTEM_FULL, GPU_NICS, LOCAL_MOUNTS
 from ..core.snapshot import CudaProbe
 from ..state.config import Config
 from ..errors import NvmlTimeout, SlurmagentError
@@ -150,26 +150,31 @@ def evaluate(cfg: Config, node: str, commit_cursor: bool, layer: str | None = No
     (`check`) the kernel-log cursor is left where it was. `job`: the hook's job."""
     started = time.monotonic()
     exp = expected(cfg, node)
+    beyond: list[Finding] = []
     try:
         snap = read_snapshot(cfg, node)
         report = _evaluate(cfg, node, commit_cursor, exp.count, snap)
-        report.findings.extend(beyond_nvml(cfg, node, snap, layer, job, seams))
+        beyond = beyond_nvml(cfg, node, snap, layer, job, seams)
     except NvmlTimeout:
         report = timeout_report(cfg.health.timeout_s, exp.count)
+    report.findings = _in_layer(cfg, report.findings, layer) + beyond  # beyond_nvml asks the catalogue itself
     if node_sources is not None or not cfg.health.snapshot:
         report.findings.extend(node_findings(cfg, node, layer or "check", node_sources or NodeSources(), started))
     report.expected_source = exp.source or None
     if exp.count is None:  # never silently off: said in check, --json and the decision log
-        report.findings.append(count_unknown_finding(exp.tried))
-    report.findings = [f for f in report.findings if f.rule not in RULE_CHECK or _runs(cfg, RULE_CHECK[f.rule], layer)
-                       or (f.rule == "cuda-init" and layer == "prolog")]  # the boot's first: beyond_nvml decided
+        report.findings.extend(_in_layer(cfg, [count_unknown_finding(exp.tried)], layer))
     return report
 
 
-def evaluator(layer: str, node_sources: NodeSources | None = None):
-    """`evaluate` for one layer, in the hooks' (cfg, node, commit_cursor) signature."""
+def _in_layer(cfg: Config, findings: list[Finding], layer: str | None) -> list[Finding]:
+    """NVML's findings (every rule is read at once) of the checks that run in `layer`."""
+    return [f for f in findings if f.rule not in RULE_CHECK or _runs(cfg, RULE_CHECK[f.rule], layer)]
+
+
+def evaluator(layer: str, node_sources: NodeSources | None = None, job: str | None = None):
+    """`evaluate` for one layer (and the hook's job), in the hooks' (cfg, node, commit_cursor) signature."""
     def run(cfg: Config, node: str, commit_cursor: bool) -> Report:
-        return evaluate(cfg, node, commit_cursor, layer, node_sources=node_sources)
+        return evaluate(cfg, node, commit_cursor, layer, job, node_sources=node_sources)
     return run
 
 
@@ -182,7 +187,7 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources, started:
     out: list[Finding] = []
 
     def runs(name: str) -> bool:
-        return runs_in(name, layer) and node_check_on(name, on, off)
+        return catalogue.runs(name, None if layer == "check" else layer, on, off)
 
     if runs(GPU_NICS):
         from ..core import node_checks as nc  # the node checks' code only where they run: start-up speed
@@ -215,7 +220,7 @@ def node_findings(cfg: Config, node: str, layer: str, src: NodeSources, started:
             out.extend(nc.full_findings(h.ckpt_filesystem, mounts.used_percent(h.ckpt_filesystem, h.timeout_s, src.statvfs),
                                         h.full_warn_percent))
     level = h.dcgm_resume_level if layer == "resume" else h.dcgm_healthcheck_level
-    if layer in ("healthcheck", "check", "resume") and level and node_check_on(DCGM_DIAG, on, off):
+    if layer in ("healthcheck", "check", "resume") and level and catalogue.enabled(DCGM_DIAG, on, off):
         out.extend(_dcgm_unless_busy(cfg, node, layer, level, src, state, boot, started))
     return out
 
@@ -257,16 +262,29 @@ def _dcgm(cfg: Config, layer: str, level: int, state: Path, boot: str, timeout: 
 def _first_this_boot(state: Path, boot: str, what: str) -> bool:
     """True the first time this boot (a mark `<state_dir>/said-<what>` holds the boot id)."""
     mark = state / f"said-{what}"
-    try:
-        if read_state_file(mark).decode().strip() == boot:
-            return False
-    except (UntrustedFile, OSError, UnicodeDecodeError):
-        pass
-    try:
-        atomic_write_text(mark, boot + "\n", 0o644, durable=False)
-    except OSError:
-        pass
+    if _marked(mark, boot):
+        return False
+    _mark(mark, boot)
     return True
+
+
+def _marked(mark: Path, boot: str) -> bool:
+    """Whether the mark file holds this boot's id (as root, only a file root wrote)."""
+    try:
+        return read_state_file(mark).decode().strip() == boot
+    except (UntrustedFile, OSError, UnicodeDecodeError):
+        return False
+
+
+def _mark(mark: Path, boot: str) -> None:
+    if boot:
+        try:
+            atomic_write_text(mark, boot + "\n", 0o644, durable=False)
+        except OSError:
+            pass
+
+
+CUDA_JUDGED = "cuda-judged"  # <state_dir>/cuda-judged: the boot id whose CUDA a check found working
 
 
 def _runs(cfg: Config, check: str, layer: str | None) -> bool:
@@ -311,7 +329,7 @@ def beyond_nvml(cfg: Config, node: str, snap: NodeSnapshot | None, layer: str | 
     state, boot = cfg.state_path(node), ""
     if layer == "prolog" and cfg.health.cuda_first_prolog and catalogue.enabled("cuda-init", on, off):
         boot = seams.boot()  # the first prolog of a boot judges CUDA unless something did already
-    if _runs(cfg, "cuda-init", layer) or (boot and not _cuda_judged(state, boot)):
+    if _runs(cfg, "cuda-init", layer) or (boot and not _marked(state / CUDA_JUDGED, boot)):
         if cfg.health.snapshot:  # a replay judges what the file says, never this machine's CUDA
             probe = snap.cuda
         elif seams.cuda is not None:
@@ -322,27 +340,11 @@ def beyond_nvml(cfg: Config, node: str, snap: NodeSnapshot | None, layer: str | 
             probe = probe_with_deadline(cfg.health.cuda_timeout_s)
         found = occ.cuda(probe, len(snap.gpus), sandboxed=layer == "resume")
         if probe is not None and layer is not None and (not found or (probe.error or "").startswith(occ.LIBCUDA_MISSING)):
-            _mark_cuda_judged(state, boot or seams.boot())
+            _mark(state / CUDA_JUDGED, boot or seams.boot())
         out += found
     return out
 
 
-CUDA_JUDGED = "cuda-judged"  # <state_dir>/cuda-judged: the boot id whose CUDA a check found working
-
-
-def _cuda_judged(state: Path, boot: str) -> bool:
-    try:
-        return read_state_file(state / CUDA_JUDGED).decode().strip() == boot
-    except (UntrustedFile, OSError, UnicodeDecodeError):
-        return False
-
-
-def _mark_cuda_judged(state: Path, boot: str) -> None:
-    if boot:
-        try:
-            atomic_write_text(state / CUDA_JUDGED, boot + "\n", 0o644, durable=False)
-        except OSError:
-            pass
 
 
 def capture_snapshot(cfg: Config, node: str, read: Callable[..., NodeSnapshot] | None = None,

@@ -19,7 +19,6 @@ Exit status: 0 healthy (or skipped, or slurmagent itself failed: fail open, said
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -118,9 +117,9 @@ def run_healthcheck(
             metrics.for_node(cfg, node).heartbeat("healthcheck")  # it ran: its heartbeat stays fresh on a busy node
             return 0  # checked moments ago by a Prolog/Epilog: no NVML read, no log line
         if health is None:
-            from .health import evaluate  # NVML and the checks: only past the skip, for start-up speed
+            from .health import evaluator  # NVML and the checks: only past the skip, for start-up speed
 
-            health = functools.partial(evaluate, layer="healthcheck")
+            health = evaluator("healthcheck")
         report = health(cfg, node, True)
         if report.healthy:
             warnings = [f.summary for f in report.findings]

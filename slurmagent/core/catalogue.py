@@ -9,7 +9,7 @@ from .node_catalogue import NODE_CHECKS
 
 __all__ = ["LAYERS", "CheckSpec", "CATALOGUE", "enabled", "runs", "by_name", "RULE_CHECK"]
 
-_NVML_LAYERS = ("prolog", "epilog", "healthcheck", "watch", "resume")
+_NVML_LAYERS = LAYERS  # NVML's own checks run wherever NVML is read
 _BETWEEN_JOBS = ("prolog", "epilog", "healthcheck")
 
 _GPU_CHECKS: tuple[CheckSpec, ...] = (
@@ -61,11 +61,14 @@ def enabled(spec_name: str, on: tuple[str, ...], off: tuple[str, ...]) -> bool:
     return spec.default_on or spec_name in on
 
 
+_BY_NAME = {spec.name: spec for spec in CATALOGUE}
+
+
 def by_name() -> dict[str, CheckSpec]:
-    return {spec.name: spec for spec in CATALOGUE}
+    return _BY_NAME
 
 
-# The finding rules of core/checks.py and core/gpu_processes.py, by the check they belong to.
+# The finding rules of core/checks.py and core/gpu_occupancy.py, by the check they belong to.
 RULE_CHECK = {
     "nvml-timeout": "gpu-nvml-presence", "nvml-error": "gpu-nvml-presence", "gpu-lost": "gpu-nvml-presence",
     "gpu-count": "gpu-nvml-presence", "gpu-count-unknown": "gpu-nvml-presence",

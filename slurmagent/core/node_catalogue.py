@@ -31,15 +31,3 @@ NODE_CHECKS: tuple[CheckSpec, ...] = (
               ("CTK", "GCM", "CycleCloud")),
 )
 
-
-def node_check_on(name: str, on: tuple[str, ...], off: tuple[str, ...]) -> bool:
-    """Whether a node check runs at all under the `[checks]` switches (catalogue.enabled's rule)."""
-    if name in off:
-        return False
-    return name in on or any(s.name == name and s.default_on for s in NODE_CHECKS)
-
-
-def runs_in(name: str, layer: str) -> bool:
-    """Whether check `name` runs in `layer` by default (`check`: every layer's checks)."""
-    spec = next(s for s in NODE_CHECKS if s.name == name)
-    return layer == "check" or layer in spec.layers
