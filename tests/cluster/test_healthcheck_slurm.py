@@ -151,7 +151,12 @@ def test_a_node_resumed_right_after_an_unhealthy_prolog_is_checked_and_drained_a
     job = c.sbatch("-w", "n1", "-o", "/dev/null", "--wrap", "true")
     try:
         wait_for(lambda: "DRAIN" in c.node("n1")["State"], 30, "the prolog to drain n1")
-        assert any(d["event"] == "prolog" and d["verdict"] == "unhealthy" for d in slurm.decisions("n1"))
+        # the prolog drains first and writes its decision line after: wait for the line, not only the drain
+        wait_for(lambda: any(d["event"] == "prolog" and d["verdict"] == "unhealthy" for d in slurm.decisions("n1")),
+                 30, "the prolog's unhealthy decision in n1's log")
+        # and slurmctld has handled the failed prolog (requeued the job; its own "Prolog error" drain
+        # comes with that): an admin resume before it would be undone by Slurm, not by the check
+        wait_for(lambda: int(c.job(job).get("Restarts", "0") or 0) >= 1, 30, "slurmctld to requeue the job")
         c.run(["scancel", job])
         c.resume("n1")  # the admin's resume, seconds after the verdict
         assert "DRAIN" not in c.node("n1")["State"]
