@@ -253,7 +253,7 @@ def _gpu_from_dict(d: Any, position: int) -> GpuState:
         value = _opt(d, key, typ, where)
         if value is not None:
             kwargs[key] = value
-    for key, cls in _SUB.items():
+    for key, cls in {**_SUB, "fabric": Fabric}.items():  # fabric: None where the GPU has none
         sub = d.get(key)
         if sub is None:
             continue
@@ -294,14 +294,7 @@ def _gpu_from_dict(d: Any, position: int) -> GpuState:
             at = f"{where}.processes[{i}]"
             if not isinstance(p, dict) or not isinstance(p.get("pid"), int) or isinstance(p.get("pid"), bool):
                 raise TypeError(f"{at} needs an integer 'pid'")
-            kwargs["processes"].append(GpuProcess(p["pid"], _opt(p, "used_mib", int, at), _opt(p, "name", str, at),
-                                                  _opt(p, "user", str, at)))
-    fabric = d.get("fabric")
-    if fabric is not None:
-        if not isinstance(fabric, dict):
-            raise TypeError(f"{where}.fabric must be an object")
-        at = f"{where}.fabric"
-        kwargs["fabric"] = Fabric(_opt(fabric, "state", str, at), _opt(fabric, "status", str, at))
+            kwargs["processes"].append(_build(GpuProcess, p, at))
     return GpuState(**kwargs)
 
 
@@ -310,7 +303,7 @@ def _cuda_from(raw: Any) -> CudaProbe | None:
         return None
     if not isinstance(raw, dict):
         raise TypeError("cuda must be an object")
-    return CudaProbe(_opt(raw, "devices", int, "cuda"), _opt(raw, "error", str, "cuda"))
+    return _build(CudaProbe, raw, "cuda")
 
 
 def _build(cls: Any, raw: dict[str, Any], where: str) -> Any:
@@ -320,7 +313,7 @@ def _build(cls: Any, raw: dict[str, Any], where: str) -> Any:
         value = raw.get(name)
         if value is None:
             continue
-        want = bool if str(f.type).startswith("bool") else int
+        want = bool if str(f.type).startswith("bool") else str if str(f.type).startswith("str") else int
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise TypeError(f"{where}.{name} must be {want.__name__}, not {type(value).__name__}")
         kwargs[name] = value

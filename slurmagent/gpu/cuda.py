@@ -1,6 +1,7 @@
 """Does CUDA start? `cuInit(0)` + `cuDeviceGetCount` through the driver library (libcuda, via
-ctypes: no CUDA toolkit), in a forked child that is SIGKILLed at the deadline, so a driver that
-hangs in cuInit never hangs the caller, and the caller's own process never holds a CUDA context.
+ctypes: no CUDA toolkit), in a forked child that is SIGKILLed at the deadline (the NVML read's
+`answer_in_child`), so a driver that hangs in cuInit never hangs the caller, and the caller's own
+process never holds a CUDA context.
 
 The library comes from an injectable loader (tests pass a fake library object). Why: a GPU
 can answer NVML while CUDA fails (NVSwitch fabric not initialised: `CUDA_ERROR_SYSTEM_NOT_READY`).
@@ -12,13 +13,12 @@ import contextlib
 import ctypes
 import json
 import os
-import select
-import signal
 import time
 from typing import Any, Callable
 
 from ..core.gpu_occupancy import LIBCUDA_MISSING, UVM_UNREACHABLE
 from ..core.snapshot import CudaProbe
+from .nvml_deadline import answer_in_child
 
 LIBCUDA = "libcuda.so.1"
 HIDING = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY")  # unset for the probe
@@ -64,58 +64,24 @@ def probe(loader: Callable[[], Any] = load_libcuda, uvm: str = UVM_DEVICE) -> Cu
 
 
 def probe_with_deadline(timeout_s: float, loader: Callable[[], Any] = load_libcuda, uvm: str = UVM_DEVICE) -> CudaProbe:
-    """`probe` in a forked child; past the deadline it is killed and the answer is `timeout`.
-    For single-threaded callers (hooks, healthcheck, resume-if-healthy)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns
-        code = 0
+    """`probe` in a forked child (nvml_deadline.answer_in_child); past the deadline it is killed and
+    the answer is `timeout`. For single-threaded callers (hooks, healthcheck, resume-if-healthy)."""
+    def answer() -> bytes:
+        for name in HIDING:  # a job's or srun's view of the GPUs is not the node's
+            os.environ.pop(name, None)
         try:
-            os.close(read_fd)
-            for name in HIDING:  # a job's or srun's view of the GPUs is not the node's
-                os.environ.pop(name, None)
-            try:
-                answer = vars(probe(loader, uvm))
-            except BaseException as exc:  # carried to the parent and raised there: a bug, never "CUDA broken"
-                answer = {"bug": f"{type(exc).__name__}: {exc}"}
-            data = json.dumps(answer).encode()
-            while data:
-                data = data[os.write(write_fd, data):]
-        except BaseException:
-            code = 70
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    deadline = time.monotonic() + timeout_s
-    chunks: list[bytes] = []
+            found = vars(probe(loader, uvm))
+        except BaseException as exc:  # carried to the parent and raised there: a bug, never "CUDA broken"
+            found = {"bug": f"{type(exc).__name__}: {exc}"}
+        return json.dumps(found).encode()
+
+    data = answer_in_child(answer, time.monotonic() + timeout_s)
+    if data is None:
+        return CudaProbe(error=f"timeout: cuInit did not answer within {timeout_s:g} s")
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
-                if deadline - time.monotonic() <= 0:
-                    return CudaProbe(error=f"timeout: cuInit did not answer within {timeout_s:g} s")
-                continue
-            chunk = os.read(read_fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(read_fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            _reap(pid, time.monotonic() + 2.0)
-    try:
-        answer = json.loads(b"".join(chunks))
+        found = json.loads(data)
     except ValueError:  # died in the driver (a signal) before answering: CUDA cannot start here
         return CudaProbe(error="probe crashed: the child died without answering")
-    if "bug" in answer:
-        raise RuntimeError(f"cuda probe raised {answer['bug']}")
-    return CudaProbe(devices=answer.get("devices"), error=answer.get("error"))
-
-
-def _reap(pid: int, until: float) -> None:
-    while time.monotonic() < until:
-        if os.waitpid(pid, os.WNOHANG)[0]:
-            return
-        time.sleep(0.005)
+    if "bug" in found:
+        raise RuntimeError(f"cuda probe raised {found['bug']}")
+    return CudaProbe(devices=found.get("devices"), error=found.get("error"))

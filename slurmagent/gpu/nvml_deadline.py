@@ -54,7 +54,16 @@ def read_snapshot_with_deadline(timeout_s: float, nvml: Any = None, hostname: st
         raise ValueError(f"timeout_s must be positive, not {timeout_s!r}")
     nv = load(nvml)  # import errors surface here, not in the child
     hostname = hostname or socket.gethostname()
-    deadline = time.monotonic() + timeout_s
+    data = answer_in_child(lambda: _nvml_answer(nv, hostname), time.monotonic() + timeout_s)
+    if data is None:
+        raise NvmlTimeout(f"NVML read did not finish within {float(timeout_s)} s (hung driver?)")
+    return _decode(data, hostname)
+
+
+def answer_in_child(answer: Callable[[], bytes], deadline: float) -> bytes | None:
+    """What `answer()` returns, computed in a forked child that is SIGKILLed at `deadline` (None
+    then): a call hung in a driver cannot be interrupted in-process. For single-threaded callers
+    (the hooks, healthcheck, resume-if-healthy); the NVML read and the CUDA probe use it."""
     read_fd, write_fd = os.pipe()
     try:
         pid = os.fork()
@@ -64,32 +73,35 @@ def read_snapshot_with_deadline(timeout_s: float, nvml: Any = None, hostname: st
         raise
     if pid == 0:  # child: never returns
         os.close(read_fd)
-        _child(write_fd, nv, hostname)
+        _child(write_fd, answer)
     os.close(write_fd)
     reaped = False
     try:
         data = _read_until_eof(read_fd, deadline)
-        if data is None:
-            raise NvmlTimeout(f"NVML read did not finish within {float(timeout_s)} s (hung driver?)")
-        reaped = _reap(pid, deadline)
+        if data is not None:
+            reaped = _reap(pid, deadline)
     finally:
         os.close(read_fd)
         if not reaped:
             _kill(pid)
-    return _decode(data, hostname)
+    return data
 
 
-def _child(write_fd: int, nv: Any, hostname: str) -> None:
-    """Read, send one JSON answer down the pipe, and leave with os._exit (no atexit, no flush)."""
+def _nvml_answer(nv: Any, hostname: str) -> bytes:
+    try:
+        answer: dict[str, Any] = {"snapshot": read_snapshot(nv, hostname).to_dict()}
+    except BaseException as exc:  # carried to the parent, raised there
+        answer = {"error": type(exc).__name__, "domain": isinstance(exc, SlurmagentError), "message": str(exc)}
+    return json.dumps(answer).encode()
+
+
+def _child(write_fd: int, answer: Callable[[], bytes]) -> None:
+    """Answer, send the bytes down the pipe, and leave with os._exit (no atexit, no flush)."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            answer: dict[str, Any] = {"snapshot": read_snapshot(nv, hostname).to_dict()}
-        except BaseException as exc:  # carried to the parent, raised there
-            answer = {"error": type(exc).__name__, "domain": isinstance(exc, SlurmagentError), "message": str(exc)}
-        data = json.dumps(answer).encode()
+        data = answer()
         while data:
             data = data[os.write(write_fd, data) :]
     except BaseException:  # even a failed write must end in os._exit
@@ -133,7 +145,7 @@ def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     if not _reap(pid, time.monotonic() + _KILL_REAP_S):
-        log.warning("NVML reader pid %d did not die after SIGKILL (stuck in the driver?)", pid)
+        log.warning("reader pid %d did not die after SIGKILL (stuck in the driver?)", pid)
 
 
 def _decode(data: bytes, hostname: str) -> NodeSnapshot:
