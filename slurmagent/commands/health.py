@@ -277,11 +277,11 @@ def _marked(mark: Path, boot: str) -> bool:
 
 
 def _mark(mark: Path, boot: str) -> None:
-    if boot:
-        try:
-            atomic_write_text(mark, boot + "\n", 0o644, durable=False)
-        except OSError:
-            pass
+    """Write this boot's id ("" when unknown: then "said once" still holds until it is known)."""
+    try:
+        atomic_write_text(mark, boot + "\n", 0o644, durable=False)
+    except OSError:
+        pass
 
 
 CUDA_JUDGED = "cuda-judged"  # <state_dir>/cuda-judged: the boot id whose CUDA a check found working

@@ -298,6 +298,9 @@ def test_dcgm_absent_or_its_engine_down_is_not_available_said_once(tmp_path, mon
     assert node_findings(cfg, "n1", "resume", sources(tmp_path)) == []  # said once this boot
     assert len(node_findings(cfg, "n1", "resume", sources(tmp_path, boot="boot-2"))) == 1
     assert len(node_findings(cfg, "n1", "check", sources(tmp_path))) == 0  # check's level: the healthcheck's (0)
+    unknown = dataclasses.replace(sources(tmp_path), boot_id_path=str(tmp_path / "no-boot-id"))  # unreadable
+    assert len(node_findings(cfg, "n1", "resume", unknown)) == 1
+    assert node_findings(cfg, "n1", "resume", unknown) == []  # said once while the boot id is unknown too
 
 
 def test_dcgm_4_shape_is_read_too():
