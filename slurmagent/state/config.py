@@ -425,9 +425,6 @@ def parse(data: dict[str, Any], source: str = "config") -> Config:
         else:
             raise ConfigError(f"config {source}: unknown key '{key}'")
     cfg = Config(**kwargs)
-    for key, names in (("on", cfg.checks.on), ("off", cfg.checks.off)):
-        if unknown := [n for n in names if n not in CHECK_NAMES]:
-            raise ConfigError(f"config {source}: 'checks.{key}' names no check: {unknown[0]!r} (slurmagent check --list)")
     validate_paths(cfg.health, source)
     return cfg
 
@@ -439,6 +436,9 @@ def _section(cls: type, name: str, table: dict[str, Any], source: str) -> Any:
         if key not in known:
             raise ConfigError(f"config {source}: unknown key '{name}.{key}'")
         out[key] = _coerce(cls, key, value, source, f"{name}.{key}")
+        unknown = [n for n in out[key] if n not in CHECK_NAMES] if cls is ChecksConfig else []
+        if unknown:
+            raise ConfigError(f"config {source}: '{name}.{key}' names no check: {unknown[0]!r} (slurmagent check --list)")
     return cls(**out)
 
 
